@@ -1,0 +1,291 @@
+//! Per-route settings, their defaults, and the builder that validates them.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::request::Parts;
+use http::{HeaderName, Method, StatusCode};
+
+use crate::layer::IdempotencyLayer;
+use crate::policy::{Disposition, default_policy};
+use crate::store::IdempotencyStore;
+use crate::subject::{SubjectExtension, SubjectExtractor};
+
+/// Response headers recorded by default; [`IdempotencyLayerBuilder::store_header`] adds more.
+pub const DEFAULT_STORED_HEADERS: [&str; 5] = [
+    "content-type",
+    "location",
+    "content-language",
+    "etag",
+    "cache-control",
+];
+
+/// Response headers never recorded, whatever the configuration says: credentials, cookies, and
+/// headers that describe one transfer rather than the response.
+pub const DENIED_HEADERS: [&str; 12] = [
+    "set-cookie",
+    "set-cookie2",
+    "authorization",
+    "proxy-authorization",
+    "proxy-authenticate",
+    "www-authenticate",
+    "cookie",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "idempotent-replayed",
+    "idempotency-key",
+];
+
+/// Why a configuration was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError(String);
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid idempotency configuration: {}", self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+pub(crate) type PolicyFn = dyn Fn(StatusCode) -> Disposition + Send + Sync;
+pub(crate) type EndpointFn = dyn Fn(&Parts) -> String + Send + Sync;
+
+/// The validated settings of one layer.
+pub(crate) struct Config {
+    pub in_progress_ttl: Duration,
+    pub retention: Duration,
+    pub retry_after_secs: u32,
+    pub body_limit: usize,
+    pub response_limit: usize,
+    pub require_key: bool,
+    pub methods: Vec<Method>,
+    pub stored_headers: Vec<HeaderName>,
+    pub policy: Arc<PolicyFn>,
+    pub subject: Arc<dyn SubjectExtractor>,
+    pub allow_anonymous: bool,
+    pub endpoint: Arc<EndpointFn>,
+    pub fail_open: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            in_progress_ttl: Duration::from_secs(90),
+            retention: Duration::from_secs(24 * 60 * 60),
+            retry_after_secs: 2,
+            body_limit: 1024 * 1024,
+            response_limit: 1024 * 1024,
+            require_key: false,
+            methods: vec![Method::POST, Method::PATCH],
+            stored_headers: DEFAULT_STORED_HEADERS
+                .iter()
+                .map(|h| HeaderName::from_static(h))
+                .collect(),
+            policy: Arc::new(default_policy),
+            subject: Arc::new(SubjectExtension),
+            allow_anonymous: false,
+            endpoint: Arc::new(default_endpoint),
+            fail_open: false,
+        }
+    }
+}
+
+/// `METHOD /path` of the request as the client sent it (before any `Router::nest` stripped a prefix),
+/// without the query.
+pub(crate) fn default_endpoint(parts: &Parts) -> String {
+    let path = parts
+        .extensions
+        .get::<axum::extract::OriginalUri>()
+        .map_or_else(|| parts.uri.path(), |original| original.0.path());
+    format!("{} {}", parts.method, path)
+}
+
+/// Builds an [`IdempotencyLayer`]; [`build`](Self::build) checks the settings.
+pub struct IdempotencyLayerBuilder<S> {
+    store: S,
+    config: Config,
+    extra_headers: Vec<String>,
+}
+
+impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
+    pub(crate) fn new(store: S) -> Self {
+        IdempotencyLayerBuilder {
+            store,
+            config: Config::default(),
+            extra_headers: Vec::new(),
+        }
+    }
+
+    /// How long an `in_progress` record may stand before it is presumed abandoned (its worker died)
+    /// and may be retaken. Keep it above your gateway's request timeout. Default: 90 s.
+    pub fn in_progress_ttl(mut self, ttl: Duration) -> Self {
+        self.config.in_progress_ttl = ttl;
+        self
+    }
+
+    /// How long finished records are kept and replayed; after that the key is new again.
+    /// Default: 24 h.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.config.retention = retention;
+        self
+    }
+
+    /// The `Retry-After` seconds sent with `409 in_progress` and `503`. Default: 2.
+    pub fn retry_after_secs(mut self, secs: u32) -> Self {
+        self.config.retry_after_secs = secs;
+        self
+    }
+
+    /// The largest request body read, in bytes; larger ones get `413`. Default: 1 MiB.
+    pub fn body_limit(mut self, bytes: usize) -> Self {
+        self.config.body_limit = bytes;
+        self
+    }
+
+    /// The largest response body recorded, in bytes; a larger response is passed to the client and
+    /// the record released. Default: 1 MiB.
+    pub fn response_limit(mut self, bytes: usize) -> Self {
+        self.config.response_limit = bytes;
+        self
+    }
+
+    /// With `true`, a guarded request without a key gets `400 missing_idempotency_key`; by default it
+    /// passes through unguarded.
+    pub fn require_key(mut self, required: bool) -> Self {
+        self.config.require_key = required;
+        self
+    }
+
+    /// The methods guarded; others pass through. Default: `POST` and `PATCH`. Safe methods (`GET`,
+    /// `HEAD`, `OPTIONS`, `TRACE`) are refused.
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.config.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Records one more response header (on top of [`DEFAULT_STORED_HEADERS`]). Names on
+    /// [`DENIED_HEADERS`] are refused by [`build`](Self::build).
+    pub fn store_header(mut self, name: impl Into<String>) -> Self {
+        self.extra_headers.push(name.into());
+        self
+    }
+
+    /// Decides, from the handler's status, whether a response is recorded as completed, recorded as
+    /// failed, or released for another try. Default: [`default_policy`].
+    pub fn response_policy(
+        mut self,
+        policy: impl Fn(StatusCode) -> Disposition + Send + Sync + 'static,
+    ) -> Self {
+        self.config.policy = Arc::new(policy);
+        self
+    }
+
+    /// Where the subject comes from. Default: the [`Subject`](crate::Subject) extension.
+    pub fn subject_extractor(mut self, extractor: impl SubjectExtractor) -> Self {
+        self.config.subject = Arc::new(extractor);
+        self
+    }
+
+    /// With `true`, requests without a subject share one anonymous scope instead of getting
+    /// `401 missing_subject`. Only for routes that have no authenticated users at all.
+    pub fn allow_anonymous(mut self, allow: bool) -> Self {
+        self.config.allow_anonymous = allow;
+        self
+    }
+
+    /// How the endpoint part of a record's scope is named. Default: method and original path,
+    /// without the query, e.g. `POST /orders/42/pay`.
+    pub fn endpoint(mut self, endpoint: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
+        self.config.endpoint = Arc::new(endpoint);
+        self
+    }
+
+    /// With `true`, a failing store lets requests through unguarded (logged) instead of answering
+    /// `503 idempotency_store_unavailable`. Default: `false` (fail closed).
+    pub fn fail_open(mut self, fail_open: bool) -> Self {
+        self.config.fail_open = fail_open;
+        self
+    }
+
+    /// Checks the settings and builds the layer.
+    pub fn build(self) -> Result<IdempotencyLayer<S>, ConfigError> {
+        let mut config = self.config;
+        let err = |s: &str| Err(ConfigError(s.to_owned()));
+        if config.in_progress_ttl.is_zero() {
+            return err("in_progress_ttl must be more than zero");
+        }
+        if config.retention.is_zero() {
+            return err("retention must be more than zero");
+        }
+        if config.retry_after_secs == 0 {
+            return err("retry_after_secs must be at least 1");
+        }
+        if config.body_limit == 0 {
+            return err("body_limit must be at least 1 byte");
+        }
+        if config.response_limit == 0 {
+            return err("response_limit must be at least 1 byte");
+        }
+        if config.methods.is_empty() {
+            return err("at least one method must be guarded");
+        }
+        if let Some(safe) = config.methods.iter().find(|m| m.is_safe()) {
+            return Err(ConfigError(format!(
+                "{safe} is a safe method and cannot be guarded"
+            )));
+        }
+        for name in self.extra_headers {
+            let header = HeaderName::try_from(name.as_str())
+                .map_err(|_| ConfigError(format!("{name:?} is not a valid header name")))?;
+            if DENIED_HEADERS.contains(&header.as_str()) {
+                return Err(ConfigError(format!(
+                    "{header} is never stored: it carries credentials or belongs to one transfer"
+                )));
+            }
+            if !config.stored_headers.contains(&header) {
+                config.stored_headers.push(header);
+            }
+        }
+        Ok(IdempotencyLayer::from_parts(self.store, config))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemoryStore;
+
+    fn builder() -> IdempotencyLayerBuilder<MemoryStore> {
+        IdempotencyLayerBuilder::new(MemoryStore::new())
+    }
+
+    fn refused(b: IdempotencyLayerBuilder<MemoryStore>) -> String {
+        match b.build() {
+            Ok(_) => panic!("configuration accepted"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn defaults_build() {
+        assert!(builder().build().is_ok());
+        assert!(builder().store_header("x-request-id").build().is_ok());
+    }
+
+    #[test]
+    fn invalid_settings_say_why() {
+        assert!(refused(builder().in_progress_ttl(Duration::ZERO)).contains("in_progress_ttl"));
+        assert!(refused(builder().retention(Duration::ZERO)).contains("retention"));
+        assert!(refused(builder().retry_after_secs(0)).contains("retry_after_secs"));
+        assert!(refused(builder().body_limit(0)).contains("body_limit"));
+        assert!(refused(builder().response_limit(0)).contains("response_limit"));
+        assert!(refused(builder().methods([])).contains("at least one method"));
+        assert!(refused(builder().methods([Method::POST, Method::GET])).contains("GET"));
+        assert!(refused(builder().store_header("set-cookie")).contains("never stored"));
+        assert!(refused(builder().store_header("Authorization")).contains("never stored"));
+        assert!(refused(builder().store_header("bad header")).contains("not a valid header"));
+    }
+}

@@ -1,0 +1,129 @@
+//! Request fingerprints: what makes a retry "the same request".
+
+use sha2::{Digest, Sha256};
+use std::fmt;
+
+use crate::canonical_json;
+
+/// SHA-256 of a request's query string and body, canonicalised when the body is JSON.
+///
+/// Two requests that differ anywhere in their JSON, at any depth, have different fingerprints;
+/// reordered object keys and whitespace do not count as differences. See [`Fingerprint::of`].
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    /// Computes the fingerprint of a request body and its query string (`None` when the URI has none).
+    ///
+    /// A body that parses as JSON (whatever its `Content-Type`) is hashed in its canonical form (see
+    /// the `canonical_json` rules in the crate docs); any other body, including JSON that is not I-JSON
+    /// (duplicate keys, unpaired surrogates, nesting deeper than 128), is hashed as raw bytes. The two
+    /// kinds are domain-separated, so a raw body never collides with a canonical one.
+    pub fn of(query: Option<&str>, body: &[u8]) -> Self {
+        let mut hasher = Sha256::new();
+        // Length-prefixed fields: no two (query, body) pairs share an input.
+        match query {
+            Some(q) => {
+                hasher.update(b"q");
+                hasher.update((q.len() as u64).to_be_bytes());
+                hasher.update(q.as_bytes());
+            }
+            None => hasher.update(b"-"),
+        }
+        match canonical_json::canonicalize(body) {
+            Some(canonical) => {
+                hasher.update(b"json");
+                hasher.update(&canonical);
+            }
+            None => {
+                hasher.update(b"raw_");
+                hasher.update(body);
+            }
+        }
+        Fingerprint(hasher.finalize().into())
+    }
+
+    /// Wraps 32 bytes read back from a store.
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        Fingerprint(bytes)
+    }
+
+    /// The 32 bytes of the digest.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Lower-case hex, as shown in logs.
+    pub fn to_hex(&self) -> String {
+        use fmt::Write;
+        let mut s = String::with_capacity(64);
+        for b in self.0 {
+            let _ = write!(s, "{b:02x}");
+        }
+        s
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", self.to_hex())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fp(body: &str) -> Fingerprint {
+        Fingerprint::of(None, body.as_bytes())
+    }
+
+    #[test]
+    fn key_order_and_whitespace_do_not_matter() {
+        assert_eq!(fp(r#"{"a":1,"b":2}"#), fp(r#"{ "b": 2, "a": 1 }"#));
+        assert_eq!(
+            fp(r#"{"items":[{"sku":"x","qty":1}]}"#),
+            fp(r#"{"items":[{"qty":1,"sku":"x"}]}"#)
+        );
+    }
+
+    #[test]
+    fn nested_differences_matter() {
+        assert_ne!(
+            fp(r#"{"cart":{"total":100}}"#),
+            fp(r#"{"cart":{"total":999}}"#)
+        );
+        assert_ne!(
+            fp(r#"{"items":[{"qty":1}]}"#),
+            fp(r#"{"items":[{"qty":2}]}"#)
+        );
+    }
+
+    #[test]
+    fn query_is_part_of_the_fingerprint() {
+        assert_ne!(
+            Fingerprint::of(Some("a=1"), b"{}"),
+            Fingerprint::of(Some("a=2"), b"{}")
+        );
+        assert_ne!(
+            Fingerprint::of(Some(""), b"{}"),
+            Fingerprint::of(None, b"{}")
+        );
+    }
+
+    #[test]
+    fn raw_bodies_are_hashed_as_bytes() {
+        assert_ne!(fp("amount=1"), fp("amount=2"));
+        assert_eq!(fp("amount=1"), fp("amount=1"));
+        // A body that is JSON is canonical; the same text with a change in raw spacing is not JSON-equal
+        // unless it is JSON.
+        assert_ne!(fp("a b"), fp("a  b"));
+    }
+
+    #[test]
+    fn hex_is_sha256_sized() {
+        let hex = fp("{}").to_hex();
+        assert_eq!(hex.len(), 64);
+        assert!(hex.bytes().all(|b| b.is_ascii_hexdigit()));
+    }
+}

@@ -1,0 +1,59 @@
+//! [`IdempotencyLayer`]: what an application puts on its routes.
+
+use std::sync::Arc;
+
+use tower::Layer;
+
+use crate::config::{Config, IdempotencyLayerBuilder};
+use crate::service::IdempotencyService;
+use crate::store::IdempotencyStore;
+
+/// Makes the routes it wraps safe to retry with the `Idempotency-Key` header.
+///
+/// `IdempotencyLayer::new(store)` takes the defaults; [`IdempotencyLayer::builder`] changes them.
+/// Clones share the store and the settings.
+pub struct IdempotencyLayer<S> {
+    store: S,
+    config: Arc<Config>,
+}
+
+impl<S: IdempotencyStore> IdempotencyLayer<S> {
+    /// A layer with the default settings (see the crate docs' configuration table).
+    pub fn new(store: S) -> Self {
+        Self::from_parts(store, Config::default())
+    }
+
+    /// A builder to change the settings; [`IdempotencyLayerBuilder::build`] validates them.
+    pub fn builder(store: S) -> IdempotencyLayerBuilder<S> {
+        IdempotencyLayerBuilder::new(store)
+    }
+
+    pub(crate) fn from_parts(store: S, config: Config) -> Self {
+        IdempotencyLayer {
+            store,
+            config: Arc::new(config),
+        }
+    }
+
+    /// The store the layer records into.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+}
+
+impl<S: Clone> Clone for IdempotencyLayer<S> {
+    fn clone(&self) -> Self {
+        IdempotencyLayer {
+            store: self.store.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<Inner, S: IdempotencyStore> Layer<Inner> for IdempotencyLayer<S> {
+    type Service = IdempotencyService<Inner, S>;
+
+    fn layer(&self, inner: Inner) -> Self::Service {
+        IdempotencyService::new(inner, self.store.clone(), self.config.clone())
+    }
+}

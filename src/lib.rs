@@ -1,0 +1,80 @@
+//! Make unsafe HTTP endpoints (checkout, payments, order creation) safe to retry with the
+//! `Idempotency-Key` header.
+//!
+//! Put [`IdempotencyLayer`] on the routes whose effect must happen once. A request with a key is
+//! fingerprinted, its key claimed in the store (committed before the handler runs), and then:
+//!
+//! | existing record | fingerprint | answer |
+//! |---|---|---|
+//! | none, or past retention | - | claim, run the handler, record its answer |
+//! | any | differs | `422 idempotency_key_reuse` |
+//! | `completed` / `failed` | same | the stored answer again, with `Idempotent-Replayed: true` |
+//! | `in_progress` | same | `409 in_progress` at once, with `Retry-After` |
+//! | `in_progress` past the in-progress TTL | same | retaken by compare-and-swap on its lease |
+//!
+//! A record is scoped by (key, [subject](Subject), endpoint): the same key from another user or on
+//! another route is another operation.
+//!
+//! ```no_run
+//! use axum::{Router, routing::post, Extension};
+//! use axum_idempotency::{IdempotencyLayer, MemoryStore};
+//!
+//! async fn checkout() -> &'static str { "charged" }
+//!
+//! # fn app() -> Router {
+//! let store = MemoryStore::new();
+//! Router::new().route(
+//!     "/checkout",
+//!     post(checkout).layer(IdempotencyLayer::new(store)),
+//! )
+//! // Your auth middleware inserts `axum_idempotency::Subject` into the request extensions.
+//! # }
+//! ```
+//!
+//! Settings are changed through [`IdempotencyLayer::builder`]:
+//!
+//! ```
+//! use std::time::Duration;
+//! use axum_idempotency::{IdempotencyLayer, MemoryStore};
+//!
+//! let layer = IdempotencyLayer::builder(MemoryStore::new())
+//!     .require_key(true)
+//!     .in_progress_ttl(Duration::from_secs(120))
+//!     .store_header("x-request-id")
+//!     .build()
+//!     .expect("valid settings");
+//! # let _ = layer;
+//! ```
+//!
+//! Every error the layer itself answers with is `application/problem+json` with a stable `error`
+//! field; see [`ErrorKind`].
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod body;
+mod canonical_json;
+mod claim;
+mod config;
+mod fingerprint;
+pub mod key;
+mod layer;
+mod policy;
+mod problem;
+mod record;
+mod replay;
+mod service;
+pub mod store;
+mod subject;
+
+pub use canonical_json::{MAX_DEPTH, canonicalize};
+pub use config::{ConfigError, DEFAULT_STORED_HEADERS, DENIED_HEADERS, IdempotencyLayerBuilder};
+pub use fingerprint::Fingerprint;
+pub use layer::IdempotencyLayer;
+pub use policy::{Disposition, default_policy};
+pub use problem::ErrorKind;
+pub use record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
+pub use replay::IDEMPOTENT_REPLAYED;
+pub use service::{IdempotencyService, ResponseFuture};
+pub use store::{IdempotencyStore, MemoryStore, StoreError};
+pub use subject::{Subject, SubjectExtension, SubjectExtractor};

@@ -1,0 +1,107 @@
+//! What a store keeps: the scope of a record, its lease token, and the stored response.
+
+use bytes::Bytes;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::Fingerprint;
+
+/// The scope of one idempotent operation: the same key from another subject or on another endpoint is
+/// another operation.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RecordKey {
+    /// The `Idempotency-Key` header, validated.
+    pub key: String,
+    /// The authenticated subject; empty for the shared anonymous scope.
+    pub subject: String,
+    /// Method and path, e.g. `POST /orders/42/pay`.
+    pub endpoint: String,
+}
+
+/// The fencing token of one claim. Completing or releasing a record is conditional on holding it, so
+/// a worker presumed dead cannot overwrite the result of the one that retook its record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LeaseToken(pub i64);
+
+impl LeaseToken {
+    /// A fresh token, unique with overwhelming probability across processes and machines.
+    pub fn generate() -> Self {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        // RandomState is seeded from the operating system's randomness once per thread and differs for
+        // every instance; hashing a process-wide counter and the clock through it gives unpredictable,
+        // unique 64-bit values without another dependency.
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+        if let Ok(now) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+            hasher.write_u128(now.as_nanos());
+        }
+        hasher.write_u32(std::process::id());
+        LeaseToken(hasher.finish() as i64)
+    }
+}
+
+/// Whether a finished record holds a success or a definitive failure. Both are replayed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finished {
+    /// The operation succeeded (by default: a 2xx answer).
+    Completed,
+    /// The operation failed for good (by default: a 4xx answer other than 408, 409, 425, 429).
+    Failed,
+}
+
+impl Finished {
+    /// The name stored in a database column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finished::Completed => "completed",
+            Finished::Failed => "failed",
+        }
+    }
+}
+
+/// A response as recorded for replay: status, the allowed headers in order, and the body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// Completed or failed.
+    pub outcome: Finished,
+    /// The HTTP status code.
+    pub status: u16,
+    /// Header names (lower case) and values, repeated headers kept in their order.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// The whole body.
+    pub body: Bytes,
+}
+
+/// A claim to make: the record's scope and fingerprint, and the layer's time limits.
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
+    /// The record's scope.
+    pub key: RecordKey,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// How long an `in_progress` record may stand before another request may retake it.
+    pub in_progress_ttl: Duration,
+    /// How long a record lives; a claim that is never completed is purged after
+    /// `in_progress_ttl + retention`.
+    pub retention: Duration,
+}
+
+/// The answer of a store to a claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// The caller holds the record now and runs the operation.
+    Claimed {
+        /// The token that completing or releasing the record needs.
+        lease: LeaseToken,
+        /// True when a stale `in_progress` record was taken over from a worker presumed dead.
+        retaken: bool,
+    },
+    /// A record exists with another fingerprint: the key was reused for a different request.
+    FingerprintMismatch,
+    /// Another request holds the record and its lease has not expired.
+    InProgress,
+    /// The operation finished; replay its response.
+    Finished(Arc<StoredResponse>),
+}

@@ -1,0 +1,117 @@
+//! Turning a response into a stored record, and a stored record back into a response.
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+
+use crate::config::DENIED_HEADERS;
+use crate::record::{Finished, StoredResponse};
+
+/// The response header that marks a replay.
+pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+
+/// The record of a response: its status, the headers on the allow-list (repeated ones in order) and
+/// its body.
+pub(crate) fn capture(
+    outcome: Finished,
+    status: StatusCode,
+    headers: &HeaderMap,
+    allowed: &[HeaderName],
+    body: Bytes,
+) -> StoredResponse {
+    let headers = headers
+        .iter()
+        .filter(|(name, _)| allowed.contains(name) && !DENIED_HEADERS.contains(&name.as_str()))
+        .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
+        .collect();
+    StoredResponse {
+        outcome,
+        status: status.as_u16(),
+        headers,
+        body,
+    }
+}
+
+/// The response a replay sends: the stored status, headers and body, and `Idempotent-Replayed: true`.
+///
+/// Stored values come from a database the layer does not own: a status or header that is not valid
+/// HTTP is dropped (a bad status becomes 500) rather than trusted.
+pub(crate) fn replay(stored: &StoredResponse) -> Response<Body> {
+    let mut response = Response::new(Body::from(stored.body.clone()));
+    *response.status_mut() =
+        StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let headers = response.headers_mut();
+    for (name, value) in &stored.headers {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_bytes(value),
+        ) {
+            if !DENIED_HEADERS.contains(&name.as_str()) {
+                headers.append(name, value);
+            }
+        }
+    }
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::header;
+
+    #[test]
+    fn keeps_allowed_headers_in_order_and_never_cookies() {
+        let mut headers = HeaderMap::new();
+        headers.append(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        headers.append(
+            header::SET_COOKIE,
+            HeaderValue::from_static("session=secret"),
+        );
+        headers.append(header::LINK, HeaderValue::from_static("<a>"));
+        headers.append(header::LINK, HeaderValue::from_static("<b>"));
+        headers.append(header::LINK, HeaderValue::from_static("<c>"));
+        headers.append(header::SERVER, HeaderValue::from_static("x"));
+        let allowed = [header::CONTENT_TYPE, header::LINK, header::SET_COOKIE];
+        let stored = capture(
+            Finished::Completed,
+            StatusCode::CREATED,
+            &headers,
+            &allowed,
+            Bytes::from_static(b"hi"),
+        );
+        let names: Vec<_> = stored.headers.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["content-type", "link", "link", "link"]);
+        let links: Vec<_> = stored.headers[1..]
+            .iter()
+            .map(|(_, v)| v.as_slice())
+            .collect();
+        assert_eq!(links, [b"<a>", b"<b>", b"<c>"]);
+
+        let response = replay(&stored);
+        assert_eq!(response.status(), StatusCode::CREATED);
+        let replayed: Vec<_> = response.headers().get_all(header::LINK).iter().collect();
+        assert_eq!(replayed, ["<a>", "<b>", "<c>"]);
+        assert!(response.headers().get(header::SET_COOKIE).is_none());
+        assert_eq!(response.headers()[IDEMPOTENT_REPLAYED], "true");
+    }
+
+    #[test]
+    fn replay_drops_what_is_not_valid_http() {
+        let stored = StoredResponse {
+            outcome: Finished::Failed,
+            status: 1000,
+            headers: vec![
+                ("bad name".into(), b"v".to_vec()),
+                ("x-ok".into(), b"bad\nvalue".to_vec()),
+                ("set-cookie".into(), b"a=b".to_vec()),
+                ("etag".into(), b"\"1\"".to_vec()),
+            ],
+            body: Bytes::new(),
+        };
+        let response = replay(&stored);
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(response.headers().len(), 2); // etag and idempotent-replayed
+        assert_eq!(response.headers()["etag"], "\"1\"");
+    }
+}

@@ -1,0 +1,78 @@
+//! [`IdempotencyService`]: the middleware the layer builds around a route.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use http::{Request, Response};
+use tower::{BoxError, Service};
+
+use crate::claim;
+use crate::config::Config;
+use crate::store::IdempotencyStore;
+
+/// The future of a guarded request.
+pub type ResponseFuture<E> = Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>;
+
+/// Guards an inner service; built by [`IdempotencyLayer`](crate::IdempotencyLayer).
+pub struct IdempotencyService<Inner, S> {
+    inner: Inner,
+    store: S,
+    config: Arc<Config>,
+}
+
+impl<Inner, S> IdempotencyService<Inner, S> {
+    pub(crate) fn new(inner: Inner, store: S, config: Arc<Config>) -> Self {
+        IdempotencyService {
+            inner,
+            store,
+            config,
+        }
+    }
+}
+
+impl<Inner: Clone, S: Clone> Clone for IdempotencyService<Inner, S> {
+    fn clone(&self) -> Self {
+        IdempotencyService {
+            inner: self.inner.clone(),
+            store: self.store.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<Inner, S, ResBody> Service<Request<Body>> for IdempotencyService<Inner, S>
+where
+    Inner: Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
+    Inner::Future: Send + 'static,
+    Inner::Error: Send + 'static,
+    S: IdempotencyStore,
+    ResBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<Body>;
+    type Error = Inner::Error;
+    type Future = ResponseFuture<Inner::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        // Take the service that was polled ready and leave a clone in its place.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        if !self.config.methods.contains(request.method()) {
+            let future = inner.call(request);
+            return Box::pin(async move { Ok(future.await?.map(Body::new)) });
+        }
+        Box::pin(claim::guard(
+            self.config.clone(),
+            self.store.clone(),
+            inner,
+            request,
+        ))
+    }
+}

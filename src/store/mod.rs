@@ -1,0 +1,97 @@
+//! Where records live: the [`IdempotencyStore`] trait and its backends.
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
+
+mod memory;
+pub use memory::MemoryStore;
+
+/// An error from a store: the layer answers `503 idempotency_store_unavailable` (or, when configured
+/// to fail open, runs the handler unguarded).
+#[derive(Debug)]
+pub struct StoreError {
+    message: String,
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+impl StoreError {
+    /// An error with a message and the error that caused it.
+    pub fn new(
+        message: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        StoreError {
+            message: message.into(),
+            source: Some(source.into()),
+        }
+    }
+
+    /// An error with only a message.
+    pub fn msg(message: impl Into<String>) -> Self {
+        StoreError {
+            message: message.into(),
+            source: None,
+        }
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.source {
+            Some(source) => write!(f, "{}: {}", self.message, source),
+            None => f.write_str(&self.message),
+        }
+    }
+}
+
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// A backend for idempotency records.
+///
+/// Every method is a single atomic step; none of them may hold a lock or a transaction open after
+/// it returns. The behavioural test suite in `tests/` runs against every implementation.
+pub trait IdempotencyStore: Clone + Send + Sync + 'static {
+    /// Claims a record, atomically:
+    ///
+    /// - no record, or one whose retention has passed: create it `in_progress` with a new lease,
+    ///   committed before this returns, and answer [`ClaimOutcome::Claimed`];
+    /// - a record with another fingerprint: [`ClaimOutcome::FingerprintMismatch`], changing nothing;
+    /// - a finished record: [`ClaimOutcome::Finished`] with its response;
+    /// - an `in_progress` record younger than `in_progress_ttl`: [`ClaimOutcome::InProgress`];
+    /// - an older one: replace its lease by compare-and-swap on the old token, so that of many
+    ///   concurrent retakers exactly one gets `Claimed { retaken: true }` and the rest `InProgress`.
+    fn claim(
+        &self,
+        request: &ClaimRequest,
+    ) -> impl Future<Output = Result<ClaimOutcome, StoreError>> + Send;
+
+    /// Stores the response of a claimed record and marks it finished, to live for `retention`.
+    /// Returns `false`, changing nothing, when `lease` no longer holds the record.
+    fn complete(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        response: &StoredResponse,
+        retention: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Deletes a claimed record so that a retry runs again. Returns `false`, changing nothing, when
+    /// `lease` no longer holds the record.
+    fn release(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Deletes every record whose retention has passed; returns how many.
+    fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+}
