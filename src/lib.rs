@@ -77,4 +77,6 @@ pub use record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, St
 pub use replay::IDEMPOTENT_REPLAYED;
 pub use service::{IdempotencyService, ResponseFuture};
 pub use store::{IdempotencyStore, MemoryStore, StoreError};
+#[cfg(feature = "postgres")]
+pub use store::{PostgresStore, PostgresStoreError};
 pub use subject::{Subject, SubjectExtension, SubjectExtractor};

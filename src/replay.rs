@@ -45,10 +45,9 @@ pub(crate) fn replay(stored: &StoredResponse) -> Response<Body> {
         if let (Ok(name), Ok(value)) = (
             HeaderName::from_bytes(name.as_bytes()),
             HeaderValue::from_bytes(value),
-        ) {
-            if !DENIED_HEADERS.contains(&name.as_str()) {
-                headers.append(name, value);
-            }
+        ) && !DENIED_HEADERS.contains(&name.as_str())
+        {
+            headers.append(name, value);
         }
     }
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));

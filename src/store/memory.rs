@@ -33,6 +33,9 @@ struct Inner {
 struct Shard {
     records: HashMap<RecordKey, Record>,
     ops_since_sweep: usize,
+    /// Operations before the next sweep: as many as the shard held after the last one (at least
+    /// 64), so each sweep's cost is paid for by the operations before it.
+    sweep_after: usize,
 }
 
 struct Record {
@@ -74,7 +77,7 @@ impl MemoryStore {
         let i = self.inner.hasher.hash_one(key) as usize % SHARDS;
         let mut shard = self.shard_at(i);
         shard.ops_since_sweep += 1;
-        if shard.ops_since_sweep > shard.records.len().max(64) {
+        if shard.ops_since_sweep > shard.sweep_after.max(64) {
             shard.sweep(Instant::now());
         }
         shard
@@ -86,6 +89,7 @@ impl Shard {
         let before = self.records.len();
         self.records.retain(|_, r| r.expires_at > now);
         self.ops_since_sweep = 0;
+        self.sweep_after = self.records.len();
         (before - self.records.len()) as u64
     }
 }

@@ -9,6 +9,11 @@ use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredRes
 mod memory;
 pub use memory::MemoryStore;
 
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "postgres")]
+pub use postgres::{PostgresStore, PostgresStoreError};
+
 /// An error from a store: the layer answers `503 idempotency_store_unavailable` (or, when configured
 /// to fail open, runs the handler unguarded).
 #[derive(Debug)]
@@ -94,4 +99,22 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
 
     /// Deletes every record whose retention has passed; returns how many.
     fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+}
+
+/// Spawns a task that calls [`IdempotencyStore::purge_expired`] every `every`, logging failures, for
+/// applications that want expired records removed without a scheduler of their own. Abort the
+/// returned handle to stop it.
+pub fn spawn_purge<S: IdempotencyStore>(store: S, every: Duration) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            match store.purge_expired().await {
+                Ok(0) => {}
+                Ok(purged) => tracing::debug!(purged, "purged expired idempotency records"),
+                Err(e) => tracing::warn!(error = %e, "purging expired idempotency records failed"),
+            }
+        }
+    })
 }

@@ -1,0 +1,377 @@
+//! The PostgreSQL store: one table shared by every instance of an application.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use sqlx::postgres::PgRow;
+use sqlx::{PgPool, Row};
+
+use super::{IdempotencyStore, StoreError};
+use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
+
+/// The migration, with `idempotency_records` as the table name.
+const MIGRATION: &str = include_str!("../../migrations/0001_idempotency_records.sql");
+const DEFAULT_TABLE: &str = "idempotency_records";
+/// Serialises concurrent `migrate()` calls across instances (`pg_advisory_xact_lock` key).
+const MIGRATE_LOCK: i64 = 0x6178_6964_656d_0001; // "axidem" + 1
+/// Rows removed per statement by `purge_expired`, so no single statement holds locks for long.
+const PURGE_BATCH: i64 = 10_000;
+
+/// Records in a PostgreSQL table, shared by every instance of the application.
+///
+/// Every statement runs in its own implicit transaction and commits before it returns, so a claim is
+/// visible to every other connection before the handler starts, and no lock or transaction is held
+/// while the handler runs. Round trips per claim: one for a fresh key, a replay, a `409` and a `422`;
+/// two when a stale or expired record is retaken, or when the claim races a concurrent insert of the
+/// same key that its snapshot cannot see yet.
+///
+/// Times are the database's `now()`, so the clocks of application machines do not matter.
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+    sql: Arc<Statements>,
+}
+
+/// An invalid table name given to [`PostgresStore::with_table`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PostgresStoreError(String);
+
+impl fmt::Display for PostgresStoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for PostgresStoreError {}
+
+struct Statements {
+    table: String,
+    index: String,
+    claim: String,
+    retake: String,
+    complete: String,
+    release: String,
+    purge: String,
+}
+
+impl Statements {
+    fn new(table: &str) -> Self {
+        let unqualified = table.rsplit('.').next().unwrap_or(table);
+        let pk = "idempotency_key = $1 AND subject = $2 AND endpoint = $3";
+        Statements {
+            table: table.to_owned(),
+            index: format!("{unqualified}_expires_at_idx"),
+            // One round trip: insert, or read the record that is there. `same_fp` and the response
+            // columns let the caller answer 409, 422 or a replay without another query; the body is
+            // only sent back when it can be replayed.
+            claim: format!(
+                "WITH ins AS ( \
+                   INSERT INTO {table} (idempotency_key, subject, endpoint, fingerprint, status, \
+                                        lease_token, expires_at) \
+                   VALUES ($1, $2, $3, $4, 'in_progress', $5, now() + $6::float8 * interval '1 microsecond') \
+                   ON CONFLICT DO NOTHING \
+                   RETURNING lease_token) \
+                 SELECT true AS inserted, NULL::text AS status, NULL::bigint AS lease_token, \
+                        NULL::bool AS same_fp, NULL::bool AS stale, NULL::bool AS expired, \
+                        NULL::smallint AS response_status, NULL::text[] AS header_names, \
+                        NULL::bytea[] AS header_values, NULL::bytea AS response_body \
+                 FROM ins \
+                 UNION ALL \
+                 SELECT false, status, lease_token, fingerprint = $4, \
+                        updated_at <= now() - $7::float8 * interval '1 microsecond', \
+                        expires_at <= now(), response_status, header_names, header_values, \
+                        CASE WHEN fingerprint = $4 THEN response_body END \
+                 FROM {table} WHERE {pk} AND NOT EXISTS (SELECT 1 FROM ins)"
+            ),
+            // Compare-and-swap on the lease token and the state read: of concurrent retakers only one
+            // matches, and a late completion by the presumed-dead worker makes this match nothing.
+            retake: format!(
+                "UPDATE {table} SET fingerprint = $4, status = 'in_progress', lease_token = $5, \
+                   response_status = NULL, header_names = NULL, header_values = NULL, \
+                   response_body = NULL, created_at = now(), updated_at = now(), \
+                   expires_at = now() + $6::float8 * interval '1 microsecond' \
+                 WHERE {pk} AND lease_token = $7 AND status = $8"
+            ),
+            complete: format!(
+                "UPDATE {table} SET status = $5, response_status = $6, header_names = $7, \
+                   header_values = $8, response_body = $9, updated_at = now(), \
+                   expires_at = now() + $10::float8 * interval '1 microsecond' \
+                 WHERE {pk} AND lease_token = $4 AND status = 'in_progress'"
+            ),
+            release: format!(
+                "DELETE FROM {table} WHERE {pk} AND lease_token = $4 AND status = 'in_progress'"
+            ),
+            purge: format!(
+                "DELETE FROM {table} WHERE ctid IN \
+                   (SELECT ctid FROM {table} WHERE expires_at <= now() LIMIT {PURGE_BATCH})"
+            ),
+        }
+    }
+}
+
+impl PostgresStore {
+    /// A store on the `idempotency_records` table.
+    pub fn new(pool: PgPool) -> Self {
+        PostgresStore {
+            pool,
+            sql: Arc::new(Statements::new(DEFAULT_TABLE)),
+        }
+    }
+
+    /// A store on another table: a lower-case identifier (`[a-z_][a-z0-9_]*`, at most 40 characters),
+    /// optionally qualified by a schema of the same form (`billing.idempotency`).
+    pub fn with_table(pool: PgPool, table: &str) -> Result<Self, PostgresStoreError> {
+        let parts: Vec<&str> = table.split('.').collect();
+        let valid = |part: &str| {
+            !part.is_empty()
+                && part.len() <= 40
+                && part.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+                && part
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        };
+        if parts.len() > 2 || !parts.iter().all(|p| valid(p)) {
+            return Err(PostgresStoreError(format!(
+                "{table:?} is not a valid table name: use [a-z_][a-z0-9_]* (at most 40 characters), \
+                 optionally as schema.table"
+            )));
+        }
+        Ok(PostgresStore {
+            pool,
+            sql: Arc::new(Statements::new(table)),
+        })
+    }
+
+    /// The connection pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The table name.
+    pub fn table(&self) -> &str {
+        &self.sql.table
+    }
+
+    /// Creates the table and its index if they do not exist (`migrations/`). Safe to call from many
+    /// instances at once: an advisory lock serialises them. It touches no migration bookkeeping of
+    /// the application's (no `_sqlx_migrations` rows).
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let sql = MIGRATION
+            .replace("idempotency_records_expires_at_idx", "\u{0}")
+            .replace(DEFAULT_TABLE, &self.sql.table)
+            .replace('\u{0}', &self.sql.index);
+        let mut tx = self.pool.begin().await.map_err(db("migrate: begin"))?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(MIGRATE_LOCK)
+            .execute(&mut *tx)
+            .await
+            .map_err(db("migrate: lock"))?;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(&mut *tx)
+            .await
+            .map_err(db("migrate: create table"))?;
+        tx.commit().await.map_err(db("migrate: commit"))?;
+        Ok(())
+    }
+
+    async fn retake(
+        &self,
+        request: &ClaimRequest,
+        old_lease: i64,
+        old_status: &str,
+    ) -> Result<Option<LeaseToken>, StoreError> {
+        let lease = LeaseToken::generate();
+        let key = &request.key;
+        let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.retake.as_str()))
+            .bind(&key.key)
+            .bind(&key.subject)
+            .bind(&key.endpoint)
+            .bind(&request.fingerprint.as_bytes()[..])
+            .bind(lease.0)
+            .bind(micros(request.in_progress_ttl + request.retention))
+            .bind(old_lease)
+            .bind(old_status)
+            .execute(&self.pool)
+            .await
+            .map_err(db("retake"))?;
+        Ok((done.rows_affected() == 1).then_some(lease))
+    }
+
+    /// Reads what a claim statement returned into an outcome, retaking the record when it is stale
+    /// or expired.
+    async fn decide(
+        &self,
+        request: &ClaimRequest,
+        row: &PgRow,
+        lease: LeaseToken,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let get = |e| StoreError::new("claim: unexpected row", e);
+        if row.try_get::<bool, _>("inserted").map_err(get)? {
+            return Ok(ClaimOutcome::Claimed {
+                lease,
+                retaken: false,
+            });
+        }
+        let status: String = row.try_get("status").map_err(get)?;
+        let old_lease: i64 = row.try_get("lease_token").map_err(get)?;
+        let same_fp: bool = row.try_get("same_fp").map_err(get)?;
+        let stale: bool = row.try_get("stale").map_err(get)?;
+        let expired: bool = row.try_get("expired").map_err(get)?;
+        if expired {
+            // Past retention: the key is new again, whatever was there.
+            return Ok(match self.retake(request, old_lease, &status).await? {
+                Some(lease) => ClaimOutcome::Claimed {
+                    lease,
+                    retaken: false,
+                },
+                None => ClaimOutcome::InProgress,
+            });
+        }
+        if !same_fp {
+            return Ok(ClaimOutcome::FingerprintMismatch);
+        }
+        let outcome = match status.as_str() {
+            "completed" => Finished::Completed,
+            "failed" => Finished::Failed,
+            _ if !stale => return Ok(ClaimOutcome::InProgress),
+            _ => {
+                return Ok(match self.retake(request, old_lease, &status).await? {
+                    Some(lease) => ClaimOutcome::Claimed {
+                        lease,
+                        retaken: true,
+                    },
+                    None => ClaimOutcome::InProgress,
+                });
+            }
+        };
+        let status: i16 = row.try_get("response_status").map_err(get)?;
+        let names: Vec<String> = row.try_get("header_names").map_err(get)?;
+        let values: Vec<Vec<u8>> = row.try_get("header_values").map_err(get)?;
+        let body: Vec<u8> = row.try_get("response_body").map_err(get)?;
+        Ok(ClaimOutcome::Finished(Arc::new(StoredResponse {
+            outcome,
+            status: u16::try_from(status).unwrap_or(500),
+            headers: names.into_iter().zip(values).collect(),
+            body: Bytes::from(body),
+        })))
+    }
+
+    async fn claim_once(
+        &self,
+        request: &ClaimRequest,
+        lease: LeaseToken,
+    ) -> Result<Option<PgRow>, StoreError> {
+        let key = &request.key;
+        sqlx::query(sqlx::AssertSqlSafe(self.sql.claim.as_str()))
+            .bind(&key.key)
+            .bind(&key.subject)
+            .bind(&key.endpoint)
+            .bind(&request.fingerprint.as_bytes()[..])
+            .bind(lease.0)
+            .bind(micros(request.in_progress_ttl + request.retention))
+            .bind(micros(request.in_progress_ttl))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db("claim"))
+    }
+}
+
+impl IdempotencyStore for PostgresStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let lease = LeaseToken::generate();
+        if let Some(row) = self.claim_once(request, lease).await? {
+            return self.decide(request, &row, lease).await;
+        }
+        // The insert met a row committed after this statement's snapshot was taken, so the read
+        // half could not see it. A second statement sees it; that row was inserted a moment ago and
+        // cannot be stale. If it is gone again (released), or needs a retake after all, answer 409
+        // rather than spend a third round trip: the client's retry settles it.
+        match self.claim_once(request, lease).await? {
+            Some(row) if needs_retake(&row) => Ok(ClaimOutcome::InProgress),
+            Some(row) => self.decide(request, &row, lease).await,
+            None => Ok(ClaimOutcome::InProgress),
+        }
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        response: &StoredResponse,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let (names, values): (Vec<&str>, Vec<&[u8]>) = response
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_slice()))
+            .unzip();
+        let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.complete.as_str()))
+            .bind(&key.key)
+            .bind(&key.subject)
+            .bind(&key.endpoint)
+            .bind(lease.0)
+            .bind(response.outcome.as_str())
+            .bind(i16::try_from(response.status).unwrap_or(500))
+            .bind(names)
+            .bind(values)
+            .bind(&response.body[..])
+            .bind(micros(retention))
+            .execute(&self.pool)
+            .await
+            .map_err(db("complete"))?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
+        let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.release.as_str()))
+            .bind(&key.key)
+            .bind(&key.subject)
+            .bind(&key.endpoint)
+            .bind(lease.0)
+            .execute(&self.pool)
+            .await
+            .map_err(db("release"))?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.purge.as_str()))
+                .execute(&self.pool)
+                .await
+                .map_err(db("purge"))?;
+            total += done.rows_affected();
+            if done.rows_affected() < PURGE_BATCH as u64 {
+                return Ok(total);
+            }
+        }
+    }
+}
+
+/// True when a claim row shows an existing record that only a retake could claim.
+fn needs_retake(row: &PgRow) -> bool {
+    let flag = |name: &str| {
+        row.try_get::<Option<bool>, _>(name)
+            .ok()
+            .flatten()
+            .unwrap_or(false)
+    };
+    let in_progress = row
+        .try_get::<Option<String>, _>("status")
+        .ok()
+        .flatten()
+        .as_deref()
+        == Some("in_progress");
+    !flag("inserted") && (flag("expired") || (in_progress && flag("stale")))
+}
+
+fn micros(d: Duration) -> f64 {
+    d.as_micros() as f64
+}
+
+fn db(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
+    move |e| StoreError::new(format!("postgres {what}"), e)
+}

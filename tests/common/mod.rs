@@ -1,0 +1,210 @@
+//! Helpers shared by the integration tests: a test app with a counting handler, and request builders.
+#![allow(dead_code)]
+
+pub mod suite;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing;
+use axum_idempotency::{IdempotencyLayer, IdempotencyStore, Subject};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+
+/// Counts of handler runs: `started` when a run begins, `finished` when it is about to answer.
+#[derive(Clone, Default)]
+pub struct Counters {
+    pub started: Arc<AtomicUsize>,
+    pub finished: Arc<AtomicUsize>,
+}
+
+impl Counters {
+    pub fn started(&self) -> usize {
+        self.started.load(Ordering::SeqCst)
+    }
+    pub fn finished(&self) -> usize {
+        self.finished.load(Ordering::SeqCst)
+    }
+}
+
+/// The handler behind every test route. Request headers steer it: `x-delay-ms` (sleep first),
+/// `x-status` (answer with that status), `x-panic` (panic), `x-big` (a body of that many bytes).
+async fn handler(State(counters): State<Counters>, headers: HeaderMap, body: Bytes) -> Response {
+    let attempt = counters.started.fetch_add(1, Ordering::SeqCst) + 1;
+    let num = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    if let Some(ms) = num("x-delay-ms") {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if headers.contains_key("x-panic") {
+        panic!("the handler panicked on purpose");
+    }
+    let status = num("x-status").map_or(StatusCode::CREATED, |s| {
+        StatusCode::from_u16(s as u16).expect("test status")
+    });
+    let payload = match num("x-big") {
+        Some(n) => "x".repeat(n as usize),
+        None => serde_json::json!({
+            "attempt": attempt,
+            "body": String::from_utf8_lossy(&body),
+        })
+        .to_string(),
+    };
+    counters.finished.fetch_add(1, Ordering::SeqCst);
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::LOCATION, format!("/charges/{attempt}"))
+        .header(header::SET_COOKIE, "session=secret")
+        .header(header::LINK, "<a>")
+        .header(header::LINK, "<b>")
+        .header("x-not-stored", "1")
+        .body(Body::from(payload))
+        .expect("valid response")
+}
+
+/// Test auth: the `x-user` header becomes the [`Subject`].
+async fn auth(mut request: Request, next: Next) -> Response {
+    if let Some(user) = request
+        .headers()
+        .get("x-user")
+        .and_then(|v| v.to_str().ok())
+    {
+        let user = user.to_owned();
+        request.extensions_mut().insert(Subject(user));
+    }
+    next.run(request).await
+}
+
+/// An app with `POST /pay` and `POST /other` behind `layer`, and `GET /pay` unguarded by method.
+pub fn app<S: IdempotencyStore>(layer: IdempotencyLayer<S>) -> (Router, Counters) {
+    let counters = Counters::default();
+    let router = Router::new()
+        .route("/pay", routing::post(handler).get(handler))
+        .route("/other", routing::post(handler))
+        .route_layer(layer)
+        .layer(middleware::from_fn(auth))
+        .with_state(counters.clone());
+    (router, counters)
+}
+
+/// A request builder for the test app.
+pub struct Req {
+    builder: axum::http::request::Builder,
+    body: Body,
+}
+
+pub fn post(path: &str) -> Req {
+    Req {
+        builder: Request::builder().method("POST").uri(path),
+        body: Body::empty(),
+    }
+}
+
+impl Req {
+    pub fn method(mut self, method: &str) -> Self {
+        self.builder = self.builder.method(method);
+        self
+    }
+    pub fn key(self, key: &str) -> Self {
+        self.header("idempotency-key", key)
+    }
+    pub fn user(self, user: &str) -> Self {
+        self.header("x-user", user)
+    }
+    pub fn header(mut self, name: &str, value: &str) -> Self {
+        self.builder = self.builder.header(name, value);
+        self
+    }
+    pub fn raw_header(mut self, name: &str, value: &[u8]) -> Self {
+        self.builder = self
+            .builder
+            .header(name, HeaderValue::from_bytes(value).expect("header value"));
+        self
+    }
+    pub fn json(mut self, body: &str) -> Self {
+        self.builder = self
+            .builder
+            .header(header::CONTENT_TYPE, "application/json");
+        self.body = Body::from(body.to_owned());
+        self
+    }
+    pub fn body(mut self, body: Body) -> Self {
+        self.body = body;
+        self
+    }
+    pub fn build(self) -> Request {
+        self.builder.body(self.body).expect("valid request")
+    }
+}
+
+/// A response, read whole.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).expect("JSON body")
+    }
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+    pub fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+    /// The `error` field of a problem details answer, after checking its content type and status.
+    pub fn problem(&self) -> String {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "{self:?}"
+        );
+        let json = self.json();
+        assert_eq!(json["status"], self.status.as_u16(), "{json}");
+        assert!(
+            json["type"].is_string() && json["title"].is_string() && json["detail"].is_string()
+        );
+        json["error"].as_str().expect("error field").to_owned()
+    }
+}
+
+pub async fn send(router: &Router, req: Req) -> Answer {
+    let response = router
+        .clone()
+        .oneshot(req.build())
+        .await
+        .expect("infallible");
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.expect("body").to_bytes();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+/// Waits until `check` holds, for at most five seconds.
+pub async fn eventually(mut check: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if check() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("condition not reached within five seconds");
+}

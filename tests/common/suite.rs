@@ -1,0 +1,542 @@
+//! The behavioural suite every store passes: one test per row of the claim table, plus races,
+//! disconnects, panics, retention and lease fencing. `store_suite!` instantiates it for a store.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use axum_idempotency::{
+    ClaimOutcome, ClaimRequest, Fingerprint, Finished, IdempotencyLayer, IdempotencyStore,
+    RecordKey, StoredResponse,
+};
+use bytes::Bytes;
+use tokio::task::JoinSet;
+
+use super::{app, eventually, post, send};
+
+/// Instantiates every suite test for a store. `$make` is an async expression giving a fresh store.
+#[macro_export]
+macro_rules! store_suite {
+    ($make:expr) => {
+        $crate::store_suite!(@tests $make;
+            fresh_key_runs_once_then_replays,
+            reordered_json_is_the_same_request,
+            different_body_at_any_depth_is_422,
+            different_query_is_422,
+            definitive_failure_is_replayed,
+            retryable_answers_release_the_key,
+            duplicate_in_progress_is_409_at_once,
+            stale_in_progress_is_retaken,
+            late_completion_with_superseded_lease_changes_nothing,
+            retention_makes_the_key_new,
+            purge_removes_expired_records,
+            subjects_are_isolated,
+            routes_are_isolated,
+            panic_releases_the_key,
+            disconnect_does_not_cancel_the_effect,
+            oversized_response_is_passed_on_and_released,
+            same_key_race_runs_once,
+            stale_retake_race_has_one_winner,
+        );
+    };
+    (@tests $make:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                $crate::common::suite::$name($make.await).await;
+            }
+        )*
+    };
+}
+
+fn default_layer<S: IdempotencyStore>(store: S) -> IdempotencyLayer<S> {
+    IdempotencyLayer::new(store)
+}
+
+fn record_key(key: &str) -> RecordKey {
+    RecordKey {
+        key: key.into(),
+        subject: "alice".into(),
+        endpoint: "POST /pay".into(),
+    }
+}
+
+fn claim_request(key: &str, ttl: Duration) -> ClaimRequest {
+    ClaimRequest {
+        key: record_key(key),
+        fingerprint: Fingerprint::of(None, b"{}"),
+        in_progress_ttl: ttl,
+        retention: Duration::from_secs(60),
+    }
+}
+
+fn stored(body: &'static str) -> StoredResponse {
+    StoredResponse {
+        outcome: Finished::Completed,
+        status: 201,
+        headers: vec![("content-type".into(), b"text/plain".to_vec())],
+        body: Bytes::from_static(body.as_bytes()),
+    }
+}
+
+pub async fn fresh_key_runs_once_then_replays<S: IdempotencyStore>(store: S) {
+    let layer = IdempotencyLayer::builder(store)
+        .store_header("link")
+        .build()
+        .expect("layer");
+    let (router, counters) = app(layer);
+    let req = || {
+        post("/pay")
+            .key("k1")
+            .user("alice")
+            .json(r#"{"amount":100}"#)
+    };
+    let first = send(&router, req()).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.replayed());
+    assert_eq!(first.json()["attempt"], 1);
+    // The handler got the buffered body unchanged.
+    assert_eq!(first.json()["body"], r#"{"amount":100}"#);
+    assert_eq!(first.header("set-cookie"), Some("session=secret"));
+
+    let second = send(&router, req()).await;
+    assert_eq!(second.status, StatusCode::CREATED);
+    assert!(second.replayed());
+    assert_eq!(second.body, first.body);
+    assert_eq!(second.header("location"), Some("/charges/1"));
+    assert_eq!(second.header("content-type"), Some("application/json"));
+    let links: Vec<_> = second.headers.get_all("link").iter().collect();
+    assert_eq!(links, ["<a>", "<b>"]);
+    assert_eq!(
+        second.header("set-cookie"),
+        None,
+        "cookies are never stored"
+    );
+    assert_eq!(second.header("x-not-stored"), None);
+    assert_eq!(counters.started(), 1);
+}
+
+pub async fn reordered_json_is_the_same_request<S: IdempotencyStore>(store: S) {
+    let (router, counters) = app(default_layer(store));
+    let first = send(
+        &router,
+        post("/pay")
+            .key("k")
+            .user("alice")
+            .json(r#"{"amount":100,"cart":{"items":[{"sku":"a","qty":1}],"total":100}}"#),
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let again = send(
+        &router,
+        post("/pay").key("k").user("alice").json(
+            r#"{ "cart": { "total": 100, "items": [ { "qty": 1, "sku": "a" } ] }, "amount": 100 }"#,
+        ),
+    )
+    .await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(counters.started(), 1);
+}
+
+pub async fn different_body_at_any_depth_is_422<S: IdempotencyStore>(store: S) {
+    let (router, counters) = app(default_layer(store));
+    let req = |body: &str| post("/pay").key("k").user("alice").json(body);
+    let first = send(&router, req(r#"{"cart":{"total":100}}"#)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let reuse = send(&router, req(r#"{"cart":{"total":999}}"#)).await;
+    assert_eq!(reuse.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(reuse.problem(), "idempotency_key_reuse");
+    let reuse = send(&router, req(r#"{"cart":{"total":100},"extra":1}"#)).await;
+    assert_eq!(reuse.status, StatusCode::UNPROCESSABLE_ENTITY);
+    // Nothing changed: the original request still replays.
+    let replay = send(&router, req(r#"{"cart":{"total":100}}"#)).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(counters.started(), 1);
+}
+
+pub async fn different_query_is_422<S: IdempotencyStore>(store: S) {
+    let (router, counters) = app(default_layer(store));
+    let first = send(&router, post("/pay?currency=eur").key("k").user("alice")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let reuse = send(&router, post("/pay?currency=usd").key("k").user("alice")).await;
+    assert_eq!(reuse.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(reuse.problem(), "idempotency_key_reuse");
+    assert_eq!(counters.started(), 1);
+}
+
+pub async fn definitive_failure_is_replayed<S: IdempotencyStore>(store: S) {
+    let (router, counters) = app(default_layer(store));
+    let req = || {
+        post("/pay")
+            .key("k")
+            .user("alice")
+            .header("x-status", "402")
+    };
+    let first = send(&router, req()).await;
+    assert_eq!(first.status, StatusCode::PAYMENT_REQUIRED);
+    let second = send(&router, req()).await;
+    assert_eq!(second.status, StatusCode::PAYMENT_REQUIRED);
+    assert!(second.replayed());
+    assert_eq!(second.body, first.body);
+    assert_eq!(counters.started(), 1);
+}
+
+pub async fn retryable_answers_release_the_key<S: IdempotencyStore>(store: S) {
+    let (router, counters) = app(default_layer(store));
+    for (i, status) in ["500", "503", "408", "409", "425", "429"]
+        .iter()
+        .enumerate()
+    {
+        let key = format!("k{i}");
+        let failing = send(
+            &router,
+            post("/pay")
+                .key(&key)
+                .user("alice")
+                .header("x-status", status),
+        )
+        .await;
+        assert_eq!(failing.status.as_str(), *status);
+        assert!(!failing.replayed());
+        let retry = send(&router, post("/pay").key(&key).user("alice")).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "after {status}");
+        assert!(!retry.replayed(), "after {status} the retry runs again");
+    }
+    assert_eq!(counters.started(), 12);
+}
+
+pub async fn duplicate_in_progress_is_409_at_once<S: IdempotencyStore>(store: S) {
+    let (router, counters) = app(default_layer(store));
+    let slow = || {
+        post("/pay")
+            .key("k")
+            .user("alice")
+            .header("x-delay-ms", "1500")
+    };
+    let first = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, slow()).await }
+    });
+    let c = counters.clone();
+    eventually(move || c.started() == 1).await;
+    let duplicate = send(&router, slow()).await;
+    // Answered while the first request is still running: the duplicate did not wait for it.
+    assert_eq!(
+        counters.finished(),
+        0,
+        "the 409 came before the first finished"
+    );
+    assert_eq!(duplicate.status, StatusCode::CONFLICT);
+    assert_eq!(duplicate.problem(), "in_progress");
+    assert_eq!(duplicate.header("retry-after"), Some("2"));
+    assert_eq!(duplicate.json()["retryAfterSeconds"], 2);
+
+    let first = first.await.expect("first request");
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = send(&router, slow()).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(counters.started(), 1);
+}
+
+pub async fn stale_in_progress_is_retaken<S: IdempotencyStore>(store: S) {
+    let ttl = Duration::from_millis(400);
+    let layer = IdempotencyLayer::builder(store.clone())
+        .in_progress_ttl(ttl)
+        .build()
+        .expect("layer");
+    let (router, counters) = app(layer);
+    // A worker claims the record and dies: it never completes nor releases.
+    let mut dead = claim_request("k", ttl);
+    dead.fingerprint = Fingerprint::of(None, b"");
+    let claimed = store.claim(&dead).await.expect("claim");
+    assert!(matches!(
+        claimed,
+        ClaimOutcome::Claimed { retaken: false, .. }
+    ));
+
+    let early = send(&router, post("/pay").key("k").user("alice")).await;
+    assert_eq!(early.status, StatusCode::CONFLICT);
+    tokio::time::sleep(ttl + Duration::from_millis(200)).await;
+    let retaken = send(&router, post("/pay").key("k").user("alice")).await;
+    assert_eq!(retaken.status, StatusCode::CREATED);
+    assert!(!retaken.replayed());
+    let replay = send(&router, post("/pay").key("k").user("alice")).await;
+    assert!(replay.replayed());
+    assert_eq!(counters.started(), 1);
+}
+
+pub async fn late_completion_with_superseded_lease_changes_nothing<S: IdempotencyStore>(store: S) {
+    let ttl = Duration::from_millis(200);
+    let request = claim_request("k", ttl);
+    let ClaimOutcome::Claimed { lease: old, .. } = store.claim(&request).await.expect("claim")
+    else {
+        panic!("first claim must win");
+    };
+    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    let ClaimOutcome::Claimed {
+        lease: new,
+        retaken: true,
+    } = store.claim(&request).await.expect("retake")
+    else {
+        panic!("a stale claim must be retaken");
+    };
+    assert_ne!(old, new);
+    let retention = Duration::from_secs(60);
+    let key = record_key("k");
+    // The worker presumed dead finishes late: neither its completion nor its release counts.
+    assert!(
+        !store
+            .complete(&key, old, &stored("late"), retention)
+            .await
+            .expect("complete")
+    );
+    assert!(!store.release(&key, old).await.expect("release"));
+    assert!(
+        store
+            .complete(&key, new, &stored("winner"), retention)
+            .await
+            .expect("complete")
+    );
+    // Once finished, no lease holds the record any more.
+    assert!(
+        !store
+            .complete(&key, new, &stored("again"), retention)
+            .await
+            .expect("complete")
+    );
+    assert!(!store.release(&key, new).await.expect("release"));
+    match store.claim(&request).await.expect("claim") {
+        ClaimOutcome::Finished(response) => assert_eq!(&response.body[..], b"winner"),
+        other => panic!("expected the winner's response, got {other:?}"),
+    }
+}
+
+pub async fn retention_makes_the_key_new<S: IdempotencyStore>(store: S) {
+    let layer = IdempotencyLayer::builder(store)
+        .retention(Duration::from_millis(300))
+        .build()
+        .expect("layer");
+    let (router, counters) = app(layer);
+    let first = send(
+        &router,
+        post("/pay").key("k").user("alice").json("{\"a\":1}"),
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = send(
+        &router,
+        post("/pay").key("k").user("alice").json("{\"a\":1}"),
+    )
+    .await;
+    assert!(replay.replayed());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // After retention the key is new, even for another body.
+    let fresh = send(
+        &router,
+        post("/pay").key("k").user("alice").json("{\"a\":2}"),
+    )
+    .await;
+    assert_eq!(fresh.status, StatusCode::CREATED);
+    assert!(!fresh.replayed());
+    assert_eq!(fresh.json()["attempt"], 2);
+    assert_eq!(counters.started(), 2);
+}
+
+pub async fn purge_removes_expired_records<S: IdempotencyStore>(store: S) {
+    let retention = Duration::from_millis(100);
+    for i in 0..5 {
+        let mut request = claim_request(&format!("k{i}"), Duration::from_secs(60));
+        request.retention = retention;
+        let ClaimOutcome::Claimed { lease, .. } = store.claim(&request).await.expect("claim")
+        else {
+            panic!("fresh key");
+        };
+        let done = store
+            .complete(&request.key, lease, &stored("x"), retention)
+            .await
+            .expect("complete");
+        assert!(done);
+    }
+    // One record that does not expire yet.
+    let keep = claim_request("keep", Duration::from_secs(60));
+    store.claim(&keep).await.expect("claim");
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(store.purge_expired().await.expect("purge"), 5);
+    assert_eq!(store.purge_expired().await.expect("purge"), 0);
+    assert_eq!(
+        store.claim(&keep).await.expect("claim"),
+        ClaimOutcome::InProgress
+    );
+}
+
+pub async fn subjects_are_isolated<S: IdempotencyStore>(store: S) {
+    let (router, counters) = app(default_layer(store));
+    let alice = send(&router, post("/pay").key("k").user("alice").json("{}")).await;
+    let bob = send(&router, post("/pay").key("k").user("bob").json("{\"x\":1}")).await;
+    assert_eq!(bob.status, StatusCode::CREATED);
+    assert!(!bob.replayed(), "bob must never get alice's replay");
+    assert_ne!(alice.body, bob.body);
+    let bob_again = send(&router, post("/pay").key("k").user("bob").json("{\"x\":1}")).await;
+    assert_eq!(bob_again.body, bob.body);
+    assert_eq!(counters.started(), 2);
+}
+
+pub async fn routes_are_isolated<S: IdempotencyStore>(store: S) {
+    let (router, counters) = app(default_layer(store));
+    let pay = send(&router, post("/pay").key("k").user("alice")).await;
+    let other = send(&router, post("/other").key("k").user("alice")).await;
+    assert_eq!(other.status, StatusCode::CREATED);
+    assert!(!other.replayed());
+    assert_ne!(pay.body, other.body);
+    assert_eq!(counters.started(), 2);
+}
+
+pub async fn panic_releases_the_key<S: IdempotencyStore>(store: S) {
+    let (router, counters) = app(default_layer(store));
+    let panicked = send(
+        &router,
+        post("/pay").key("k").user("alice").header("x-panic", "1"),
+    )
+    .await;
+    assert_eq!(panicked.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(panicked.problem(), "internal_error");
+    let retry = send(&router, post("/pay").key("k").user("alice")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed());
+    assert_eq!(counters.started(), 2);
+}
+
+pub async fn disconnect_does_not_cancel_the_effect<S: IdempotencyStore>(store: S) {
+    let (router, counters) = app(default_layer(store));
+    let slow = || {
+        post("/pay")
+            .key("k")
+            .user("alice")
+            .header("x-delay-ms", "400")
+    };
+    let client = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, slow()).await }
+    });
+    let c = counters.clone();
+    eventually(move || c.started() == 1).await;
+    // The client goes away mid-checkout: its response future is dropped.
+    client.abort();
+    assert!(client.await.expect_err("aborted").is_cancelled());
+    let c = counters.clone();
+    eventually(move || c.finished() == 1).await;
+    // The handler ran to the end and its answer was recorded: the retry gets the replay.
+    let mut retry = send(&router, slow()).await;
+    for _ in 0..100 {
+        if retry.status != StatusCode::CONFLICT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        retry = send(&router, slow()).await;
+    }
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed());
+    assert_eq!(retry.json()["attempt"], 1);
+    assert_eq!(counters.started(), 1);
+}
+
+pub async fn oversized_response_is_passed_on_and_released<S: IdempotencyStore>(store: S) {
+    let layer = IdempotencyLayer::builder(store)
+        .response_limit(1000)
+        .build()
+        .expect("layer");
+    let (router, counters) = app(layer);
+    let req = || post("/pay").key("k").user("alice").header("x-big", "5000");
+    let first = send(&router, req()).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.body.len(), 5000, "the client gets the whole body");
+    let retry = send(&router, req()).await;
+    assert!(
+        !retry.replayed(),
+        "an unrecordable response releases the key"
+    );
+    assert_eq!(counters.started(), 2);
+}
+
+/// Many clients send the same key at once, round after round: exactly one handler run per round, and
+/// every other client gets 409 or the replay.
+pub async fn same_key_race_runs_once<S: IdempotencyStore>(store: S) {
+    const TASKS: usize = 32;
+    let rounds: usize = std::env::var("RACE_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    let (router, counters) = app(default_layer(store));
+    let gate = Arc::new(tokio::sync::Barrier::new(TASKS));
+    for round in 0..rounds {
+        let before = counters.started();
+        let key = format!("race-{round}");
+        let mut tasks = JoinSet::new();
+        for _ in 0..TASKS {
+            let (router, gate, key) = (router.clone(), gate.clone(), key.clone());
+            tasks.spawn(async move {
+                gate.wait().await;
+                send(
+                    &router,
+                    post("/pay")
+                        .key(&key)
+                        .user("alice")
+                        .header("x-delay-ms", "5"),
+                )
+                .await
+            });
+        }
+        let mut created = 0;
+        while let Some(answer) = tasks.join_next().await {
+            let answer = answer.expect("task");
+            match answer.status {
+                StatusCode::CREATED => created += 1,
+                StatusCode::CONFLICT => assert_eq!(answer.problem(), "in_progress"),
+                other => panic!("round {round}: unexpected {other}"),
+            }
+        }
+        assert!(created >= 1, "round {round}: someone must get the charge");
+        assert_eq!(
+            counters.started() - before,
+            1,
+            "round {round}: exactly one handler run"
+        );
+    }
+}
+
+/// Many retakers of one stale record at once: exactly one wins, every round.
+pub async fn stale_retake_race_has_one_winner<S: IdempotencyStore>(store: S) {
+    const RETAKERS: usize = 16;
+    // The winner's fresh claim must stay younger than the TTL while the others arrive: a wide margin
+    // keeps a slow machine from letting a late retaker win a second time.
+    let ttl = Duration::from_millis(200);
+    for round in 0..20 {
+        let request = claim_request(&format!("stale-{round}"), ttl);
+        assert!(matches!(
+            store.claim(&request).await.expect("claim"),
+            ClaimOutcome::Claimed { .. }
+        ));
+        tokio::time::sleep(ttl + Duration::from_millis(50)).await;
+        let gate = Arc::new(tokio::sync::Barrier::new(RETAKERS));
+        let mut tasks = JoinSet::new();
+        for _ in 0..RETAKERS {
+            let (store, gate, request) = (store.clone(), gate.clone(), request.clone());
+            tasks.spawn(async move {
+                gate.wait().await;
+                store.claim(&request).await.expect("claim")
+            });
+        }
+        let mut winners = 0;
+        while let Some(outcome) = tasks.join_next().await {
+            match outcome.expect("task") {
+                ClaimOutcome::Claimed { retaken: true, .. } => winners += 1,
+                ClaimOutcome::InProgress => {}
+                other => panic!("round {round}: unexpected {other:?}"),
+            }
+        }
+        assert_eq!(winners, 1, "round {round}: exactly one retaker wins");
+    }
+}

@@ -1,0 +1,198 @@
+#![cfg(feature = "postgres")]
+//! The layer on the Postgres store, against a real PostgreSQL (`DATABASE_URL`, default
+//! `postgres://postgres@127.0.0.1:5432/test`). Every test works in a schema of its own, so tests run in
+//! parallel and leave each other alone.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use axum_idempotency::{IdempotencyLayer, IdempotencyStore, PostgresStore};
+use common::{app, post, send};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+async fn pool(connections: u32) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(connections)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect(&database_url())
+        .await
+        .expect("PostgreSQL must be running (see .ci/run)")
+}
+
+/// A schema no other test uses; schemas that earlier runs left behind are dropped after an hour.
+async fn fresh_schema(pool: &PgPool) -> String {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs();
+    let schema = format!(
+        "idem_t_{now}_{}_{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::SeqCst)
+    );
+    let stale: Vec<(String,)> = sqlx::query_as(
+        "SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'idem\\_t\\_%' \
+         AND split_part(nspname, '_', 3)::bigint < extract(epoch FROM now()) - 3600",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("list schemas");
+    for (old,) in stale {
+        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP SCHEMA IF EXISTS {old} CASCADE"
+        )))
+        .execute(pool)
+        .await;
+    }
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+        .execute(pool)
+        .await
+        .expect("create schema");
+    schema
+}
+
+async fn store() -> PostgresStore {
+    let pool = pool(34).await;
+    let schema = fresh_schema(&pool).await;
+    let store = PostgresStore::with_table(pool, &format!("{schema}.idempotency_records"))
+        .expect("valid table name");
+    store.migrate().await.expect("migrate");
+    store
+}
+
+store_suite!(store());
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn migrate_is_safe_from_many_instances_at_once() {
+    let pool = pool(10).await;
+    let schema = fresh_schema(&pool).await;
+    let table = format!("{schema}.records");
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..8 {
+        let store = PostgresStore::with_table(pool.clone(), &table).expect("table");
+        tasks.spawn(async move { store.migrate().await });
+    }
+    while let Some(result) = tasks.join_next().await {
+        result.expect("task").expect("every migrate succeeds");
+    }
+    // And again, on an existing table.
+    let store = PostgresStore::with_table(pool.clone(), &table).expect("table");
+    store.migrate().await.expect("migrate again");
+    let (indexes,): (i64,) = sqlx::query_as(
+        "SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND indexname = 'records_expires_at_idx'",
+    )
+    .bind(&schema)
+    .fetch_one(&pool)
+    .await
+    .expect("count");
+    assert_eq!(indexes, 1, "the purge index exists");
+    // Nothing of the application's own migration bookkeeping was touched.
+    let (bookkeeping,): (i64,) = sqlx::query_as(
+        "SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename <> 'records'",
+    )
+    .bind(&schema)
+    .fetch_one(&pool)
+    .await
+    .expect("count");
+    assert_eq!(bookkeeping, 0);
+}
+
+#[tokio::test]
+async fn table_names_are_validated() {
+    let pool = PgPoolOptions::new()
+        .connect_lazy(&database_url())
+        .expect("lazy pool");
+    for bad in [
+        "",
+        "Records",
+        "1records",
+        "records; DROP TABLE x",
+        "a.b.c",
+        "rec-ords",
+        "\"records\"",
+        &"r".repeat(41),
+    ] {
+        assert!(
+            PostgresStore::with_table(pool.clone(), bad).is_err(),
+            "{bad:?}"
+        );
+    }
+    assert!(PostgresStore::with_table(pool.clone(), "billing.idempotency_v2").is_ok());
+}
+
+#[tokio::test]
+async fn unreachable_database_is_503_and_runs_nothing() {
+    // Nothing listens on port 1: every connection attempt is refused.
+    let pool = PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy("postgres://postgres@127.0.0.1:1/test")
+        .expect("lazy pool");
+    let (router, counters) = app(IdempotencyLayer::new(PostgresStore::new(pool)));
+    let answer = send(&router, post("/pay").key("k").user("alice").json("{}")).await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answer.problem(), "idempotency_store_unavailable");
+    assert!(answer.header("retry-after").is_some());
+    assert_eq!(counters.started(), 0);
+}
+
+#[tokio::test]
+async fn a_missing_table_is_503_not_a_panic() {
+    let pool = pool(2).await;
+    let schema = fresh_schema(&pool).await;
+    let store =
+        PostgresStore::with_table(pool, &format!("{schema}.never_migrated")).expect("table");
+    let (router, counters) = app(IdempotencyLayer::new(store.clone()));
+    let answer = send(&router, post("/pay").key("k").user("alice")).await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(counters.started(), 0);
+    assert!(store.purge_expired().await.is_err());
+}
+
+#[tokio::test]
+async fn records_are_committed_before_the_handler_runs() {
+    // While the handler runs, another connection already sees the claim as in progress.
+    let store = store().await;
+    let (router, counters) = app(IdempotencyLayer::new(store.clone()));
+    let slow = tokio::spawn({
+        let router = router.clone();
+        async move {
+            send(
+                &router,
+                post("/pay")
+                    .key("k")
+                    .user("alice")
+                    .header("x-delay-ms", "800"),
+            )
+            .await
+        }
+    });
+    let c = counters.clone();
+    common::eventually(move || c.started() == 1).await;
+    let other = pool(1).await;
+    let (status,): (String,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT status FROM {} WHERE idempotency_key = 'k'",
+        store.table()
+    )))
+    .fetch_one(&other)
+    .await
+    .expect("the claim is visible to another connection");
+    assert_eq!(status, "in_progress");
+    assert_eq!(slow.await.expect("request").status, StatusCode::CREATED);
+    let (status,): (String,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT status FROM {} WHERE idempotency_key = 'k'",
+        store.table()
+    )))
+    .fetch_one(&other)
+    .await
+    .expect("row");
+    assert_eq!(status, "completed");
+}
