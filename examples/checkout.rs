@@ -1,1 +1,312 @@
-fn main() {}
+//! A checkout API whose charges happen once, however often the client retries.
+//!
+//! ```text
+//! cargo run --example checkout
+//! curl -i localhost:3000/checkout -H 'Authorization: Bearer alice' \
+//!      -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' -d '{"amount":1999}'
+//! ```
+//!
+//! Environment: `BIND` (default `127.0.0.1:3000`), `DATABASE_URL` (Postgres; the memory store when
+//! unset), `IDEMPOTENCY_IN_PROGRESS_TTL_SECS` (default 90), `CHECKOUT_DELAY_MS` (simulated payment
+//! latency, default 0).
+
+use std::collections::HashMap;
+use std::error::Error;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use axum_idempotency::{IdempotencyLayer, IdempotencyStore, MemoryStore, PostgresStore, Subject};
+use serde_json::{Value, json};
+use sqlx::PgPool;
+
+/// What the example is configured with.
+#[derive(Clone, Copy)]
+pub struct Settings {
+    pub in_progress_ttl: Duration,
+    pub checkout_delay: Duration,
+}
+
+impl Settings {
+    pub fn from_env() -> Result<Self, Box<dyn Error>> {
+        let secs = |name: &str, default: u64| -> Result<u64, Box<dyn Error>> {
+            match std::env::var(name) {
+                Ok(v) => v.parse().map_err(|e| format!("{name}={v:?}: {e}").into()),
+                Err(_) => Ok(default),
+            }
+        };
+        Ok(Settings {
+            in_progress_ttl: Duration::from_secs(secs("IDEMPOTENCY_IN_PROGRESS_TTL_SECS", 90)?),
+            checkout_delay: Duration::from_millis(secs("CHECKOUT_DELAY_MS", 0)?),
+        })
+    }
+}
+
+/// Charges and handler runs, per subject: in memory, or in Postgres tables that survive restarts.
+#[derive(Clone)]
+pub enum Ledger {
+    Memory(Arc<Mutex<MemoryLedger>>),
+    Postgres(PgPool),
+}
+
+#[derive(Default)]
+pub struct MemoryLedger {
+    next_id: i64,
+    charges: Vec<(String, Value)>,
+    attempts: HashMap<String, i64>,
+}
+
+impl Ledger {
+    pub fn memory() -> Self {
+        Ledger::Memory(Arc::default())
+    }
+
+    pub async fn postgres(pool: PgPool) -> Result<Self, sqlx::Error> {
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS checkout_charges (
+                 id bigserial PRIMARY KEY, subject text NOT NULL, kind text NOT NULL,
+                 amount bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now());
+             CREATE TABLE IF NOT EXISTS checkout_attempts (
+                 subject text PRIMARY KEY, attempts bigint NOT NULL);",
+        )
+        .execute(&pool)
+        .await?;
+        Ok(Ledger::Postgres(pool))
+    }
+
+    async fn count_attempt(&self, subject: &str) -> Result<(), sqlx::Error> {
+        match self {
+            Ledger::Memory(m) => {
+                *lock(m).attempts.entry(subject.to_owned()).or_default() += 1;
+            }
+            Ledger::Postgres(pool) => {
+                sqlx::query(
+                    "INSERT INTO checkout_attempts VALUES ($1, 1) \
+                     ON CONFLICT (subject) DO UPDATE SET attempts = checkout_attempts.attempts + 1",
+                )
+                .bind(subject)
+                .execute(pool)
+                .await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn record(&self, subject: &str, kind: &str, amount: i64) -> Result<i64, sqlx::Error> {
+        match self {
+            Ledger::Memory(m) => {
+                let mut m = lock(m);
+                m.next_id += 1;
+                let id = m.next_id;
+                let entry = json!({"id": id, "kind": kind, "amount": amount});
+                m.charges.push((subject.to_owned(), entry));
+                Ok(id)
+            }
+            Ledger::Postgres(pool) => {
+                let (id,): (i64,) = sqlx::query_as(
+                    "INSERT INTO checkout_charges (subject, kind, amount) VALUES ($1, $2, $3) \
+                     RETURNING id",
+                )
+                .bind(subject)
+                .bind(kind)
+                .bind(amount)
+                .fetch_one(pool)
+                .await?;
+                Ok(id)
+            }
+        }
+    }
+
+    async fn list(&self, subject: &str) -> Result<(Vec<Value>, i64), sqlx::Error> {
+        match self {
+            Ledger::Memory(m) => {
+                let m = lock(m);
+                let charges = m.charges.iter().filter(|(s, _)| s == subject);
+                let charges = charges.map(|(_, c)| c.clone()).collect();
+                Ok((charges, m.attempts.get(subject).copied().unwrap_or(0)))
+            }
+            Ledger::Postgres(pool) => {
+                let rows: Vec<(i64, String, i64)> = sqlx::query_as(
+                    "SELECT id, kind, amount FROM checkout_charges WHERE subject = $1 ORDER BY id",
+                )
+                .bind(subject)
+                .fetch_all(pool)
+                .await?;
+                let (attempts,): (i64,) = sqlx::query_as(
+                    "SELECT coalesce(sum(attempts), 0)::bigint FROM checkout_attempts WHERE subject = $1",
+                )
+                .bind(subject)
+                .fetch_one(pool)
+                .await?;
+                let charges = rows
+                    .into_iter()
+                    .map(|(id, kind, amount)| json!({"id": id, "kind": kind, "amount": amount}))
+                    .collect();
+                Ok((charges, attempts))
+            }
+        }
+    }
+}
+
+fn lock(m: &Mutex<MemoryLedger>) -> std::sync::MutexGuard<'_, MemoryLedger> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[derive(Clone)]
+struct AppState {
+    ledger: Ledger,
+    settings: Settings,
+}
+
+/// The API: `POST /checkout` and `POST /refund` behind the idempotency layer, `GET /charges`.
+pub fn app<S: IdempotencyStore>(
+    store: S,
+    ledger: Ledger,
+    settings: Settings,
+) -> Result<Router, Box<dyn Error>> {
+    let idempotency = IdempotencyLayer::builder(store)
+        .require_key(true)
+        .in_progress_ttl(settings.in_progress_ttl)
+        .build()?;
+    Ok(Router::new()
+        .route("/checkout", post(checkout))
+        .route("/refund", post(refund))
+        .route_layer(idempotency)
+        .route("/charges", get(charges))
+        .layer(middleware::from_fn(demo_auth))
+        .with_state(AppState { ledger, settings }))
+}
+
+/// Demo auth: `Authorization: Bearer <subject>` makes `<subject>` the subject.
+async fn demo_auth(mut request: Request, next: Next) -> Response {
+    let subject = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned);
+    match subject {
+        Some(subject) => {
+            request.extensions_mut().insert(Subject(subject));
+            next.run(request).await
+        }
+        None => (
+            StatusCode::UNAUTHORIZED,
+            Json(json!({"error": "unauthenticated"})),
+        )
+            .into_response(),
+    }
+}
+
+async fn checkout(
+    State(state): State<AppState>,
+    Extension(subject): Extension<Subject>,
+    body: axum::body::Bytes,
+) -> Response {
+    pay(&state, &subject.0, "charge", &body).await
+}
+
+async fn refund(
+    State(state): State<AppState>,
+    Extension(subject): Extension<Subject>,
+    body: axum::body::Bytes,
+) -> Response {
+    pay(&state, &subject.0, "refund", &body).await
+}
+
+/// The simulated payment: wait, count the attempt, then decline, fail, or record the charge.
+async fn pay(state: &AppState, subject: &str, kind: &str, body: &[u8]) -> Response {
+    let request: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let Some(amount) = request.get("amount").and_then(Value::as_i64) else {
+        return error(StatusCode::BAD_REQUEST, "invalid_amount");
+    };
+    tokio::time::sleep(state.settings.checkout_delay).await;
+    if let Err(e) = state.ledger.count_attempt(subject).await {
+        tracing::error!(error = %e, "could not count the attempt");
+        return error(StatusCode::SERVICE_UNAVAILABLE, "ledger_unavailable");
+    }
+    match request.get("card").and_then(Value::as_str) {
+        Some("declined") => return error(StatusCode::PAYMENT_REQUIRED, "card_declined"),
+        Some("flaky") => return error(StatusCode::SERVICE_UNAVAILABLE, "provider_unavailable"),
+        _ => {}
+    }
+    match state.ledger.record(subject, kind, amount).await {
+        Ok(id) => (
+            StatusCode::CREATED,
+            [(header::LOCATION, format!("/charges/{id}"))],
+            Json(json!({"id": id, "kind": kind, "amount": amount, "status": "succeeded"})),
+        )
+            .into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "could not record the charge");
+            error(StatusCode::SERVICE_UNAVAILABLE, "ledger_unavailable")
+        }
+    }
+}
+
+async fn charges(
+    State(state): State<AppState>,
+    Extension(subject): Extension<Subject>,
+) -> Response {
+    match state.ledger.list(&subject.0).await {
+        Ok((charges, attempts)) => {
+            Json(json!({"charges": charges, "attempts": attempts})).into_response()
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "could not list charges");
+            error(StatusCode::SERVICE_UNAVAILABLE, "ledger_unavailable")
+        }
+    }
+}
+
+fn error(status: StatusCode, code: &str) -> Response {
+    (status, Json(json!({"error": code}))).into_response()
+}
+
+/// The router on the store `DATABASE_URL` names: Postgres (migrated on start) or memory.
+pub async fn router_from_env(settings: Settings) -> Result<Router, Box<dyn Error>> {
+    match std::env::var("DATABASE_URL") {
+        Ok(url) => {
+            let pool = PgPool::connect(&url).await?;
+            let store = PostgresStore::new(pool.clone());
+            store.migrate().await?;
+            axum_idempotency::store::spawn_purge(store.clone(), Duration::from_secs(3600));
+            tracing::info!("idempotency records and charges in PostgreSQL");
+            app(store, Ledger::postgres(pool).await?, settings)
+        }
+        Err(_) => {
+            tracing::info!(
+                "idempotency records and charges in memory (set DATABASE_URL for Postgres)"
+            );
+            app(MemoryStore::new(), Ledger::memory(), settings)
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,sqlx=warn".into()),
+        )
+        .init();
+    let settings = Settings::from_env()?;
+    let router = router_from_env(settings).await?;
+    let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
+    let listener = tokio::net::TcpListener::bind(&bind).await?;
+    tracing::info!("listening on http://{}", listener.local_addr()?);
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    Ok(())
+}

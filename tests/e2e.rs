@@ -1,0 +1,427 @@
+//! End to end: the checkout example served on real TCP listeners, talked to over real HTTP, on both
+//! stores; and the example binary itself, killed and restarted, on Postgres.
+#![cfg(feature = "postgres")]
+
+#[path = "../examples/checkout.rs"]
+#[allow(dead_code)]
+mod checkout;
+mod common;
+
+use std::net::SocketAddr;
+use std::process::Stdio;
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+use axum::http::{Request, StatusCode};
+use axum_idempotency::{IdempotencyStore, MemoryStore, PostgresStore};
+use bytes::Bytes;
+use checkout::{Ledger, Settings};
+use common::Answer;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+use tokio::process::{Child, Command};
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+/// A fresh schema, and a pool whose connections use it.
+async fn schema_pool() -> (String, PgPool) {
+    let admin = PgPool::connect(&database_url()).await.expect("PostgreSQL");
+    let schema = format!(
+        "idem_t_{}_{}_e2e{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_secs(),
+        std::process::id(),
+        rand_suffix()
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+        .execute(&admin)
+        .await
+        .expect("schema");
+    let options = PgConnectOptions::from_str(&database_url())
+        .expect("url")
+        .options([("search_path", schema.as_str())]);
+    let pool = PgPoolOptions::new()
+        .max_connections(30)
+        .connect_with(options)
+        .await
+        .expect("pool");
+    (schema, pool)
+}
+
+fn rand_suffix() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::SeqCst)
+}
+
+fn settings(delay_ms: u64) -> Settings {
+    Settings {
+        in_progress_ttl: Duration::from_secs(90),
+        checkout_delay: Duration::from_millis(delay_ms),
+    }
+}
+
+/// Serves the example's router on a loopback port of its own.
+async fn serve<S: IdempotencyStore>(store: S, ledger: Ledger, settings: Settings) -> SocketAddr {
+    let router = checkout::app(store, ledger, settings).expect("app");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    addr
+}
+
+async fn serve_memory(delay_ms: u64) -> SocketAddr {
+    serve(MemoryStore::new(), Ledger::memory(), settings(delay_ms)).await
+}
+
+async fn serve_postgres(delay_ms: u64) -> SocketAddr {
+    let (_, pool) = schema_pool().await;
+    let store = PostgresStore::new(pool.clone());
+    store.migrate().await.expect("migrate");
+    let ledger = Ledger::postgres(pool).await.expect("ledger");
+    serve(store, ledger, settings(delay_ms)).await
+}
+
+/// One HTTP/1.1 request on a connection of its own.
+async fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    user: &str,
+    key: Option<&str>,
+    body: &str,
+) -> Answer {
+    try_http(addr, method, path, user, key, body)
+        .await
+        .expect("HTTP exchange")
+}
+
+async fn try_http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    user: &str,
+    key: Option<&str>,
+    body: &str,
+) -> Result<Answer, Box<dyn std::error::Error + Send + Sync>> {
+    let stream = TcpStream::connect(addr).await?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(conn);
+    let mut request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string())
+        .header("authorization", format!("Bearer {user}"))
+        .header("content-type", "application/json");
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    let request = request.body(Full::new(Bytes::from(body.to_owned())))?;
+    let response = sender.send_request(request).await?;
+    let (parts, body) = response.into_parts();
+    Ok(Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body: body.collect().await?.to_bytes(),
+    })
+}
+
+async fn checkout_req(addr: SocketAddr, user: &str, key: &str, body: &str) -> Answer {
+    http(addr, "POST", "/checkout", user, Some(key), body).await
+}
+
+async fn charges(addr: SocketAddr, user: &str) -> (usize, i64) {
+    let answer = http(addr, "GET", "/charges", user, None, "").await;
+    assert_eq!(answer.status, StatusCode::OK);
+    let json = answer.json();
+    (
+        json["charges"].as_array().expect("charges").len(),
+        json["attempts"].as_i64().expect("attempts"),
+    )
+}
+
+// ---- scenarios, run on both stores ----
+
+async fn duplicates_during_a_slow_checkout(addr: SocketAddr) {
+    const CLIENTS: usize = 21;
+    let gate = std::sync::Arc::new(tokio::sync::Barrier::new(CLIENTS));
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..CLIENTS {
+        let gate = gate.clone();
+        tasks.spawn(async move {
+            gate.wait().await;
+            let answer = checkout_req(addr, "alice", "order-1", r#"{"amount":1999}"#).await;
+            (answer, Instant::now())
+        });
+    }
+    let mut created = Vec::new();
+    let mut conflicts = Vec::new();
+    while let Some(done) = tasks.join_next().await {
+        let (answer, at) = done.expect("client");
+        match answer.status {
+            StatusCode::CREATED => created.push((answer, at)),
+            StatusCode::CONFLICT => {
+                assert_eq!(answer.header("retry-after"), Some("2"));
+                assert_eq!(answer.problem(), "in_progress");
+                conflicts.push(at);
+            }
+            other => panic!("unexpected {other}: {answer:?}"),
+        }
+    }
+    assert_eq!(created.len(), 1, "exactly one client gets the charge");
+    assert_eq!(conflicts.len(), CLIENTS - 1);
+    let (first, first_at) = created.pop().expect("one");
+    // Every duplicate was answered while the checkout was still running.
+    assert!(conflicts.iter().all(|at| *at < first_at));
+    let retry = checkout_req(addr, "alice", "order-1", r#"{"amount":1999}"#).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(retry.header("location"), first.header("location"));
+    assert_eq!(charges(addr, "alice").await, (1, 1));
+}
+
+async fn client_closes_mid_checkout(addr: SocketAddr) {
+    let body = r#"{"amount":500}"#;
+    let mut socket = TcpStream::connect(addr).await.expect("connect");
+    let raw = format!(
+        "POST /checkout HTTP/1.1\r\nhost: x\r\nauthorization: Bearer carol\r\n\
+         idempotency-key: closed-tab\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    socket.write_all(raw.as_bytes()).await.expect("write");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(socket); // the tab is closed mid-checkout
+    let mut charged = (0, 0);
+    for _ in 0..100 {
+        charged = charges(addr, "carol").await;
+        if charged.0 == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(charged, (1, 1), "the charge completed without its client");
+    let mut retry = checkout_req(addr, "carol", "closed-tab", body).await;
+    for _ in 0..50 {
+        if retry.status != StatusCode::CONFLICT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        retry = checkout_req(addr, "carol", "closed-tab", body).await;
+    }
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed());
+    assert_eq!(charges(addr, "carol").await, (1, 1));
+}
+
+async fn outcomes_and_isolation(addr: SocketAddr) {
+    // A declined card is a definitive answer: replayed, not retried.
+    let declined = r#"{"amount":100,"card":"declined"}"#;
+    let first = checkout_req(addr, "dave", "d1", declined).await;
+    assert_eq!(first.status, StatusCode::PAYMENT_REQUIRED);
+    assert_eq!(first.json()["error"], "card_declined");
+    let again = checkout_req(addr, "dave", "d1", declined).await;
+    assert_eq!(again.status, StatusCode::PAYMENT_REQUIRED);
+    assert!(again.replayed());
+    assert_eq!(charges(addr, "dave").await, (0, 1));
+
+    // A flaky provider releases the key: the retry runs again.
+    let flaky = r#"{"amount":100,"card":"flaky"}"#;
+    for attempt in 2..=3 {
+        let answer = checkout_req(addr, "dave", "f1", flaky).await;
+        assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(!answer.replayed());
+        assert_eq!(charges(addr, "dave").await, (0, attempt));
+    }
+
+    // The same key from another subject is another operation.
+    let a = checkout_req(addr, "erin", "shared", r#"{"amount":1}"#).await;
+    let b = checkout_req(addr, "frank", "shared", r#"{"amount":1}"#).await;
+    assert_eq!(
+        (a.status, b.status),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    assert!(!b.replayed());
+    assert_ne!(a.header("location"), b.header("location"));
+    assert_eq!(charges(addr, "erin").await, (1, 1));
+    assert_eq!(charges(addr, "frank").await, (1, 1));
+
+    // And on another route.
+    let refund = http(
+        addr,
+        "POST",
+        "/refund",
+        "erin",
+        Some("shared"),
+        r#"{"amount":1}"#,
+    )
+    .await;
+    assert_eq!(refund.status, StatusCode::CREATED);
+    assert!(!refund.replayed());
+    assert_eq!(charges(addr, "erin").await, (2, 2));
+
+    // The example requires a key, and the layer's errors are problem details.
+    let no_key = http(addr, "POST", "/checkout", "erin", None, r#"{"amount":1}"#).await;
+    assert_eq!(no_key.status, StatusCode::BAD_REQUEST);
+    assert_eq!(no_key.problem(), "missing_idempotency_key");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_duplicates_during_a_slow_checkout() {
+    duplicates_during_a_slow_checkout(serve_memory(1500).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_duplicates_during_a_slow_checkout() {
+    duplicates_during_a_slow_checkout(serve_postgres(1500).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_client_closes_mid_checkout() {
+    client_closes_mid_checkout(serve_memory(800).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_client_closes_mid_checkout() {
+    client_closes_mid_checkout(serve_postgres(800).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_outcomes_and_isolation() {
+    outcomes_and_isolation(serve_memory(0).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_outcomes_and_isolation() {
+    outcomes_and_isolation(serve_postgres(0).await).await;
+}
+
+// ---- the example binary, killed and restarted ----
+
+/// Builds the example binary (once) and returns its path.
+fn example_binary() -> std::path::PathBuf {
+    static BUILT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+            let status = std::process::Command::new(cargo)
+                .args(["build", "--quiet", "--example", "checkout"])
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .status()
+                .expect("run cargo build");
+            assert!(status.success(), "building the example failed");
+            let exe = std::env::current_exe().expect("test binary");
+            // target/<profile>/deps/e2e-<hash> -> target/<profile>/examples/checkout
+            let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
+            dir.join("examples").join("checkout")
+        })
+        .clone()
+}
+
+/// The example as a process of its own, on Postgres in `schema`, and the address it listens on.
+async fn start_example(schema: &str, ttl_secs: u64, delay_ms: u64) -> (Child, SocketAddr) {
+    let binary = example_binary();
+    let url = format!("{}?options[search_path]={schema}", database_url());
+    let mut child = Command::new(binary)
+        .env("DATABASE_URL", url)
+        .env("BIND", "127.0.0.1:0")
+        .env("IDEMPOTENCY_IN_PROGRESS_TTL_SECS", ttl_secs.to_string())
+        .env("CHECKOUT_DELAY_MS", delay_ms.to_string())
+        .env("NO_COLOR", "1")
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start the example");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    let addr = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(line) = lines.next_line().await.expect("read") {
+            if let Some(rest) = line.split("listening on http://").nth(1) {
+                let addr: String = rest
+                    .chars()
+                    .take_while(|c| !c.is_whitespace() && *c != '\u{1b}')
+                    .collect();
+                return addr.parse::<SocketAddr>().expect("address");
+            }
+        }
+        panic!("the example exited before listening");
+    })
+    .await
+    .expect("the example starts within 30 s");
+    // Keep draining its logs so it never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    (child, addr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn process_killed_mid_checkout_is_retaken_after_the_ttl() {
+    let (schema, _pool) = schema_pool().await;
+    let body = r#"{"amount":4200}"#;
+    const TTL: Duration = Duration::from_secs(6);
+    let (mut first, addr) = start_example(&schema, TTL.as_secs(), 10_000).await;
+    let in_flight = tokio::spawn(async move {
+        try_http(addr, "POST", "/checkout", "gina", Some("crash-1"), body).await
+    });
+    // Wait until the claim is committed and visible: a duplicate is refused as in progress.
+    let mut dup = checkout_req(addr, "gina", "crash-1", body).await;
+    for _ in 0..100 {
+        if dup.status == StatusCode::CONFLICT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        dup = checkout_req(addr, "gina", "crash-1", body).await;
+    }
+    assert_eq!(dup.status, StatusCode::CONFLICT);
+    first.kill().await.expect("kill -9 mid-checkout");
+    let claimed_at = Instant::now();
+    let lost = in_flight.await.expect("client task");
+    assert!(lost.is_err(), "the in-flight client lost its connection");
+
+    let (_second, addr) = start_example(&schema, TTL.as_secs(), 0).await;
+    let early = checkout_req(addr, "gina", "crash-1", body).await;
+    assert!(
+        claimed_at.elapsed() < TTL,
+        "the restart took longer than the TTL; the early retry below would prove nothing"
+    );
+    assert_eq!(
+        early.status,
+        StatusCode::CONFLICT,
+        "before the TTL the key is still held"
+    );
+    assert_eq!(charges(addr, "gina").await, (0, 0));
+    tokio::time::sleep(TTL.saturating_sub(claimed_at.elapsed()) + Duration::from_millis(500)).await;
+    let retaken = checkout_req(addr, "gina", "crash-1", body).await;
+    assert_eq!(retaken.status, StatusCode::CREATED, "{retaken:?}");
+    assert!(!retaken.replayed());
+    let replay = checkout_req(addr, "gina", "crash-1", body).await;
+    assert!(replay.replayed());
+    assert_eq!(charges(addr, "gina").await, (1, 1), "charged exactly once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replay_survives_a_restart() {
+    let (schema, _pool) = schema_pool().await;
+    let body = r#"{"amount":777}"#;
+    let (mut first, addr) = start_example(&schema, 90, 0).await;
+    let charged = checkout_req(addr, "hank", "restart-1", body).await;
+    assert_eq!(charged.status, StatusCode::CREATED);
+    first.kill().await.expect("stop");
+    let (_second, addr) = start_example(&schema, 90, 0).await;
+    let replay = checkout_req(addr, "hank", "restart-1", body).await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed());
+    assert_eq!(replay.body, charged.body);
+    assert_eq!(charges(addr, "hank").await, (1, 1));
+}
