@@ -25,6 +25,8 @@ pub fn canonicalize(input: &[u8]) -> Option<Vec<u8>> {
         pos: 0,
         out: Vec::with_capacity(input.len()),
         keys: Vec::new(),
+        members: Vec::new(),
+        scratch: Vec::new(),
     };
     parser.skip_ws();
     parser.value(0)?;
@@ -50,6 +52,10 @@ struct Parser<'a> {
     out: Vec<u8>,
     /// Decoded member keys of the objects being parsed, used for sorting.
     keys: Vec<u8>,
+    /// The members of the objects being parsed, innermost last: one allocation for the document.
+    members: Vec<Member>,
+    /// Where an object's members are copied while they are written back in order.
+    scratch: Vec<u8>,
 }
 
 impl Parser<'_> {
@@ -124,9 +130,9 @@ impl Parser<'_> {
         self.pos += 1;
         let object_start = self.out.len();
         let keys_start = self.keys.len();
+        let members_start = self.members.len();
         self.out.push(b'{');
         self.skip_ws();
-        let mut members: Vec<Member> = Vec::new();
         if self.peek()? == b'}' {
             self.pos += 1;
             self.out.push(b'}');
@@ -149,7 +155,7 @@ impl Parser<'_> {
             self.out.push(b':');
             self.skip_ws();
             self.value(depth)?;
-            members.push(Member {
+            self.members.push(Member {
                 key_start,
                 key_end,
                 start,
@@ -169,6 +175,7 @@ impl Parser<'_> {
             }
         }
         let keys = &self.keys;
+        let members = &mut self.members[members_start..];
         let key = |m: &Member| &keys[m.key_start..m.key_end];
         let sorted = members
             .windows(2)
@@ -178,18 +185,22 @@ impl Parser<'_> {
             if members.windows(2).any(|w| key(&w[0]) == key(&w[1])) {
                 return None; // duplicate keys: not I-JSON
             }
-            let written = self.out.split_off(object_start + 1);
+            self.scratch.clear();
+            self.scratch
+                .extend_from_slice(&self.out[object_start + 1..]);
+            self.out.truncate(object_start + 1);
             for (i, m) in members.iter().enumerate() {
                 if i > 0 {
                     self.out.push(b',');
                 }
                 let from = m.start - object_start - 1;
                 let to = m.end - object_start - 1;
-                self.out.extend_from_slice(&written[from..to]);
+                self.out.extend_from_slice(&self.scratch[from..to]);
             }
         }
         self.out.push(b'}');
         self.keys.truncate(keys_start);
+        self.members.truncate(members_start);
         Some(())
     }
 
@@ -201,12 +212,11 @@ impl Parser<'_> {
         loop {
             // Copy the longest run that needs no attention in one go.
             let run_start = self.pos;
-            while let Some(&b) = self.input.get(self.pos) {
-                if b == b'"' || b == b'\\' || b < 0x20 {
-                    break;
-                }
-                self.pos += 1;
-            }
+            let rest = &self.input[run_start..];
+            self.pos += rest
+                .iter()
+                .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
+                .unwrap_or(rest.len());
             let run = &self.input[run_start..self.pos];
             if !run.is_empty() {
                 // Non-ASCII bytes must be valid UTF-8; check each run once.
@@ -316,6 +326,14 @@ impl Parser<'_> {
             _ => return None,
         }
         let int = &input[int_start..self.pos];
+        if !matches!(self.peek(), Some(b'.' | b'e' | b'E')) && int.len() <= 21 {
+            // A plain integer is already in canonical form, but for the sign of zero.
+            if int != b"0" && negative {
+                self.out.push(b'-');
+            }
+            self.out.extend_from_slice(int);
+            return Some(());
+        }
         let mut frac: &[u8] = &[];
         if self.peek() == Some(b'.') {
             self.pos += 1;

@@ -247,7 +247,7 @@ async fn record<St: IdempotencyStore>(
         &config.stored_headers,
         bytes.clone(),
     );
-    claim.complete(&stored, config.retention).await;
+    claim.complete(stored, config.retention).await;
     Response::from_parts(parts, Body::from(bytes))
 }
 
@@ -272,16 +272,17 @@ impl<St: IdempotencyStore> Claim<St> {
 
     async fn complete(
         mut self,
-        stored: &crate::record::StoredResponse,
+        stored: crate::record::StoredResponse,
         retention: std::time::Duration,
     ) {
         self.done = true;
+        let status = stored.status;
         match self
             .store
             .complete(&self.key, self.lease, stored, retention)
             .await
         {
-            Ok(true) => tracing::info!(status = stored.status, "recorded"),
+            Ok(true) => tracing::info!(status, "recorded"),
             Ok(false) => tracing::warn!(
                 "the lease was lost (the record was retaken after the in-progress TTL); \
                  this late result was not recorded"

@@ -1,6 +1,7 @@
 //! What a store keeps: the scope of a record, its lease token, and the stored response.
 
 use bytes::Bytes;
+use http::{HeaderName, HeaderValue};
 use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -68,8 +69,8 @@ pub struct StoredResponse {
     pub outcome: Finished,
     /// The HTTP status code.
     pub status: u16,
-    /// Header names (lower case) and values, repeated headers kept in their order.
-    pub headers: Vec<(String, Vec<u8>)>,
+    /// Header names and values, repeated headers kept in their order.
+    pub headers: Vec<(HeaderName, HeaderValue)>,
     /// The whole body.
     pub body: Bytes,
 }

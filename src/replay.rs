@@ -22,7 +22,7 @@ pub(crate) fn capture(
     let headers = headers
         .iter()
         .filter(|(name, _)| allowed.contains(name) && !DENIED_HEADERS.contains(&name.as_str()))
-        .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
+        .map(|(name, value)| (name.clone(), value.clone()))
         .collect();
     StoredResponse {
         outcome,
@@ -33,21 +33,17 @@ pub(crate) fn capture(
 }
 
 /// The response a replay sends: the stored status, headers and body, and `Idempotent-Replayed: true`.
-///
-/// Stored values come from a database the layer does not own: a status or header that is not valid
-/// HTTP is dropped (a bad status becomes 500) rather than trusted.
+/// A stored status that is not a valid HTTP status (a store the layer does not own may hold anything)
+/// becomes 500; denied headers are never sent back.
 pub(crate) fn replay(stored: &StoredResponse) -> Response<Body> {
     let mut response = Response::new(Body::from(stored.body.clone()));
     *response.status_mut() =
         StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let headers = response.headers_mut();
+    headers.reserve(stored.headers.len() + 1);
     for (name, value) in &stored.headers {
-        if let (Ok(name), Ok(value)) = (
-            HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_bytes(value),
-        ) && !DENIED_HEADERS.contains(&name.as_str())
-        {
-            headers.append(name, value);
+        if !DENIED_HEADERS.contains(&name.as_str()) {
+            headers.append(name.clone(), value.clone());
         }
     }
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
@@ -83,7 +79,7 @@ mod tests {
         assert_eq!(names, ["content-type", "link", "link", "link"]);
         let links: Vec<_> = stored.headers[1..]
             .iter()
-            .map(|(_, v)| v.as_slice())
+            .map(|(_, v)| v.as_bytes())
             .collect();
         assert_eq!(links, [b"<a>", b"<b>", b"<c>"]);
 
@@ -96,15 +92,13 @@ mod tests {
     }
 
     #[test]
-    fn replay_drops_what_is_not_valid_http() {
+    fn replay_turns_a_bad_status_into_500_and_drops_denied_headers() {
         let stored = StoredResponse {
             outcome: Finished::Failed,
             status: 1000,
             headers: vec![
-                ("bad name".into(), b"v".to_vec()),
-                ("x-ok".into(), b"bad\nvalue".to_vec()),
-                ("set-cookie".into(), b"a=b".to_vec()),
-                ("etag".into(), b"\"1\"".to_vec()),
+                (header::SET_COOKIE, HeaderValue::from_static("a=b")),
+                (header::ETAG, HeaderValue::from_static("\"1\"")),
             ],
             body: Bytes::new(),
         };

@@ -367,22 +367,31 @@ async fn start_example(schema: &str, ttl_secs: u64, delay_ms: u64) -> (Child, So
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn process_killed_mid_checkout_is_retaken_after_the_ttl() {
-    let (schema, _pool) = schema_pool().await;
+    let (schema, pool) = schema_pool().await;
     let body = r#"{"amount":4200}"#;
     const TTL: Duration = Duration::from_secs(6);
     let (mut first, addr) = start_example(&schema, TTL.as_secs(), 10_000).await;
     let in_flight = tokio::spawn(async move {
         try_http(addr, "POST", "/checkout", "gina", Some("crash-1"), body).await
     });
-    // Wait until the claim is committed and visible: a duplicate is refused as in progress.
-    let mut dup = checkout_req(addr, "gina", "crash-1", body).await;
-    for _ in 0..100 {
-        if dup.status == StatusCode::CONFLICT {
+    // Wait until the claim is committed and visible to another connection, then a duplicate is
+    // refused as in progress.
+    let mut claimed = false;
+    for _ in 0..250 {
+        let row: Option<(String,)> = sqlx::query_as(
+            "SELECT status FROM idempotency_records WHERE idempotency_key = 'crash-1'",
+        )
+        .fetch_optional(&pool)
+        .await
+        .expect("read the claim");
+        if row.is_some_and(|(status,)| status == "in_progress") {
+            claimed = true;
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
-        dup = checkout_req(addr, "gina", "crash-1", body).await;
     }
+    assert!(claimed, "the first request's claim was committed");
+    let dup = checkout_req(addr, "gina", "crash-1", body).await;
     assert_eq!(dup.status, StatusCode::CONFLICT);
     first.kill().await.expect("kill -9 mid-checkout");
     let claimed_at = Instant::now();

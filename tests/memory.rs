@@ -206,7 +206,7 @@ impl IdempotencyStore for DownStore {
         &self,
         _: &RecordKey,
         _: LeaseToken,
-        _: &StoredResponse,
+        _: StoredResponse,
         _: Duration,
     ) -> Result<bool, StoreError> {
         Err(StoreError::msg("connection refused"))

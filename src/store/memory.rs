@@ -1,7 +1,7 @@
 //! The in-memory store: the embedded default, for one process.
 
 use std::collections::HashMap;
-use std::collections::hash_map::{Entry, RandomState};
+use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -103,60 +103,56 @@ impl IdempotencyStore for MemoryStore {
             state: State::InProgress { lease, since: now },
             expires_at: now + request.in_progress_ttl + request.retention,
         };
-        match shard.records.entry(request.key.clone()) {
-            Entry::Vacant(slot) => {
+        // Look up before inserting, so that replays and 409s never copy the key.
+        if let Some(record) = shard.records.get_mut(&request.key) {
+            if record.expires_at <= now {
                 let lease = LeaseToken::generate();
-                slot.insert(fresh(lease));
-                Ok(ClaimOutcome::Claimed {
+                *record = fresh(lease);
+                return Ok(ClaimOutcome::Claimed {
                     lease,
                     retaken: false,
-                })
+                });
             }
-            Entry::Occupied(mut slot) => {
-                let record = slot.get_mut();
-                if record.expires_at <= now {
+            if record.fingerprint != request.fingerprint {
+                return Ok(ClaimOutcome::FingerprintMismatch);
+            }
+            return Ok(match &record.state {
+                State::Finished(response) => ClaimOutcome::Finished(response.clone()),
+                State::InProgress { since, .. }
+                    if now.duration_since(*since) < request.in_progress_ttl =>
+                {
+                    ClaimOutcome::InProgress
+                }
+                State::InProgress { .. } => {
+                    // The shard lock makes this compare-and-swap atomic.
                     let lease = LeaseToken::generate();
                     *record = fresh(lease);
-                    return Ok(ClaimOutcome::Claimed {
+                    ClaimOutcome::Claimed {
                         lease,
-                        retaken: false,
-                    });
-                }
-                if record.fingerprint != request.fingerprint {
-                    return Ok(ClaimOutcome::FingerprintMismatch);
-                }
-                match &record.state {
-                    State::Finished(response) => Ok(ClaimOutcome::Finished(response.clone())),
-                    State::InProgress { since, .. }
-                        if now.duration_since(*since) < request.in_progress_ttl =>
-                    {
-                        Ok(ClaimOutcome::InProgress)
-                    }
-                    State::InProgress { .. } => {
-                        // The shard lock makes this compare-and-swap atomic.
-                        let lease = LeaseToken::generate();
-                        *record = fresh(lease);
-                        Ok(ClaimOutcome::Claimed {
-                            lease,
-                            retaken: true,
-                        })
+                        retaken: true,
                     }
                 }
-            }
+            });
         }
+        let lease = LeaseToken::generate();
+        shard.records.insert(request.key.clone(), fresh(lease));
+        Ok(ClaimOutcome::Claimed {
+            lease,
+            retaken: false,
+        })
     }
 
     async fn complete(
         &self,
         key: &RecordKey,
         lease: LeaseToken,
-        response: &StoredResponse,
+        response: StoredResponse,
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let mut shard = self.shard(key);
         match shard.records.get_mut(key) {
             Some(record) if holds(record, lease) => {
-                record.state = State::Finished(Arc::new(response.clone()));
+                record.state = State::Finished(Arc::new(response));
                 record.expires_at = Instant::now() + retention;
                 Ok(true)
             }

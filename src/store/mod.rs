@@ -85,7 +85,7 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         &self,
         key: &RecordKey,
         lease: LeaseToken,
-        response: &StoredResponse,
+        response: StoredResponse,
         retention: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 

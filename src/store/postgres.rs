@@ -5,10 +5,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::{HeaderName, HeaderValue};
 use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
 
 use super::{IdempotencyStore, StoreError};
+use crate::config::DENIED_HEADERS;
 use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
 
 /// The migration, with `idempotency_records` as the table name.
@@ -253,7 +255,7 @@ impl PostgresStore {
         Ok(ClaimOutcome::Finished(Arc::new(StoredResponse {
             outcome,
             status: u16::try_from(status).unwrap_or(500),
-            headers: names.into_iter().zip(values).collect(),
+            headers: parse_headers(names, values),
             body: Bytes::from(body),
         })))
     }
@@ -299,13 +301,13 @@ impl IdempotencyStore for PostgresStore {
         &self,
         key: &RecordKey,
         lease: LeaseToken,
-        response: &StoredResponse,
+        response: StoredResponse,
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let (names, values): (Vec<&str>, Vec<&[u8]>) = response
             .headers
             .iter()
-            .map(|(n, v)| (n.as_str(), v.as_slice()))
+            .map(|(n, v)| (n.as_str(), v.as_bytes()))
             .unzip();
         let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.complete.as_str()))
             .bind(&key.key)
@@ -349,6 +351,20 @@ impl IdempotencyStore for PostgresStore {
             }
         }
     }
+}
+
+/// Stored headers back into HTTP types. The table may have been written by anyone: a name or value
+/// that is not valid HTTP, or a denied header, is dropped rather than trusted.
+fn parse_headers(names: Vec<String>, values: Vec<Vec<u8>>) -> Vec<(HeaderName, HeaderValue)> {
+    names
+        .into_iter()
+        .zip(values)
+        .filter_map(|(name, value)| {
+            let name = HeaderName::from_bytes(name.as_bytes()).ok()?;
+            let value = HeaderValue::from_bytes(&value).ok()?;
+            (!DENIED_HEADERS.contains(&name.as_str())).then_some((name, value))
+        })
+        .collect()
 }
 
 /// True when a claim row shows an existing record that only a retake could claim.

@@ -74,7 +74,10 @@ fn stored(body: &'static str) -> StoredResponse {
     StoredResponse {
         outcome: Finished::Completed,
         status: 201,
-        headers: vec![("content-type".into(), b"text/plain".to_vec())],
+        headers: vec![(
+            axum::http::header::CONTENT_TYPE,
+            axum::http::HeaderValue::from_static("text/plain"),
+        )],
         body: Bytes::from_static(body.as_bytes()),
     }
 }
@@ -289,21 +292,21 @@ pub async fn late_completion_with_superseded_lease_changes_nothing<S: Idempotenc
     // The worker presumed dead finishes late: neither its completion nor its release counts.
     assert!(
         !store
-            .complete(&key, old, &stored("late"), retention)
+            .complete(&key, old, stored("late"), retention)
             .await
             .expect("complete")
     );
     assert!(!store.release(&key, old).await.expect("release"));
     assert!(
         store
-            .complete(&key, new, &stored("winner"), retention)
+            .complete(&key, new, stored("winner"), retention)
             .await
             .expect("complete")
     );
     // Once finished, no lease holds the record any more.
     assert!(
         !store
-            .complete(&key, new, &stored("again"), retention)
+            .complete(&key, new, stored("again"), retention)
             .await
             .expect("complete")
     );
@@ -355,7 +358,7 @@ pub async fn purge_removes_expired_records<S: IdempotencyStore>(store: S) {
             panic!("fresh key");
         };
         let done = store
-            .complete(&request.key, lease, &stored("x"), retention)
+            .complete(&request.key, lease, stored("x"), retention)
             .await
             .expect("complete");
         assert!(done);

@@ -1,0 +1,651 @@
+//! The HTTP load harness of BENCHMARKS.md: every figure is a ratio against a baseline measured in the
+//! same run, on the same machine, over loopback.
+//!
+//! `cargo bench --bench load` (PostgreSQL at `DATABASE_URL`, default
+//! `postgres://postgres@127.0.0.1:5432/test`; `LOAD_SCALE=0.2` for a quick run). Every loop is bounded
+//! by a request count; the servers listen on 127.0.0.1 only and stop with the process.
+
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum_idempotency::{
+    ClaimOutcome, ClaimRequest, Fingerprint, Finished, IdempotencyLayer, IdempotencyStore,
+    MemoryStore, PostgresStore, RecordKey, StoredResponse, Subject,
+};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio::net::TcpStream;
+
+// ---------------------------------------------------------------- measurement
+
+#[derive(Clone, Copy)]
+struct Stats {
+    rps: f64,
+    p50: Duration,
+    p99: Duration,
+}
+
+impl Stats {
+    fn of(mut latencies: Vec<Duration>, elapsed: Duration) -> Stats {
+        latencies.sort();
+        let at = |q: f64| latencies[((latencies.len() as f64 - 1.0) * q).round() as usize];
+        Stats {
+            rps: latencies.len() as f64 / elapsed.as_secs_f64(),
+            p50: at(0.50),
+            p99: at(0.99),
+        }
+    }
+}
+
+fn scale(n: usize) -> usize {
+    let factor: f64 = std::env::var("LOAD_SCALE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1.0);
+    ((n as f64 * factor) as usize).max(50)
+}
+
+/// What one request of a load run looks like: path, subject, key.
+type MakeRequest = Arc<dyn Fn(usize) -> (String, String, String) + Send + Sync>;
+
+/// `requests` requests from `concurrency` keep-alive connections; request `i` is `make(i)`.
+async fn load(addr: SocketAddr, concurrency: usize, requests: usize, make: MakeRequest) -> Stats {
+    let body = Bytes::from(json_1k());
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut workers = tokio::task::JoinSet::new();
+    for _ in 0..concurrency {
+        let (next, make, body) = (next.clone(), make.clone(), body.clone());
+        workers.spawn(async move {
+            let mut client = Client::connect(addr).await;
+            let mut latencies = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= requests {
+                    return latencies;
+                }
+                let (path, subject, key) = make(i);
+                let t = Instant::now();
+                let status = client.post(&path, &subject, &key, body.clone()).await;
+                latencies.push(t.elapsed());
+                assert!(status.is_success(), "request {i}: {status}");
+            }
+        });
+    }
+    let mut all = Vec::with_capacity(requests);
+    while let Some(latencies) = workers.join_next().await {
+        all.extend(latencies.expect("worker"));
+    }
+    Stats::of(all, started.elapsed())
+}
+
+struct Client {
+    sender: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+    host: HeaderValue,
+}
+
+impl Client {
+    async fn connect(addr: SocketAddr) -> Client {
+        let stream = TcpStream::connect(addr).await.expect("connect");
+        stream.set_nodelay(true).expect("nodelay");
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .expect("handshake");
+        tokio::spawn(conn);
+        Client {
+            sender,
+            host: HeaderValue::from_str(&addr.to_string()).expect("host"),
+        }
+    }
+
+    async fn post(&mut self, path: &str, subject: &str, key: &str, body: Bytes) -> StatusCode {
+        self.sender.ready().await.expect("ready");
+        let request = http::Request::post(path)
+            .header("host", self.host.clone())
+            .header("authorization", subject)
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(Full::new(body))
+            .expect("request");
+        let response = self.sender.send_request(request).await.expect("response");
+        let status = response.status();
+        response.into_body().collect().await.expect("body");
+        status
+    }
+}
+
+/// A 1 KiB JSON checkout body.
+fn json_1k() -> Vec<u8> {
+    let items: Vec<_> = (0..12)
+        .map(|i| serde_json::json!({"sku": format!("SKU-{i:04}"), "qty": i + 1, "price": 1999 + i}))
+        .collect();
+    let doc = serde_json::json!({"amount": 123456, "currency": "EUR", "items": items,
+        "customer": {"id": 42, "email": "alice@example.com"}});
+    let mut bytes = serde_json::to_vec(&doc).expect("json");
+    bytes.resize(1024, b' ');
+    bytes
+}
+
+// ---------------------------------------------------------------- servers
+
+async fn serve(router: Router) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    addr
+}
+
+/// The same auth step for every server: the `authorization` header is the subject.
+async fn auth(mut request: Request, next: Next) -> Response {
+    if let Some(s) = request
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+    {
+        let subject = Subject(s.to_owned());
+        request.extensions_mut().insert(subject);
+    }
+    next.run(request).await
+}
+
+async fn created(_body: Bytes) -> Response {
+    (
+        StatusCode::CREATED,
+        [
+            ("content-type", "application/json"),
+            ("location", "/charges/1"),
+        ],
+        r#"{"id":1,"status":"succeeded"}"#,
+    )
+        .into_response()
+}
+
+fn bare() -> Router {
+    Router::new()
+        .route("/checkout", post(created))
+        .layer(middleware::from_fn(auth))
+}
+
+fn guarded<S: IdempotencyStore>(store: S) -> Router {
+    Router::new()
+        .route("/checkout", post(created))
+        .route_layer(IdempotencyLayer::new(store))
+        .layer(middleware::from_fn(auth))
+}
+
+/// The baseline for the Postgres store: a bare route whose handler issues the store's claim and
+/// complete statements itself, through sqlx, with no layer.
+fn direct_sql(store: PostgresStore) -> Router {
+    async fn handler(State(store): State<PostgresStore>, request: Request) -> Response {
+        let (parts, body) = request.into_parts();
+        let key = parts.headers["idempotency-key"]
+            .to_str()
+            .unwrap_or("")
+            .to_owned();
+        let subject = parts.headers["authorization"]
+            .to_str()
+            .unwrap_or("")
+            .to_owned();
+        let body = body.collect().await.expect("body").to_bytes();
+        let claim = ClaimRequest {
+            key: RecordKey {
+                key,
+                subject,
+                endpoint: "POST /checkout".into(),
+            },
+            fingerprint: Fingerprint::of(None, &body),
+            in_progress_ttl: Duration::from_secs(90),
+            retention: Duration::from_secs(86_400),
+        };
+        let ClaimOutcome::Claimed { lease, .. } = store.claim(&claim).await.expect("claim") else {
+            panic!("fresh keys only");
+        };
+        let response = StoredResponse {
+            outcome: Finished::Completed,
+            status: 201,
+            headers: vec![
+                (
+                    http::header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                ),
+                (
+                    http::header::LOCATION,
+                    HeaderValue::from_static("/charges/1"),
+                ),
+            ],
+            body: Bytes::from_static(br#"{"id":1,"status":"succeeded"}"#),
+        };
+        let retention = claim.retention;
+        store
+            .complete(&claim.key, lease, response, retention)
+            .await
+            .expect("complete");
+        created(body).await
+    }
+    Router::new()
+        .route("/checkout", post(handler))
+        .layer(middleware::from_fn(auth))
+        .with_state(store)
+}
+
+fn fresh_keys(prefix: &str) -> MakeRequest {
+    let prefix = prefix.to_owned();
+    Arc::new(move |i| {
+        (
+            "/checkout".into(),
+            format!("user-{}", i % 1000),
+            format!("{prefix}-{i}"),
+        )
+    })
+}
+
+// ---------------------------------------------------------------- Postgres
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+/// A pool on a schema of this run's own, dropped at the end.
+async fn bench_pool(schema: &str, connections: u32) -> PgPool {
+    let options = PgConnectOptions::from_str(&database_url())
+        .expect("DATABASE_URL")
+        .options([("search_path", schema)]);
+    PgPoolOptions::new()
+        .max_connections(connections)
+        .min_connections(connections)
+        .connect_with(options)
+        .await
+        .expect("PostgreSQL must be running")
+}
+
+async fn fresh_pg_store(schema: &str, connections: u32) -> PostgresStore {
+    let store = PostgresStore::new(bench_pool(schema, connections).await);
+    sqlx::raw_sql("DROP TABLE IF EXISTS idempotency_records")
+        .execute(store.pool())
+        .await
+        .expect("drop");
+    store.migrate().await.expect("migrate");
+    store
+}
+
+// ---------------------------------------------------------------- scenarios
+
+fn ms(d: Duration) -> String {
+    format!("{:.2} ms", d.as_secs_f64() * 1e3)
+}
+
+fn row(name: &str, base: Stats, subject: Stats) {
+    println!(
+        "| {name} | {:.0} | {:.0} | **{:.2}x** | {} / {} | {} / {} | **{:.2}x** |",
+        base.rps,
+        subject.rps,
+        subject.rps / base.rps,
+        ms(base.p50),
+        ms(subject.p50),
+        ms(base.p99),
+        ms(subject.p99),
+        subject.p99.as_secs_f64() / base.p99.as_secs_f64(),
+    );
+}
+
+/// Runs baseline and subject alternately `rounds` times and keeps each one's median round by rps.
+async fn paired<B, S, FB, FS>(rounds: usize, mut base: FB, mut subject: FS) -> (Stats, Stats)
+where
+    FB: FnMut(usize) -> B,
+    FS: FnMut(usize) -> S,
+    B: Future<Output = Stats>,
+    S: Future<Output = Stats>,
+{
+    let mut b = Vec::new();
+    let mut s = Vec::new();
+    for round in 0..rounds {
+        b.push(base(round).await);
+        s.push(subject(round).await);
+    }
+    let median = |mut v: Vec<Stats>| {
+        v.sort_by(|x, y| x.rps.total_cmp(&y.rps));
+        v[v.len() / 2]
+    };
+    (median(b), median(s))
+}
+
+async fn memory_vs_bare() {
+    const CONCURRENCY: usize = 32;
+    let n = scale(20_000);
+    let bare_addr = serve(bare()).await;
+    let store = MemoryStore::new();
+    let layer_addr = serve(guarded(store.clone())).await;
+    // Warm both up.
+    load(bare_addr, CONCURRENCY, 2_000, fresh_keys("warm")).await;
+    load(layer_addr, CONCURRENCY, 2_000, fresh_keys("warm")).await;
+
+    println!(
+        "\n### Layer + memory store vs the bare route (HTTP/1.1 loopback, {CONCURRENCY} connections, 1 KiB JSON, {n} requests a round, median of 3 rounds)\n"
+    );
+    println!(
+        "| case | bare req/s | layer req/s | req/s ratio | p50 bare / layer | p99 bare / layer | p99 ratio |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let (b, s) = paired(
+        3,
+        |_| load(bare_addr, CONCURRENCY, n, fresh_keys("bare")),
+        |r| load(layer_addr, CONCURRENCY, n, fresh_keys(&format!("fresh{r}"))),
+    )
+    .await;
+    row("fresh keys", b, s);
+    // Replays: every key was recorded by the first fresh round.
+    let replays: MakeRequest = Arc::new(|i| {
+        (
+            "/checkout".into(),
+            format!("user-{}", i % 1000),
+            format!("fresh0-{}", i % 5_000),
+        )
+    });
+    let (b, s) = paired(
+        3,
+        |_| load(bare_addr, CONCURRENCY, n, fresh_keys("bare")),
+        |_| load(layer_addr, CONCURRENCY, n, replays.clone()),
+    )
+    .await;
+    row("replays", b, s);
+}
+
+async fn postgres_vs_direct_sql(schema: &str) {
+    const CONCURRENCY: usize = 16;
+    let n = scale(6_000);
+    let store = fresh_pg_store(schema, CONCURRENCY as u32).await;
+    let direct_addr = serve(direct_sql(store.clone())).await;
+    let layer_addr = serve(guarded(store.clone())).await;
+    load(direct_addr, CONCURRENCY, 500, fresh_keys("warm-d")).await;
+    load(layer_addr, CONCURRENCY, 500, fresh_keys("warm-l")).await;
+
+    println!(
+        "\n### Layer + Postgres store vs the same claim and complete statements issued by the handler through sqlx (fresh keys, {CONCURRENCY} connections and {CONCURRENCY} pooled database connections, {n} requests a round, median of 3 rounds)\n"
+    );
+    println!(
+        "| case | direct SQL req/s | layer req/s | req/s ratio | p50 direct / layer | p99 direct / layer | p99 ratio |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let (b, s) = paired(
+        3,
+        |r| {
+            load(
+                direct_addr,
+                CONCURRENCY,
+                n,
+                fresh_keys(&format!("direct{r}")),
+            )
+        },
+        |r| load(layer_addr, CONCURRENCY, n, fresh_keys(&format!("layer{r}"))),
+    )
+    .await;
+    row("fresh keys", b, s);
+}
+
+/// The duplicate of a request in progress: the layer's 409 against one `SELECT 1` round trip, and
+/// against a design whose claim shares the handler's transaction, so a duplicate waits on its lock.
+async fn duplicate_in_progress(schema: &str) {
+    let samples = scale(400);
+    let store = fresh_pg_store(schema, 8).await;
+    let pool = store.pool().clone();
+
+    // Baseline: one round trip.
+    let mut round_trips = Vec::new();
+    for _ in 0..samples {
+        let t = Instant::now();
+        sqlx::query("SELECT 1")
+            .execute(&pool)
+            .await
+            .expect("select 1");
+        round_trips.push(t.elapsed());
+    }
+    let select1 = Stats::of(round_trips, Duration::from_secs(1));
+
+    // The layer: a 2 s handler holds the key; duplicates are answered while it runs.
+    async fn slow(_body: Bytes) -> Response {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        created(Bytes::new()).await
+    }
+    let router = Router::new()
+        .route("/checkout", post(slow))
+        .route_layer(IdempotencyLayer::new(store.clone()))
+        .layer(middleware::from_fn(auth));
+    let addr = serve(router).await;
+    let mut conflicts = Vec::new();
+    let mut key = 0;
+    while conflicts.len() < samples {
+        key += 1;
+        let k = format!("dup-{key}");
+        let first = tokio::spawn({
+            let k = k.clone();
+            async move {
+                Client::connect(addr)
+                    .await
+                    .post("/checkout", "alice", &k, Bytes::new())
+                    .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut client = Client::connect(addr).await;
+        // Duplicates for the next 1.5 s, while the first is still in its handler.
+        let until = Instant::now() + Duration::from_millis(1500);
+        while Instant::now() < until && conflicts.len() < samples {
+            let t = Instant::now();
+            let status = client.post("/checkout", "alice", &k, Bytes::new()).await;
+            conflicts.push(t.elapsed());
+            assert_eq!(status, StatusCode::CONFLICT);
+        }
+        assert_eq!(first.await.expect("first"), StatusCode::CREATED);
+    }
+    let layer = Stats::of(conflicts, Duration::from_secs(1));
+
+    // Lock-waiting design: the claim is an insert inside the handler's transaction; a duplicate's
+    // insert blocks on the unique index until the first commits (2 s later), then finds the row.
+    sqlx::raw_sql(
+        "DROP TABLE IF EXISTS lock_waiting_claims; \
+         CREATE TABLE lock_waiting_claims (key text PRIMARY KEY)",
+    )
+    .execute(&pool)
+    .await
+    .expect("table");
+    let waits = scale(8).min(8);
+    let mut waited = Vec::new();
+    for i in 0..waits {
+        let k = format!("lock-{i}");
+        let first = tokio::spawn({
+            let (pool, k) = (pool.clone(), k.clone());
+            async move {
+                let mut tx = pool.begin().await.expect("begin");
+                sqlx::query("INSERT INTO lock_waiting_claims VALUES ($1)")
+                    .bind(&k)
+                    .execute(&mut *tx)
+                    .await
+                    .expect("claim");
+                tokio::time::sleep(Duration::from_secs(2)).await; // the handler
+                tx.commit().await.expect("commit");
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let t = Instant::now();
+        let inserted =
+            sqlx::query("INSERT INTO lock_waiting_claims VALUES ($1) ON CONFLICT DO NOTHING")
+                .bind(&k)
+                .execute(&pool)
+                .await
+                .expect("duplicate");
+        waited.push(t.elapsed());
+        assert_eq!(inserted.rows_affected(), 0);
+        first.await.expect("first");
+    }
+    let locking = Stats::of(waited, Duration::from_secs(1));
+
+    println!(
+        "\n### A duplicate while the first request is in progress (Postgres store, 2 s handler, {samples} duplicates)\n"
+    );
+    println!("| what | p50 | p99 | p50 ratio to `SELECT 1` | p99 ratio to `SELECT 1` |");
+    println!("|---|---|---|---|---|");
+    let line = |name: &str, s: Stats| {
+        println!(
+            "| {name} | {} | {} | {:.2}x | {:.2}x |",
+            ms(s.p50),
+            ms(s.p99),
+            s.p50.as_secs_f64() / select1.p50.as_secs_f64(),
+            s.p99.as_secs_f64() / select1.p99.as_secs_f64()
+        )
+    };
+    line("one Postgres round trip (`SELECT 1`, sqlx pool)", select1);
+    line("**layer: `409 in_progress` over HTTP**", layer);
+    line(
+        &format!("lock-waiting design: duplicate waits for the first ({waits} samples)"),
+        locking,
+    );
+}
+
+/// Requests per second with 50 000 live records against an empty store, for one store.
+async fn growth<S: IdempotencyStore>(label: &str, store: S, fill: impl AsyncFnOnce(&S)) {
+    const CONCURRENCY: usize = 16;
+    let n = scale(4_000);
+    let addr = serve(guarded(store.clone())).await;
+    load(addr, CONCURRENCY, 500, fresh_keys(&format!("{label}-warm"))).await;
+    let empty = load(addr, CONCURRENCY, n, fresh_keys(&format!("{label}-empty"))).await;
+    fill(&store).await;
+    let many_subjects = load(addr, CONCURRENCY, n, fresh_keys(&format!("{label}-full"))).await;
+    let one_subject: MakeRequest = {
+        let label = label.to_owned();
+        Arc::new(move |i| {
+            (
+                "/checkout".into(),
+                "heavy".into(),
+                format!("{label}-heavy-new-{i}"),
+            )
+        })
+    };
+    let heavy = load(addr, CONCURRENCY, n, one_subject).await;
+    row(
+        &format!("{label}: 50 000 records, many subjects"),
+        empty,
+        many_subjects,
+    );
+    row(
+        &format!("{label}: 50 000 records, 25 000 for the requesting subject"),
+        empty,
+        heavy,
+    );
+}
+
+fn filler_claim(i: usize) -> ClaimRequest {
+    // 25 000 records over 5 000 subjects, and 25 000 for one subject ("heavy").
+    let subject = if i < 25_000 {
+        format!("user-x{}", i % 5_000)
+    } else {
+        "heavy".to_owned()
+    };
+    ClaimRequest {
+        key: RecordKey {
+            key: format!("fill-{i}"),
+            subject,
+            endpoint: "POST /checkout".into(),
+        },
+        fingerprint: Fingerprint::of(None, b"{}"),
+        in_progress_ttl: Duration::from_secs(90),
+        retention: Duration::from_secs(86_400),
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    println!("## Load harness run\n");
+    println!(
+        "machine: {} cores, loopback HTTP/1.1 (hyper client and axum server in one process), LOAD_SCALE={}",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        std::env::var("LOAD_SCALE").unwrap_or_else(|_| "1".into())
+    );
+    // `cargo bench --bench load -- memory growth`: only the named parts (memory, postgres,
+    // duplicate, growth); all of them by default.
+    let parts = ["memory", "postgres", "duplicate", "growth"];
+    let chosen: Vec<String> = std::env::args()
+        .filter(|a| parts.contains(&a.as_str()))
+        .collect();
+    let run = |part: &str| chosen.is_empty() || chosen.iter().any(|c| c == part);
+    if run("memory") {
+        memory_vs_bare().await;
+    }
+    if !(run("postgres") || run("duplicate") || run("growth")) {
+        return;
+    }
+    let admin = PgPool::connect(&database_url())
+        .await
+        .expect("PostgreSQL must be running");
+    let schema = format!("idem_bench_{}", std::process::id());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
+    )))
+    .execute(&admin)
+    .await
+    .expect("schema");
+    if run("postgres") {
+        postgres_vs_direct_sql(&schema).await;
+    }
+    if run("duplicate") {
+        duplicate_in_progress(&schema).await;
+    }
+    if run("growth") {
+        growth_all(&schema).await;
+    }
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP SCHEMA IF EXISTS {schema} CASCADE"
+    )))
+    .execute(&admin)
+    .await
+    .expect("drop schema");
+}
+
+async fn growth_all(schema: &str) {
+    println!(
+        "\n### Growth: fresh-key requests/s with 50 000 live records vs an empty store (16 connections)\n"
+    );
+    println!(
+        "| case | empty req/s | full req/s | req/s ratio | p50 empty / full | p99 empty / full | p99 ratio |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    growth("memory", MemoryStore::new(), async |store: &MemoryStore| {
+        for i in 0..50_000 {
+            store.claim(&filler_claim(i)).await.expect("fill");
+        }
+    })
+    .await;
+    let store = fresh_pg_store(schema, 16).await;
+    growth("postgres", store, async |store: &PostgresStore| {
+        // Each fill row is claimed through the store, in parallel.
+        let mut tasks = tokio::task::JoinSet::new();
+        for chunk in 0..16 {
+            let store = store.clone();
+            tasks.spawn(async move {
+                for i in (chunk..50_000).step_by(16) {
+                    store.claim(&filler_claim(i)).await.expect("fill");
+                }
+            });
+        }
+        while tasks.join_next().await.is_some() {}
+        sqlx::raw_sql("ANALYZE idempotency_records")
+            .execute(store.pool())
+            .await
+            .expect("analyze");
+    })
+    .await;
+}
