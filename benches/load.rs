@@ -231,7 +231,7 @@ fn direct_sql(store: PostgresStore) -> Router {
         };
         let retention = claim.retention;
         store
-            .complete(&claim.key, lease, response, retention)
+            .complete(&claim.key, lease, Arc::new(response), retention)
             .await
             .expect("complete");
         created(body).await

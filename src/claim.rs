@@ -3,6 +3,7 @@
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use futures_util::FutureExt;
@@ -15,9 +16,10 @@ use crate::body::{self, RequestBodyError, ResponseBody};
 use crate::config::Config;
 use crate::fingerprint::Fingerprint;
 use crate::key;
+use crate::outcome::Outcome;
 use crate::policy::Disposition;
 use crate::problem::{ErrorKind, problem};
-use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey};
+use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
 use crate::replay;
 use crate::store::IdempotencyStore;
 
@@ -40,6 +42,7 @@ where
     let key = match key::from_headers(&parts.headers) {
         Ok(Some(key)) => key,
         Ok(None) if config.require_key => {
+            report(&config, Outcome::Rejected);
             return Ok(problem(
                 ErrorKind::MissingIdempotencyKey,
                 "this endpoint requires an Idempotency-Key header",
@@ -47,12 +50,16 @@ where
             ));
         }
         Ok(None) => return pass_through(inner, Request::from_parts(parts, body)).await,
-        Err(e) => return Ok(problem(ErrorKind::InvalidIdempotencyKey, e.detail(), None)),
+        Err(e) => {
+            report(&config, Outcome::Rejected);
+            return Ok(problem(ErrorKind::InvalidIdempotencyKey, e.detail(), None));
+        }
     };
     let subject = match config.subject.subject(&parts).filter(|s| !s.is_empty()) {
         Some(subject) => subject,
         None if config.allow_anonymous => String::new(),
         None => {
+            report(&config, Outcome::Rejected);
             return Ok(problem(
                 ErrorKind::MissingSubject,
                 "an idempotent request must come from an authenticated subject",
@@ -72,7 +79,7 @@ where
         let bytes = match body::read_request(&parts.headers, body, config.body_limit).await {
             Ok(bytes) => bytes,
             Err(RequestBodyError::TooLarge) => {
-                tracing::Span::current().record("outcome", "request_too_large");
+                report(&config, Outcome::Rejected);
                 let detail = format!(
                     "the request body is over the limit of {} bytes",
                     config.body_limit
@@ -80,7 +87,7 @@ where
                 return Ok(problem(ErrorKind::RequestTooLarge, &detail, None));
             }
             Err(RequestBodyError::Unreadable(reason)) => {
-                tracing::Span::current().record("outcome", "unreadable_body");
+                report(&config, Outcome::Rejected);
                 let detail = format!("the request body could not be read: {reason}");
                 return Ok(problem(ErrorKind::UnreadableBody, &detail, None));
             }
@@ -97,16 +104,22 @@ where
         };
         let request = Request::from_parts(parts, Body::from(bytes));
         let outcome = store.claim(&claim).await;
-        let span = tracing::Span::current();
         let retry_after = config.retry_after_secs;
         match outcome {
             Ok(ClaimOutcome::Claimed { lease, retaken }) => {
-                span.record("outcome", if retaken { "retaken" } else { "claimed" });
+                report(
+                    &config,
+                    if retaken {
+                        Outcome::Retaken
+                    } else {
+                        Outcome::Claimed
+                    },
+                );
                 tracing::info!(retaken, "claimed; running the handler");
                 run(config, store, inner, request, claim.key, lease).await
             }
             Ok(ClaimOutcome::FingerprintMismatch) => {
-                span.record("outcome", "key_reuse");
+                report(&config, Outcome::KeyReuse);
                 tracing::info!("key reused for a different request");
                 Ok(problem(
                     ErrorKind::IdempotencyKeyReuse,
@@ -115,7 +128,7 @@ where
                 ))
             }
             Ok(ClaimOutcome::InProgress) => {
-                span.record("outcome", "in_progress");
+                report(&config, Outcome::InProgress);
                 tracing::info!("duplicate while in progress");
                 Ok(problem(
                     ErrorKind::InProgress,
@@ -124,17 +137,17 @@ where
                 ))
             }
             Ok(ClaimOutcome::Finished(stored)) => {
-                span.record("outcome", "replayed");
+                report(&config, Outcome::Replayed);
                 tracing::info!(status = stored.status, "replayed");
                 Ok(replay::replay(&stored))
             }
             Err(e) if config.fail_open => {
-                span.record("outcome", "store_error_fail_open");
+                report(&config, Outcome::FailedOpen);
                 tracing::warn!(error = %e, "idempotency store failed; running unguarded");
                 pass_through(inner, request).await
             }
             Err(e) => {
-                span.record("outcome", "store_unavailable");
+                report(&config, Outcome::StoreUnavailable);
                 tracing::error!(error = %e, "idempotency store failed; refusing the request");
                 Ok(problem(
                     ErrorKind::StoreUnavailable,
@@ -180,7 +193,7 @@ where
 {
     let task = tokio::spawn(
         async move {
-            let claim = Claim::new(store, key, lease);
+            let claim = Claim::new(store, config.clone(), key, lease);
             match AssertUnwindSafe(inner.oneshot(request))
                 .catch_unwind()
                 .await
@@ -215,16 +228,14 @@ fn internal_error() -> Response<Body> {
 
 /// Sorts the handler's response by the policy and records it, or releases the record.
 async fn record<St: IdempotencyStore>(
-    config: &Config,
+    config: &Arc<Config>,
     claim: Claim<St>,
     response: Response<Body>,
 ) -> Response<Body> {
-    let span = tracing::Span::current();
     let outcome = match (config.policy)(response.status()) {
         Disposition::Complete => Finished::Completed,
         Disposition::Fail => Finished::Failed,
         Disposition::Release => {
-            span.record("outcome", "released");
             claim.release("the response asks for a retry").await;
             return response;
         }
@@ -233,7 +244,6 @@ async fn record<St: IdempotencyStore>(
     let bytes = match body::read_response(body, config.response_limit).await {
         ResponseBody::Whole(bytes) => bytes,
         ResponseBody::Passed(body) => {
-            span.record("outcome", "released");
             claim
                 .release("the response body is too large to record, has trailers, or failed")
                 .await;
@@ -247,60 +257,106 @@ async fn record<St: IdempotencyStore>(
         &config.stored_headers,
         bytes.clone(),
     );
-    claim.complete(stored, config.retention).await;
+    claim.complete(Arc::new(stored)).await;
     Response::from_parts(parts, Body::from(bytes))
+}
+
+/// Reports an outcome to the span and to the configured hook.
+fn report(config: &Config, outcome: Outcome) {
+    tracing::Span::current().record("outcome", outcome.as_str());
+    if let Some(hook) = &config.on_outcome {
+        hook(outcome);
+    }
 }
 
 /// A held claim: completed or released exactly once, and released on drop if neither happened (the
 /// task was cancelled), so a record is never left `in_progress` by this process on purpose.
 struct Claim<St: IdempotencyStore> {
     store: St,
+    config: Arc<Config>,
     key: RecordKey,
     lease: LeaseToken,
     done: bool,
 }
 
 impl<St: IdempotencyStore> Claim<St> {
-    fn new(store: St, key: RecordKey, lease: LeaseToken) -> Self {
+    fn new(store: St, config: Arc<Config>, key: RecordKey, lease: LeaseToken) -> Self {
         Claim {
             store,
+            config,
             key,
             lease,
             done: false,
         }
     }
 
-    async fn complete(
-        mut self,
-        stored: crate::record::StoredResponse,
-        retention: std::time::Duration,
-    ) {
+    /// Records the response. When the store fails, the effect has happened, so the record is not
+    /// released (a retry would run it again): recording is retried in the background, for up to half
+    /// the in-progress TTL, while duplicates get `409`.
+    async fn complete(mut self, stored: Arc<StoredResponse>) {
         self.done = true;
-        let status = stored.status;
-        match self
+        let retention = self.config.retention;
+        let first = self
             .store
-            .complete(&self.key, self.lease, stored, retention)
-            .await
-        {
-            Ok(true) => tracing::info!(status, "recorded"),
-            Ok(false) => tracing::warn!(
-                "the lease was lost (the record was retaken after the in-progress TTL); \
-                 this late result was not recorded"
-            ),
+            .complete(&self.key, self.lease, stored.clone(), retention)
+            .await;
+        if self.completed(first, stored.status) {
+            return;
+        }
+        report(&self.config, Outcome::RecordDeferred);
+        let deadline = Instant::now() + self.config.in_progress_ttl / 2;
+        let claim = self; // done: the retries below own it
+        let retry = async move {
+            let mut pause = Duration::from_millis(100);
+            loop {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+                let attempt = claim
+                    .store
+                    .complete(&claim.key, claim.lease, stored.clone(), retention)
+                    .await;
+                if claim.completed(attempt, stored.status) {
+                    return;
+                }
+                if Instant::now() >= deadline {
+                    tracing::error!(
+                        "gave up recording the response; the record stays in progress and can be \
+                         retaken after the in-progress TTL"
+                    );
+                    return;
+                }
+            }
+        };
+        tokio::spawn(retry.in_current_span());
+    }
+
+    /// Reports what a completion attempt did; false when the store failed.
+    fn completed(&self, attempt: Result<bool, crate::StoreError>, status: u16) -> bool {
+        match attempt {
+            Ok(true) => {
+                report(&self.config, Outcome::Recorded);
+                tracing::info!(status, "recorded");
+                true
+            }
+            Ok(false) => {
+                report(&self.config, Outcome::LeaseLost);
+                tracing::warn!(
+                    "the lease was lost (the record was retaken after the in-progress TTL); \
+                     this late result was not recorded"
+                );
+                true
+            }
             Err(e) => {
-                tracing::error!(error = %e, "the response could not be recorded; releasing");
-                self.release_now().await;
+                tracing::error!(error = %e, "the response could not be recorded yet");
+                false
             }
         }
     }
 
     async fn release(mut self, why: &str) {
         self.done = true;
+        report(&self.config, Outcome::Released);
         tracing::info!(reason = why, "releasing the record");
-        self.release_now().await;
-    }
-
-    async fn release_now(&self) {
         match self.store.release(&self.key, self.lease).await {
             Ok(true) => {}
             Ok(false) => tracing::warn!("the lease was lost before the release; nothing changed"),

@@ -8,6 +8,7 @@ use http::request::Parts;
 use http::{HeaderName, Method, StatusCode};
 
 use crate::layer::IdempotencyLayer;
+use crate::outcome::Outcome;
 use crate::policy::{Disposition, default_policy};
 use crate::store::IdempotencyStore;
 use crate::subject::{SubjectExtension, SubjectExtractor};
@@ -52,6 +53,7 @@ impl std::error::Error for ConfigError {}
 
 pub(crate) type PolicyFn = dyn Fn(StatusCode) -> Disposition + Send + Sync;
 pub(crate) type EndpointFn = dyn Fn(&Parts) -> String + Send + Sync;
+pub(crate) type OutcomeFn = dyn Fn(Outcome) + Send + Sync;
 
 /// The validated settings of one layer.
 pub(crate) struct Config {
@@ -68,6 +70,7 @@ pub(crate) struct Config {
     pub allow_anonymous: bool,
     pub endpoint: Arc<EndpointFn>,
     pub fail_open: bool,
+    pub on_outcome: Option<Arc<OutcomeFn>>,
 }
 
 impl Default for Config {
@@ -89,6 +92,7 @@ impl Default for Config {
             allow_anonymous: false,
             endpoint: Arc::new(default_endpoint),
             fail_open: false,
+            on_outcome: None,
         }
     }
 }
@@ -207,6 +211,13 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
     /// `503 idempotency_store_unavailable`. Default: `false` (fail closed).
     pub fn fail_open(mut self, fail_open: bool) -> Self {
         self.config.fail_open = fail_open;
+        self
+    }
+
+    /// Calls `hook` with every [`Outcome`] of a guarded request, for metrics; see
+    /// [`OutcomeCounters`](crate::OutcomeCounters). It runs on the request path: keep it cheap.
+    pub fn on_outcome(mut self, hook: impl Fn(Outcome) + Send + Sync + 'static) -> Self {
+        self.config.on_outcome = Some(Arc::new(hook));
         self
     }
 

@@ -206,7 +206,7 @@ impl IdempotencyStore for DownStore {
         &self,
         _: &RecordKey,
         _: LeaseToken,
-        _: StoredResponse,
+        _: std::sync::Arc<StoredResponse>,
         _: Duration,
     ) -> Result<bool, StoreError> {
         Err(StoreError::msg("connection refused"))
@@ -275,4 +275,43 @@ async fn memory_is_bounded_by_retention() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(store.len() <= 25_000, "store grew to {}", store.len());
+}
+
+#[tokio::test]
+async fn outcomes_are_reported_to_the_hook() {
+    let outcomes = axum_idempotency::OutcomeCounters::new();
+    let layer = IdempotencyLayer::builder(MemoryStore::new())
+        .on_outcome(outcomes.hook())
+        .build()
+        .expect("layer");
+    let (router, _) = app(layer);
+    use axum_idempotency::Outcome;
+    send(&router, post("/pay").key("k").user("alice").json("{}")).await;
+    send(&router, post("/pay").key("k").user("alice").json("{}")).await;
+    send(
+        &router,
+        post("/pay").key("k").user("alice").json("{\"a\":1}"),
+    )
+    .await;
+    send(&router, post("/pay").key("").user("alice")).await;
+    send(
+        &router,
+        post("/pay")
+            .key("r")
+            .user("alice")
+            .header("x-status", "503"),
+    )
+    .await;
+    let expected = [
+        (Outcome::Claimed, 2),
+        (Outcome::Recorded, 1),
+        (Outcome::Replayed, 1),
+        (Outcome::KeyReuse, 1),
+        (Outcome::Rejected, 1),
+        (Outcome::Released, 1),
+        (Outcome::InProgress, 0),
+    ];
+    for (outcome, count) in expected {
+        assert_eq!(outcomes.get(outcome), count, "{outcome:?}");
+    }
 }

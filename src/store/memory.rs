@@ -146,13 +146,13 @@ impl IdempotencyStore for MemoryStore {
         &self,
         key: &RecordKey,
         lease: LeaseToken,
-        response: StoredResponse,
+        response: Arc<StoredResponse>,
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let mut shard = self.shard(key);
         match shard.records.get_mut(key) {
             Some(record) if holds(record, lease) => {
-                record.state = State::Finished(Arc::new(response));
+                record.state = State::Finished(response);
                 record.expires_at = Instant::now() + retention;
                 Ok(true)
             }

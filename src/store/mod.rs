@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
@@ -12,7 +13,7 @@ pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "postgres")]
-pub use postgres::{PostgresStore, PostgresStoreError};
+pub use postgres::{DEFAULT_OPERATION_TIMEOUT, PostgresStore, PostgresStoreError};
 
 /// An error from a store: the layer answers `503 idempotency_store_unavailable` (or, when configured
 /// to fail open, runs the handler unguarded).
@@ -85,7 +86,7 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         &self,
         key: &RecordKey,
         lease: LeaseToken,
-        response: StoredResponse,
+        response: Arc<StoredResponse>,
         retention: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 

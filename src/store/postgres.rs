@@ -1,6 +1,7 @@
 //! The PostgreSQL store: one table shared by every instance of an application.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,7 +35,11 @@ const PURGE_BATCH: i64 = 10_000;
 pub struct PostgresStore {
     pool: PgPool,
     sql: Arc<Statements>,
+    timeout: Duration,
 }
+
+/// How long one store operation may take before it counts as failed (`503`), by default.
+pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// An invalid table name given to [`PostgresStore::with_table`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -119,6 +124,7 @@ impl PostgresStore {
         PostgresStore {
             pool,
             sql: Arc::new(Statements::new(DEFAULT_TABLE)),
+            timeout: DEFAULT_OPERATION_TIMEOUT,
         }
     }
 
@@ -143,7 +149,33 @@ impl PostgresStore {
         Ok(PostgresStore {
             pool,
             sql: Arc::new(Statements::new(table)),
+            timeout: DEFAULT_OPERATION_TIMEOUT,
         })
+    }
+
+    /// How long one claim, complete, release or purge statement (pool wait included) may take
+    /// before it fails. Without it, a database that stops answering (a stalled network) would hold
+    /// requests forever. Default: [`DEFAULT_OPERATION_TIMEOUT`].
+    ///
+    /// A claim that times out may still have committed; its record then stays `in_progress` with no
+    /// worker and is retaken after the in-progress TTL: the handler still runs at most once.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    async fn timed<T>(
+        &self,
+        what: &'static str,
+        operation: impl Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.timeout, operation).await {
+            Ok(result) => result.map_err(db(what)),
+            Err(_) => Err(StoreError::msg(format!(
+                "postgres {what}: no answer within {:?}",
+                self.timeout
+            ))),
+        }
     }
 
     /// The connection pool.
@@ -186,18 +218,21 @@ impl PostgresStore {
     ) -> Result<Option<LeaseToken>, StoreError> {
         let lease = LeaseToken::generate();
         let key = &request.key;
-        let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.retake.as_str()))
-            .bind(&key.key)
-            .bind(&key.subject)
-            .bind(&key.endpoint)
-            .bind(&request.fingerprint.as_bytes()[..])
-            .bind(lease.0)
-            .bind(micros(request.in_progress_ttl + request.retention))
-            .bind(old_lease)
-            .bind(old_status)
-            .execute(&self.pool)
-            .await
-            .map_err(db("retake"))?;
+        let done = self
+            .timed(
+                "retake",
+                sqlx::query(sqlx::AssertSqlSafe(self.sql.retake.as_str()))
+                    .bind(&key.key)
+                    .bind(&key.subject)
+                    .bind(&key.endpoint)
+                    .bind(&request.fingerprint.as_bytes()[..])
+                    .bind(lease.0)
+                    .bind(micros(request.in_progress_ttl + request.retention))
+                    .bind(old_lease)
+                    .bind(old_status)
+                    .execute(&self.pool),
+            )
+            .await?;
         Ok((done.rows_affected() == 1).then_some(lease))
     }
 
@@ -266,17 +301,19 @@ impl PostgresStore {
         lease: LeaseToken,
     ) -> Result<Option<PgRow>, StoreError> {
         let key = &request.key;
-        sqlx::query(sqlx::AssertSqlSafe(self.sql.claim.as_str()))
-            .bind(&key.key)
-            .bind(&key.subject)
-            .bind(&key.endpoint)
-            .bind(&request.fingerprint.as_bytes()[..])
-            .bind(lease.0)
-            .bind(micros(request.in_progress_ttl + request.retention))
-            .bind(micros(request.in_progress_ttl))
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(db("claim"))
+        self.timed(
+            "claim",
+            sqlx::query(sqlx::AssertSqlSafe(self.sql.claim.as_str()))
+                .bind(&key.key)
+                .bind(&key.subject)
+                .bind(&key.endpoint)
+                .bind(&request.fingerprint.as_bytes()[..])
+                .bind(lease.0)
+                .bind(micros(request.in_progress_ttl + request.retention))
+                .bind(micros(request.in_progress_ttl))
+                .fetch_optional(&self.pool),
+        )
+        .await
     }
 }
 
@@ -301,7 +338,7 @@ impl IdempotencyStore for PostgresStore {
         &self,
         key: &RecordKey,
         lease: LeaseToken,
-        response: StoredResponse,
+        response: Arc<StoredResponse>,
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let (names, values): (Vec<&str>, Vec<&[u8]>) = response
@@ -309,42 +346,50 @@ impl IdempotencyStore for PostgresStore {
             .iter()
             .map(|(n, v)| (n.as_str(), v.as_bytes()))
             .unzip();
-        let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.complete.as_str()))
-            .bind(&key.key)
-            .bind(&key.subject)
-            .bind(&key.endpoint)
-            .bind(lease.0)
-            .bind(response.outcome.as_str())
-            .bind(i16::try_from(response.status).unwrap_or(500))
-            .bind(names)
-            .bind(values)
-            .bind(&response.body[..])
-            .bind(micros(retention))
-            .execute(&self.pool)
-            .await
-            .map_err(db("complete"))?;
+        let done = self
+            .timed(
+                "complete",
+                sqlx::query(sqlx::AssertSqlSafe(self.sql.complete.as_str()))
+                    .bind(&key.key)
+                    .bind(&key.subject)
+                    .bind(&key.endpoint)
+                    .bind(lease.0)
+                    .bind(response.outcome.as_str())
+                    .bind(i16::try_from(response.status).unwrap_or(500))
+                    .bind(names)
+                    .bind(values)
+                    .bind(&response.body[..])
+                    .bind(micros(retention))
+                    .execute(&self.pool),
+            )
+            .await?;
         Ok(done.rows_affected() == 1)
     }
 
     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
-        let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.release.as_str()))
-            .bind(&key.key)
-            .bind(&key.subject)
-            .bind(&key.endpoint)
-            .bind(lease.0)
-            .execute(&self.pool)
-            .await
-            .map_err(db("release"))?;
+        let done = self
+            .timed(
+                "release",
+                sqlx::query(sqlx::AssertSqlSafe(self.sql.release.as_str()))
+                    .bind(&key.key)
+                    .bind(&key.subject)
+                    .bind(&key.endpoint)
+                    .bind(lease.0)
+                    .execute(&self.pool),
+            )
+            .await?;
         Ok(done.rows_affected() == 1)
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
-            let done = sqlx::query(sqlx::AssertSqlSafe(self.sql.purge.as_str()))
-                .execute(&self.pool)
-                .await
-                .map_err(db("purge"))?;
+            let done = self
+                .timed(
+                    "purge",
+                    sqlx::query(sqlx::AssertSqlSafe(self.sql.purge.as_str())).execute(&self.pool),
+                )
+                .await?;
             total += done.rows_affected();
             if done.rows_affected() < PURGE_BATCH as u64 {
                 return Ok(total);

@@ -70,8 +70,8 @@ fn claim_request(key: &str, ttl: Duration) -> ClaimRequest {
     }
 }
 
-fn stored(body: &'static str) -> StoredResponse {
-    StoredResponse {
+fn stored(body: &'static str) -> Arc<StoredResponse> {
+    Arc::new(StoredResponse {
         outcome: Finished::Completed,
         status: 201,
         headers: vec![(
@@ -79,7 +79,7 @@ fn stored(body: &'static str) -> StoredResponse {
             axum::http::HeaderValue::from_static("text/plain"),
         )],
         body: Bytes::from_static(body.as_bytes()),
-    }
+    })
 }
 
 pub async fn fresh_key_runs_once_then_replays<S: IdempotencyStore>(store: S) {

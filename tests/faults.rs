@@ -1,0 +1,312 @@
+//! Fault injection on the Postgres store: a TCP proxy between the store and PostgreSQL cuts or
+//! stalls the database connection before the claim, between claim and complete, and during complete.
+//! In every case the handler runs at most once per key, nothing stays stuck, and the client gets a
+//! clear answer (replay, 409 or 503).
+#![cfg(feature = "postgres")]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use axum_idempotency::{IdempotencyLayer, Outcome, OutcomeCounters, PostgresStore};
+use common::{Answer, Counters, app, eventually, post, send};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::AbortHandle;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    /// Bytes flow both ways.
+    Pass,
+    /// Every connection is closed, new ones are refused: the database is unreachable.
+    Cut,
+    /// Connections stay open but no byte moves: the network is stalled.
+    Stall,
+}
+
+/// A loopback TCP proxy in front of PostgreSQL that can cut or stall every connection.
+struct Proxy {
+    addr: SocketAddr,
+    mode: watch::Sender<Mode>,
+    connections: Arc<Mutex<Vec<AbortHandle>>>,
+}
+
+impl Proxy {
+    async fn start(upstream: SocketAddr) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (mode, _) = watch::channel(Mode::Pass);
+        let connections: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
+        let (tx, conns) = (mode.clone(), connections.clone());
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                if *tx.borrow() == Mode::Cut {
+                    drop(client);
+                    continue;
+                }
+                let Ok(server) = TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                let up = tokio::spawn(pipe(cr, sw, tx.subscribe()));
+                let down = tokio::spawn(pipe(sr, cw, tx.subscribe()));
+                let mut list = conns.lock().expect("lock");
+                list.push(up.abort_handle());
+                list.push(down.abort_handle());
+            }
+        });
+        Proxy {
+            addr,
+            mode,
+            connections,
+        }
+    }
+
+    fn set(&self, mode: Mode) {
+        self.mode.send_replace(mode);
+        if mode == Mode::Cut {
+            for handle in self.connections.lock().expect("lock").drain(..) {
+                handle.abort(); // dropping both halves closes the sockets
+            }
+        }
+    }
+}
+
+/// Copies bytes one way, holding them while the proxy is stalled and stopping when it is cut.
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut mode: watch::Receiver<Mode>,
+) {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        loop {
+            let now = *mode.borrow_and_update();
+            match now {
+                Mode::Pass => break,
+                Mode::Cut => return,
+                Mode::Stall => {
+                    if mode.changed().await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+struct Setup {
+    proxy: Proxy,
+    router: axum::Router,
+    counters: Counters,
+    outcomes: OutcomeCounters,
+}
+
+/// A store in a schema of its own, reached through a proxy; short timeouts so faults show quickly.
+async fn setup() -> Setup {
+    let options = PgConnectOptions::from_str(&database_url()).expect("url");
+    let upstream: SocketAddr = tokio::net::lookup_host((options.get_host(), options.get_port()))
+        .await
+        .expect("resolve")
+        .next()
+        .expect("an address");
+    let admin = sqlx::PgPool::connect(&database_url())
+        .await
+        .expect("PostgreSQL");
+    let schema = format!(
+        "idem_t_{}_{}_faults{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_secs(),
+        std::process::id(),
+        next()
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+        .execute(&admin)
+        .await
+        .expect("schema");
+    let proxy = Proxy::start(upstream).await;
+    let through_proxy = options
+        .host("127.0.0.1")
+        .port(proxy.addr.port())
+        .options([("search_path", schema.as_str())]);
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_millis(800))
+        .connect_with(through_proxy)
+        .await
+        .expect("pool through the proxy");
+    let store = PostgresStore::new(pool).with_timeout(Duration::from_millis(800));
+    store.migrate().await.expect("migrate");
+    let outcomes = OutcomeCounters::new();
+    let layer = IdempotencyLayer::builder(store)
+        .in_progress_ttl(Duration::from_secs(30))
+        .on_outcome(outcomes.hook())
+        .build()
+        .expect("layer");
+    let (router, counters) = app(layer);
+    Setup {
+        proxy,
+        router,
+        counters,
+        outcomes,
+    }
+}
+
+fn next() -> usize {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static N: AtomicUsize = AtomicUsize::new(0);
+    N.fetch_add(1, Ordering::SeqCst)
+}
+
+/// Retries like a client would until the answer is neither 409 nor 503, for at most ten seconds.
+async fn settle(router: &axum::Router, req: impl Fn() -> common::Req) -> Answer {
+    for _ in 0..100 {
+        let answer = send(router, req()).await;
+        if answer.status != StatusCode::CONFLICT && answer.status != StatusCode::SERVICE_UNAVAILABLE
+        {
+            return answer;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("still 409 or 503 after ten seconds");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cut_before_the_claim_is_503_and_runs_nothing() {
+    let s = setup().await;
+    let req = || post("/pay").key("k").user("alice").json("{\"amount\":1}");
+    s.proxy.set(Mode::Cut);
+    let refused = send(&s.router, req()).await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(refused.problem(), "idempotency_store_unavailable");
+    assert_eq!(s.counters.started(), 0);
+    s.proxy.set(Mode::Pass);
+    let charged = settle(&s.router, req).await;
+    assert_eq!(charged.status, StatusCode::CREATED);
+    let replay = send(&s.router, req()).await;
+    assert!(replay.replayed());
+    assert_eq!(s.counters.started(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cut_between_claim_and_complete_records_later_and_runs_once() {
+    let s = setup().await;
+    let req = || {
+        post("/pay")
+            .key("k")
+            .user("alice")
+            .header("x-delay-ms", "400")
+    };
+    let first = tokio::spawn({
+        let router = s.router.clone();
+        async move { send(&router, req()).await }
+    });
+    let c = s.counters.clone();
+    eventually(move || c.started() == 1).await;
+    s.proxy.set(Mode::Cut); // the database goes away while the handler runs
+    let answer = first.await.expect("first");
+    assert_eq!(
+        answer.status,
+        StatusCode::CREATED,
+        "the client gets the handler's answer"
+    );
+    assert_eq!(s.outcomes.get(Outcome::RecordDeferred), 1);
+    let during = send(&s.router, req()).await;
+    assert!(
+        during.status == StatusCode::SERVICE_UNAVAILABLE || during.status == StatusCode::CONFLICT,
+        "{during:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    s.proxy.set(Mode::Pass);
+    // The background retry records the answer: the retry is a replay, not a second charge.
+    let o = s.outcomes.clone();
+    eventually(move || o.get(Outcome::Recorded) == 1).await;
+    let replay = settle(&s.router, req).await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed());
+    assert_eq!(replay.body, answer.body);
+    assert_eq!(s.counters.started(), 1, "the handler ran once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stall_during_complete_times_out_then_records() {
+    let s = setup().await;
+    let req = || {
+        post("/pay")
+            .key("k")
+            .user("alice")
+            .header("x-delay-ms", "300")
+    };
+    let first = tokio::spawn({
+        let router = s.router.clone();
+        async move { send(&router, req()).await }
+    });
+    let c = s.counters.clone();
+    eventually(move || c.started() == 1).await;
+    s.proxy.set(Mode::Stall); // the complete statement will hang
+    let answer = tokio::time::timeout(Duration::from_secs(10), first)
+        .await
+        .expect("the client is answered despite the stall")
+        .expect("first");
+    assert_eq!(answer.status, StatusCode::CREATED);
+    assert_eq!(s.outcomes.get(Outcome::RecordDeferred), 1);
+    // A duplicate during the stall is answered too (503 after the store timeout, or 409).
+    let during = tokio::time::timeout(Duration::from_secs(10), send(&s.router, req()))
+        .await
+        .expect("answered during the stall");
+    assert!(
+        during.status == StatusCode::SERVICE_UNAVAILABLE || during.status == StatusCode::CONFLICT,
+        "{during:?}"
+    );
+    s.proxy.set(Mode::Pass);
+    let o = s.outcomes.clone();
+    eventually(move || o.get(Outcome::Recorded) == 1).await;
+    let replay = settle(&s.router, req).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, answer.body);
+    assert_eq!(s.counters.started(), 1, "the handler ran once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stall_before_the_claim_is_503_within_the_timeout() {
+    let s = setup().await;
+    let req = || post("/pay").key("k").user("alice");
+    s.proxy.set(Mode::Stall);
+    let refused = tokio::time::timeout(Duration::from_secs(10), send(&s.router, req()))
+        .await
+        .expect("answered, not held");
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(s.counters.started(), 0);
+    s.proxy.set(Mode::Pass);
+    // The timed-out claim may have committed with nobody to finish it: until its in-progress TTL
+    // the key answers 409 (never a second run); otherwise the retry charges.
+    let after = send(&s.router, req()).await;
+    assert!(
+        after.status == StatusCode::CREATED
+            || after.status == StatusCode::CONFLICT
+            || after.status == StatusCode::SERVICE_UNAVAILABLE,
+        "{after:?}"
+    );
+    assert!(s.counters.started() <= 1);
+}
