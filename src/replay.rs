@@ -107,4 +107,34 @@ mod tests {
         assert_eq!(response.headers().len(), 2); // etag and idempotent-replayed
         assert_eq!(response.headers()["etag"], "\"1\"");
     }
+
+    proptest::proptest! {
+        #[test]
+        fn replay_keeps_repeated_allowed_headers_in_order(
+            sent in proptest::collection::vec((0usize..4, "[a-z0-9]{0,8}"), 0..16)
+        ) {
+            let names = [header::CONTENT_TYPE, header::LINK, header::SET_COOKIE, header::SERVER];
+            let allowed = [header::CONTENT_TYPE, header::LINK];
+            let mut headers = HeaderMap::new();
+            for (n, value) in &sent {
+                headers.append(names[*n].clone(), HeaderValue::from_str(value).expect("value"));
+            }
+            let stored = capture(Finished::Completed, StatusCode::OK, &headers, &allowed, Bytes::new());
+            let response = replay(&stored);
+            for (n, name) in names.iter().enumerate() {
+                let expected: Vec<&str> = if n < 2 {
+                    sent.iter().filter(|(i, _)| *i == n).map(|(_, v)| v.as_str()).collect()
+                } else {
+                    Vec::new()
+                };
+                let got: Vec<&str> = response
+                    .headers()
+                    .get_all(name)
+                    .iter()
+                    .map(|v| v.to_str().expect("ascii"))
+                    .collect();
+                proptest::prop_assert_eq!(got, expected, "{}", name);
+            }
+        }
+    }
 }

@@ -196,3 +196,28 @@ async fn records_are_committed_before_the_handler_runs() {
     .expect("row");
     assert_eq!(status, "completed");
 }
+
+#[tokio::test]
+async fn hostile_keys_and_subjects_are_plain_data() {
+    // Keys and subjects are bound as parameters: SQL in them is just text.
+    let store = store().await;
+    let (router, counters) = app(IdempotencyLayer::new(store.clone()));
+    let key = "'; DROP TABLE idempotency_records; --";
+    let user = "alice' OR '1'='1";
+    let first = send(&router, post("/pay").key(key).user(user).json("{}")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = send(&router, post("/pay").key(key).user(user).json("{}")).await;
+    assert!(replay.replayed());
+    // Another subject with the same key is not matched by the quote trick.
+    let other = send(&router, post("/pay").key(key).user("alice").json("{}")).await;
+    assert!(!other.replayed());
+    assert_eq!(counters.started(), 2);
+    let (rows,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {}",
+        store.table()
+    )))
+    .fetch_one(store.pool())
+    .await
+    .expect("the table is still there");
+    assert_eq!(rows, 2);
+}
