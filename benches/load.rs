@@ -454,6 +454,40 @@ async fn duplicate_in_progress(schema: &str) {
     }
     let layer = Stats::of(conflicts, Duration::from_secs(1));
 
+    // Where the 409's time goes: the claim statement alone (no HTTP), for a record in progress, and
+    // one HTTP exchange with a no-op route (no database), on the same client.
+    let busy = ClaimRequest {
+        key: RecordKey {
+            key: "busy".into(),
+            subject: "alice".into(),
+            endpoint: "POST /checkout".into(),
+        },
+        fingerprint: Fingerprint::of(None, b""),
+        in_progress_ttl: Duration::from_secs(90),
+        retention: Duration::from_secs(86_400),
+    };
+    store.claim(&busy).await.expect("claim");
+    let mut claims = Vec::new();
+    for _ in 0..samples {
+        let t = Instant::now();
+        let outcome = store.claim(&busy).await.expect("claim");
+        claims.push(t.elapsed());
+        assert_eq!(outcome, ClaimOutcome::InProgress);
+    }
+    let claim_only = Stats::of(claims, Duration::from_secs(1));
+    let bare_addr = serve(bare()).await;
+    let mut client = Client::connect(bare_addr).await;
+    let mut exchanges = Vec::new();
+    for i in 0..samples {
+        let t = Instant::now();
+        let status = client
+            .post("/checkout", "alice", &format!("h{i}"), Bytes::new())
+            .await;
+        exchanges.push(t.elapsed());
+        assert_eq!(status, StatusCode::CREATED);
+    }
+    let http_only = Stats::of(exchanges, Duration::from_secs(1));
+
     // Lock-waiting design: the claim is an insert inside the handler's transaction; a duplicate's
     // insert blocks on the unique index until the first commits (2 s later), then finds the row.
     sqlx::raw_sql(
@@ -510,6 +544,11 @@ async fn duplicate_in_progress(schema: &str) {
     };
     line("one Postgres round trip (`SELECT 1`, sqlx pool)", select1);
     line("**layer: `409 in_progress` over HTTP**", layer);
+    line("  of which: the claim statement alone, no HTTP", claim_only);
+    line(
+        "  of which: one HTTP exchange with a no-op route, no database",
+        http_only,
+    );
     line(
         &format!("lock-waiting design: duplicate waits for the first ({waits} samples)"),
         locking,

@@ -315,3 +315,15 @@ async fn outcomes_are_reported_to_the_hook() {
         assert_eq!(outcomes.get(outcome), count, "{outcome:?}");
     }
 }
+
+#[tokio::test]
+async fn deeply_nested_json_is_handled_without_overflow() {
+    // 100 000 levels: too deep to canonicalise, so fingerprinted as bytes; the request still works.
+    let (router, counters) = app(layer());
+    let deep = "[".repeat(100_000) + &"]".repeat(100_000);
+    let first = send(&router, post("/pay").key("deep").user("alice").json(&deep)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let again = send(&router, post("/pay").key("deep").user("alice").json(&deep)).await;
+    assert!(again.replayed());
+    assert_eq!(counters.started(), 1);
+}

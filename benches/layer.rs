@@ -1,0 +1,88 @@
+//! The layer's own cost per request, without HTTP or sockets: the same Axum router with and without
+//! the layer (memory store), driven in-process with `oneshot`, 1 KiB JSON bodies.
+//!
+//! `cargo bench --bench layer`
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::http::{Request, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum_idempotency::{IdempotencyLayer, MemoryStore, Subject};
+use criterion::{Criterion, criterion_group, criterion_main};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+
+async fn created(_body: Bytes) -> impl IntoResponse {
+    (
+        StatusCode::CREATED,
+        [
+            ("content-type", "application/json"),
+            ("location", "/charges/1"),
+        ],
+        r#"{"id":1,"status":"succeeded"}"#,
+    )
+}
+
+fn body_1k() -> Bytes {
+    let items: Vec<_> = (0..12)
+        .map(|i| serde_json::json!({"sku": format!("SKU-{i:04}"), "qty": i + 1, "price": 1999 + i}))
+        .collect();
+    let doc = serde_json::json!({"amount": 123456, "currency": "EUR", "items": items,
+        "customer": {"id": 42, "email": "alice@example.com"}});
+    let mut bytes = serde_json::to_vec(&doc).expect("json");
+    bytes.resize(1024, b' ');
+    Bytes::from(bytes)
+}
+
+fn request(key: &str, body: &Bytes) -> Request<Body> {
+    let mut request = Request::post("/checkout")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .header("content-length", body.len())
+        .body(Body::from(body.clone()))
+        .expect("request");
+    request.extensions_mut().insert(Subject("alice".into()));
+    request
+}
+
+async fn call(router: &Router, request: Request<Body>) {
+    let response = router.clone().oneshot(request).await.expect("infallible");
+    assert!(response.status().is_success());
+    response.into_body().collect().await.expect("body");
+}
+
+fn bench(c: &mut Criterion) {
+    // One thread drives everything, as a server's worker does: the handler task the layer spawns
+    // runs on the same thread, with no cross-thread wake-up.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let body = body_1k();
+    let bare = Router::new().route("/checkout", post(created));
+    let guarded = Router::new()
+        .route("/checkout", post(created))
+        .route_layer(IdempotencyLayer::new(MemoryStore::new()));
+    let n = AtomicU64::new(0);
+    let mut group = c.benchmark_group("layer_per_request");
+    group.bench_function("bare_route", |b| {
+        b.iter(|| runtime.block_on(call(&bare, request("k", &body))))
+    });
+    group.bench_function("layer_fresh_key", |b| {
+        b.iter(|| {
+            let key = format!("fresh-{}", n.fetch_add(1, Ordering::Relaxed));
+            runtime.block_on(call(&guarded, request(&key, &body)))
+        })
+    });
+    runtime.block_on(call(&guarded, request("replayed", &body)));
+    group.bench_function("layer_replay", |b| {
+        b.iter(|| runtime.block_on(call(&guarded, request("replayed", &body))))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
