@@ -78,6 +78,8 @@ pub use problem::ErrorKind;
 pub use record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
 pub use replay::IDEMPOTENT_REPLAYED;
 pub use service::{IdempotencyService, ResponseFuture};
+#[cfg(feature = "redis")]
+pub use store::RedisStore;
 pub use store::{IdempotencyStore, MemoryStore, StoreError};
 #[cfg(feature = "postgres")]
 pub use store::{PostgresStore, PostgresStoreError};

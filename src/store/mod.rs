@@ -15,6 +15,11 @@ mod postgres;
 #[cfg(feature = "postgres")]
 pub use postgres::{DEFAULT_OPERATION_TIMEOUT, PostgresStore, PostgresStoreError};
 
+#[cfg(feature = "redis")]
+mod redis;
+#[cfg(feature = "redis")]
+pub use self::redis::{DEFAULT_REDIS_TIMEOUT, RedisStore};
+
 /// An error from a store: the layer answers `503 idempotency_store_unavailable` (or, when configured
 /// to fail open, runs the handler unguarded).
 #[derive(Debug)]

@@ -14,10 +14,19 @@ use tokio::task::JoinSet;
 
 use super::{app, eventually, post, send};
 
-/// Instantiates every suite test for a store. `$make` is an async expression giving a fresh store.
+/// Instantiates every suite test for a store. `$make` is an async expression giving a fresh store;
+/// `purged` is what `purge_expired` reports for five expired records (0 for a store whose backend
+/// expires records itself).
 #[macro_export]
 macro_rules! store_suite {
     ($make:expr) => {
+        $crate::store_suite!($make, purged = 5);
+    };
+    ($make:expr, purged = $purged:expr) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn purge_removes_expired_records() {
+            $crate::common::suite::purge_removes_expired_records($make.await, $purged).await;
+        }
         $crate::store_suite!(@tests $make;
             fresh_key_runs_once_then_replays,
             reordered_json_is_the_same_request,
@@ -29,7 +38,6 @@ macro_rules! store_suite {
             stale_in_progress_is_retaken,
             late_completion_with_superseded_lease_changes_nothing,
             retention_makes_the_key_new,
-            purge_removes_expired_records,
             subjects_are_isolated,
             routes_are_isolated,
             panic_releases_the_key,
@@ -348,7 +356,7 @@ pub async fn retention_makes_the_key_new<S: IdempotencyStore>(store: S) {
     assert_eq!(counters.started(), 2);
 }
 
-pub async fn purge_removes_expired_records<S: IdempotencyStore>(store: S) {
+pub async fn purge_removes_expired_records<S: IdempotencyStore>(store: S, purged: u64) {
     let retention = Duration::from_millis(100);
     for i in 0..5 {
         let mut request = claim_request(&format!("k{i}"), Duration::from_secs(60));
@@ -367,12 +375,21 @@ pub async fn purge_removes_expired_records<S: IdempotencyStore>(store: S) {
     let keep = claim_request("keep", Duration::from_secs(60));
     store.claim(&keep).await.expect("claim");
     tokio::time::sleep(Duration::from_millis(250)).await;
-    assert_eq!(store.purge_expired().await.expect("purge"), 5);
+    assert_eq!(store.purge_expired().await.expect("purge"), purged);
     assert_eq!(store.purge_expired().await.expect("purge"), 0);
     assert_eq!(
         store.claim(&keep).await.expect("claim"),
         ClaimOutcome::InProgress
     );
+    // The expired keys are new again, with any body.
+    for i in 0..5 {
+        let mut request = claim_request(&format!("k{i}"), Duration::from_secs(60));
+        request.fingerprint = Fingerprint::of(None, b"another body");
+        assert!(matches!(
+            store.claim(&request).await.expect("claim"),
+            ClaimOutcome::Claimed { retaken: false, .. }
+        ));
+    }
 }
 
 pub async fn subjects_are_isolated<S: IdempotencyStore>(store: S) {

@@ -1,0 +1,310 @@
+//! The Redis store: records as Redis hashes, changed only by Lua scripts, expired by Redis itself.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Script, Value};
+use sha2::{Digest, Sha256};
+
+use super::{IdempotencyStore, StoreError};
+use crate::config::DENIED_HEADERS;
+use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
+
+/// How long one store operation may take before it counts as failed (`503`), by default.
+pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Claim, atomically: insert; or answer mismatch, finished (with the response), in progress; or
+/// retake a record whose claim is older than the in-progress TTL. Times are the server's `TIME`.
+/// KEYS[1] record; ARGV fingerprint, new lease, in-progress TTL (ms), TTL + retention (ms).
+const CLAIM: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local rec = redis.call('HMGET', KEYS[1], 'fp', 'st', 'ts')
+if not rec[1] then
+  redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'st', 'in_progress', 'lease', ARGV[2], 'ts', now)
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+  return {'claimed'}
+end
+if rec[1] ~= ARGV[1] then return {'mismatch'} end
+if rec[2] ~= 'in_progress' then return {'finished', redis.call('HGET', KEYS[1], 'resp')} end
+if now - tonumber(rec[3]) < tonumber(ARGV[3]) then return {'in_progress'} end
+redis.call('HSET', KEYS[1], 'lease', ARGV[2], 'ts', now)
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return {'retaken'}
+";
+
+/// Complete, if the lease still holds an in-progress record. KEYS[1]; ARGV lease, status, response,
+/// retention (ms).
+const COMPLETE: &str = r"
+local rec = redis.call('HMGET', KEYS[1], 'lease', 'st')
+if rec[1] ~= ARGV[1] or rec[2] ~= 'in_progress' then return 0 end
+redis.call('HSET', KEYS[1], 'st', ARGV[2], 'resp', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return 1
+";
+
+/// Release, if the lease still holds an in-progress record. KEYS[1]; ARGV lease.
+const RELEASE: &str = r"
+local rec = redis.call('HMGET', KEYS[1], 'lease', 'st')
+if rec[1] ~= ARGV[1] or rec[2] ~= 'in_progress' then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+";
+
+/// Records in Redis, shared by every instance connected to the same server.
+///
+/// Each record is one hash under `<prefix><sha256 of key, subject and endpoint>`, so client input
+/// never shapes Redis key names and every key is 64 hex characters long. Claim, complete and release
+/// are Lua scripts, atomic on the server; retention is the key's expiry, so Redis removes expired
+/// records itself and [`IdempotencyStore::purge_expired`] has nothing to do. The connection is made
+/// lazily and re-made after failures; while Redis is unreachable every operation fails (and the
+/// layer answers `503`).
+///
+/// Without persistence (no AOF or RDB), a Redis restart forgets every record: a retry after the
+/// restart runs the handler again. Use the Postgres store where that is not acceptable.
+#[derive(Clone)]
+pub struct RedisStore {
+    connection: ConnectionManager,
+    prefix: Arc<str>,
+    timeout: Duration,
+    scripts: Arc<Scripts>,
+}
+
+struct Scripts {
+    claim: Script,
+    complete: Script,
+    release: Script,
+}
+
+impl RedisStore {
+    /// A store on `client` with keys under `idempotency:`; connects on first use.
+    pub fn new(client: redis::Client) -> Result<Self, StoreError> {
+        let config = ConnectionManagerConfig::new()
+            .set_number_of_retries(1)
+            .set_connection_timeout(Some(DEFAULT_REDIS_TIMEOUT))
+            .set_response_timeout(Some(DEFAULT_REDIS_TIMEOUT));
+        let connection = ConnectionManager::new_lazy_with_config(client, config)
+            .map_err(|e| StoreError::new("redis: connection manager", e))?;
+        Ok(RedisStore {
+            connection,
+            prefix: Arc::from("idempotency:"),
+            timeout: DEFAULT_REDIS_TIMEOUT,
+            scripts: Arc::new(Scripts {
+                claim: Script::new(CLAIM),
+                complete: Script::new(COMPLETE),
+                release: Script::new(RELEASE),
+            }),
+        })
+    }
+
+    /// Puts this store's keys under another prefix (to share one Redis between applications).
+    pub fn with_prefix(mut self, prefix: &str) -> Self {
+        self.prefix = Arc::from(prefix);
+        self
+    }
+
+    /// How long one operation may take before it fails. Default: [`DEFAULT_REDIS_TIMEOUT`].
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    fn redis_key(&self, key: &RecordKey) -> String {
+        let mut hasher = Sha256::new();
+        for part in [&key.key, &key.subject, &key.endpoint] {
+            hasher.update((part.len() as u64).to_be_bytes());
+            hasher.update(part.as_bytes());
+        }
+        let digest = hasher.finalize();
+        let mut name = String::with_capacity(self.prefix.len() + 64);
+        name.push_str(&self.prefix);
+        for b in digest {
+            name.push(char::from(HEX[usize::from(b >> 4)]));
+            name.push(char::from(HEX[usize::from(b & 15)]));
+        }
+        name
+    }
+
+    async fn timed<T>(
+        &self,
+        what: &'static str,
+        operation: impl Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.timeout, operation).await {
+            Ok(result) => result.map_err(|e| StoreError::new(format!("redis {what}"), e)),
+            Err(_) => Err(StoreError::msg(format!(
+                "redis {what}: no answer within {:?}",
+                self.timeout
+            ))),
+        }
+    }
+}
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+impl IdempotencyStore for RedisStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let lease = LeaseToken::generate();
+        let mut connection = self.connection.clone();
+        let mut invocation = self.scripts.claim.key(self.redis_key(&request.key));
+        invocation
+            .arg(&request.fingerprint.as_bytes()[..])
+            .arg(lease.0)
+            .arg(millis(request.in_progress_ttl))
+            .arg(millis(request.in_progress_ttl + request.retention));
+        let reply: Vec<Value> = self
+            .timed("claim", invocation.invoke_async(&mut connection))
+            .await?;
+        let tag = match reply.first() {
+            Some(Value::BulkString(tag)) => tag.as_slice(),
+            Some(Value::SimpleString(tag)) => tag.as_bytes(),
+            _ => return Err(StoreError::msg("redis claim: unexpected reply")),
+        };
+        Ok(match tag {
+            b"claimed" => ClaimOutcome::Claimed {
+                lease,
+                retaken: false,
+            },
+            b"retaken" => ClaimOutcome::Claimed {
+                lease,
+                retaken: true,
+            },
+            b"mismatch" => ClaimOutcome::FingerprintMismatch,
+            b"in_progress" => ClaimOutcome::InProgress,
+            b"finished" => match reply.get(1) {
+                Some(Value::BulkString(blob)) => ClaimOutcome::Finished(Arc::new(
+                    decode(blob).ok_or_else(|| StoreError::msg("redis claim: corrupt response"))?,
+                )),
+                _ => return Err(StoreError::msg("redis claim: finished without a response")),
+            },
+            _ => return Err(StoreError::msg("redis claim: unknown reply")),
+        })
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        response: Arc<StoredResponse>,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let mut connection = self.connection.clone();
+        let mut invocation = self.scripts.complete.key(self.redis_key(key));
+        invocation
+            .arg(lease.0)
+            .arg(response.outcome.as_str())
+            .arg(encode(&response))
+            .arg(millis(retention));
+        let done: i64 = self
+            .timed("complete", invocation.invoke_async(&mut connection))
+            .await?;
+        Ok(done == 1)
+    }
+
+    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
+        let mut connection = self.connection.clone();
+        let mut invocation = self.scripts.release.key(self.redis_key(key));
+        invocation.arg(lease.0);
+        let done: i64 = self
+            .timed("release", invocation.invoke_async(&mut connection))
+            .await?;
+        Ok(done == 1)
+    }
+
+    /// Redis expires records itself; there is nothing to purge.
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        Ok(0)
+    }
+}
+
+/// The stored response as bytes: outcome, status, headers (length-prefixed), body.
+fn encode(response: &StoredResponse) -> Vec<u8> {
+    let mut out = Vec::with_capacity(response.body.len() + 64);
+    out.push(match response.outcome {
+        Finished::Completed => b'c',
+        Finished::Failed => b'f',
+    });
+    out.extend_from_slice(&response.status.to_be_bytes());
+    out.extend_from_slice(&(response.headers.len() as u32).to_be_bytes());
+    for (name, value) in &response.headers {
+        for part in [name.as_str().as_bytes(), value.as_bytes()] {
+            out.extend_from_slice(&(part.len() as u32).to_be_bytes());
+            out.extend_from_slice(part);
+        }
+    }
+    out.extend_from_slice(&response.body);
+    out
+}
+
+/// The inverse of [`encode`]; `None` for bytes it did not write. Invalid or denied headers are
+/// dropped, as from any store the layer does not own.
+fn decode(blob: &[u8]) -> Option<StoredResponse> {
+    let mut rest = blob;
+    let mut take = |n: usize| -> Option<&[u8]> {
+        let (head, tail) = rest.split_at_checked(n)?;
+        rest = tail;
+        Some(head)
+    };
+    let outcome = match take(1)? {
+        b"c" => Finished::Completed,
+        b"f" => Finished::Failed,
+        _ => return None,
+    };
+    let status = u16::from_be_bytes(take(2)?.try_into().ok()?);
+    let count = u32::from_be_bytes(take(4)?.try_into().ok()?);
+    let mut headers = Vec::new();
+    for _ in 0..count {
+        let len = u32::from_be_bytes(take(4)?.try_into().ok()?) as usize;
+        let name = take(len)?;
+        let len = u32::from_be_bytes(take(4)?.try_into().ok()?) as usize;
+        let value = take(len)?;
+        if let (Ok(name), Ok(value)) =
+            (HeaderName::from_bytes(name), HeaderValue::from_bytes(value))
+            && !DENIED_HEADERS.contains(&name.as_str())
+        {
+            headers.push((name, value));
+        }
+    }
+    Some(StoredResponse {
+        outcome,
+        status,
+        headers,
+        body: Bytes::copy_from_slice(rest),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn responses_round_trip_and_garbage_is_refused() {
+        let response = StoredResponse {
+            outcome: Finished::Failed,
+            status: 402,
+            headers: vec![
+                (
+                    http::header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                ),
+                (http::header::LINK, HeaderValue::from_static("<a>")),
+                (http::header::LINK, HeaderValue::from_static("<b>")),
+            ],
+            body: Bytes::from_static(b"{\"error\":\"card_declined\"}"),
+        };
+        let blob = encode(&response);
+        assert_eq!(decode(&blob), Some(response));
+        for cut in 0..7 {
+            assert_eq!(decode(&blob[..cut]), None, "cut at {cut}");
+        }
+        assert_eq!(decode(b"x"), None);
+    }
+}
