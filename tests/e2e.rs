@@ -314,8 +314,14 @@ fn example_binary() -> std::path::PathBuf {
     BUILT
         .get_or_init(|| {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+            // The same features as this test binary, so the library is not built a second time.
+            let mut features = vec!["postgres"];
+            if cfg!(feature = "redis") {
+                features.push("redis");
+            }
             let status = std::process::Command::new(cargo)
-                .args(["build", "--quiet", "--example", "checkout"])
+                .args(["build", "--quiet", "--example", "checkout", "--features"])
+                .arg(features.join(","))
                 .current_dir(env!("CARGO_MANIFEST_DIR"))
                 .status()
                 .expect("run cargo build");
