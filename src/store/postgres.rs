@@ -221,10 +221,7 @@ impl PostgresStore {
         let done = self
             .timed(
                 "retake",
-                sqlx::query(sqlx::AssertSqlSafe(self.sql.retake.as_str()))
-                    .bind(&key.key)
-                    .bind(&key.subject)
-                    .bind(&key.endpoint)
+                keyed(&self.sql.retake, key)
                     .bind(&request.fingerprint.as_bytes()[..])
                     .bind(lease.0)
                     .bind(micros(request.in_progress_ttl + request.retention))
@@ -303,10 +300,7 @@ impl PostgresStore {
         let key = &request.key;
         self.timed(
             "claim",
-            sqlx::query(sqlx::AssertSqlSafe(self.sql.claim.as_str()))
-                .bind(&key.key)
-                .bind(&key.subject)
-                .bind(&key.endpoint)
+            keyed(&self.sql.claim, key)
                 .bind(&request.fingerprint.as_bytes()[..])
                 .bind(lease.0)
                 .bind(micros(request.in_progress_ttl + request.retention))
@@ -349,10 +343,7 @@ impl IdempotencyStore for PostgresStore {
         let done = self
             .timed(
                 "complete",
-                sqlx::query(sqlx::AssertSqlSafe(self.sql.complete.as_str()))
-                    .bind(&key.key)
-                    .bind(&key.subject)
-                    .bind(&key.endpoint)
+                keyed(&self.sql.complete, key)
                     .bind(lease.0)
                     .bind(response.outcome.as_str())
                     .bind(i16::try_from(response.status).unwrap_or(500))
@@ -370,10 +361,7 @@ impl IdempotencyStore for PostgresStore {
         let done = self
             .timed(
                 "release",
-                sqlx::query(sqlx::AssertSqlSafe(self.sql.release.as_str()))
-                    .bind(&key.key)
-                    .bind(&key.subject)
-                    .bind(&key.endpoint)
+                keyed(&self.sql.release, key)
                     .bind(lease.0)
                     .execute(&self.pool),
             )
@@ -396,6 +384,17 @@ impl IdempotencyStore for PostgresStore {
             }
         }
     }
+}
+
+/// A statement on one record: binds its key, subject and endpoint as `$1`, `$2`, `$3`.
+fn keyed<'q>(
+    sql: &'q str,
+    key: &'q RecordKey,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(&key.key)
+        .bind(&key.subject)
+        .bind(&key.endpoint)
 }
 
 /// Stored headers back into HTTP types. The table may have been written by anyone: a name or value
