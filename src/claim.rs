@@ -228,7 +228,7 @@ fn internal_error() -> Response<Body> {
 
 /// Sorts the handler's response by the policy and records it, or releases the record.
 async fn record<St: IdempotencyStore>(
-    config: &Arc<Config>,
+    config: &Config,
     claim: Claim<St>,
     response: Response<Body>,
 ) -> Response<Body> {

@@ -48,6 +48,11 @@
 //!
 //! Every error the layer itself answers with is `application/problem+json` with a stable `error`
 //! field; see [`ErrorKind`].
+//!
+//! Stores implement [`IdempotencyStore`]: [`MemoryStore`] (one process, the default for examples
+//! and tests), `PostgresStore` (feature `postgres`, on by default) and `RedisStore` (feature
+//! `redis`). Outcomes (claimed, replayed, 409, 422, recorded, released, ...) are reported to the
+//! tracing span of each request and to an optional hook; see [`OutcomeCounters`].
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
