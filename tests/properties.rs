@@ -156,7 +156,9 @@ fn fp(s: &str) -> Fingerprint {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
+    #![proptest_config(ProptestConfig::with_cases(
+        std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(512)
+    ))]
 
     #[test]
     fn order_whitespace_escapes_and_notation_do_not_change_the_fingerprint(value in json()) {
@@ -168,7 +170,8 @@ proptest! {
 
     #[test]
     fn any_change_at_any_depth_changes_the_fingerprint(value in json(), pick in any::<usize>()) {
-        prop_assume!(leaves(&value) > 0);
+        // A document of empty containers has no leaf to change: give it one.
+        let value = if leaves(&value) == 0 { Json::Arr(vec![value, Json::Null]) } else { value };
         let mut changed = value.clone();
         let mut n = pick % leaves(&value);
         prop_assert!(mutate(&mut changed, &mut n));
@@ -214,7 +217,7 @@ proptest! {
 
     #[test]
     fn keys_with_a_bad_byte_are_refused(
-        before in "[!-~]{0,10}",
+        before in "[!-~]{1,10}",
         bad in prop_oneof![0u8..0x20, 0x7Fu8..=0xFF],
         after in "[!-~]{1,10}",
     ) {
