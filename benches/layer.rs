@@ -3,39 +3,19 @@
 //!
 //! `cargo bench --bench layer`
 
+mod support;
+
 use std::sync::atomic::{AtomicU64, Ordering};
+use support::{created, json_1k};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::http::{Request, StatusCode};
-use axum::response::IntoResponse;
+use axum::http::Request;
 use axum::routing::post;
 use axum_idempotency::{IdempotencyLayer, MemoryStore, Subject};
 use criterion::{Criterion, criterion_group, criterion_main};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
-
-async fn created(_body: Bytes) -> impl IntoResponse {
-    (
-        StatusCode::CREATED,
-        [
-            ("content-type", "application/json"),
-            ("location", "/charges/1"),
-        ],
-        r#"{"id":1,"status":"succeeded"}"#,
-    )
-}
-
-fn body_1k() -> Bytes {
-    let items: Vec<_> = (0..12)
-        .map(|i| serde_json::json!({"sku": format!("SKU-{i:04}"), "qty": i + 1, "price": 1999 + i}))
-        .collect();
-    let doc = serde_json::json!({"amount": 123456, "currency": "EUR", "items": items,
-        "customer": {"id": 42, "email": "alice@example.com"}});
-    let mut bytes = serde_json::to_vec(&doc).expect("json");
-    bytes.resize(1024, b' ');
-    Bytes::from(bytes)
-}
 
 fn request(key: &str, body: &Bytes) -> Request<Body> {
     let mut request = Request::post("/checkout")
@@ -61,7 +41,7 @@ fn bench(c: &mut Criterion) {
         .enable_all()
         .build()
         .expect("runtime");
-    let body = body_1k();
+    let body = json_1k();
     let bare = Router::new().route("/checkout", post(created));
     let guarded = Router::new()
         .route("/checkout", post(created))

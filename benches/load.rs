@@ -5,18 +5,21 @@
 //! `postgres://postgres@127.0.0.1:5432/test`; `LOAD_SCALE=0.2` for a quick run). Every loop is bounded
 //! by a request count; the servers listen on 127.0.0.1 only and stop with the process.
 
+mod support;
+
 use std::net::SocketAddr;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+use support::{created, json_1k};
 
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::post;
 use axum_idempotency::{
     ClaimOutcome, ClaimRequest, Fingerprint, Finished, IdempotencyLayer, IdempotencyStore,
@@ -62,7 +65,7 @@ type MakeRequest = Arc<dyn Fn(usize) -> (String, String, String) + Send + Sync>;
 
 /// `requests` requests from `concurrency` keep-alive connections; request `i` is `make(i)`.
 async fn load(addr: SocketAddr, concurrency: usize, requests: usize, make: MakeRequest) -> Stats {
-    let body = Bytes::from(json_1k());
+    let body = json_1k();
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let mut workers = tokio::task::JoinSet::new();
@@ -126,18 +129,6 @@ impl Client {
     }
 }
 
-/// A 1 KiB JSON checkout body.
-fn json_1k() -> Vec<u8> {
-    let items: Vec<_> = (0..12)
-        .map(|i| serde_json::json!({"sku": format!("SKU-{i:04}"), "qty": i + 1, "price": 1999 + i}))
-        .collect();
-    let doc = serde_json::json!({"amount": 123456, "currency": "EUR", "items": items,
-        "customer": {"id": 42, "email": "alice@example.com"}});
-    let mut bytes = serde_json::to_vec(&doc).expect("json");
-    bytes.resize(1024, b' ');
-    bytes
-}
-
 // ---------------------------------------------------------------- servers
 
 async fn serve(router: Router) -> SocketAddr {
@@ -160,18 +151,6 @@ async fn auth(mut request: Request, next: Next) -> Response {
         request.extensions_mut().insert(subject);
     }
     next.run(request).await
-}
-
-async fn created(_body: Bytes) -> Response {
-    (
-        StatusCode::CREATED,
-        [
-            ("content-type", "application/json"),
-            ("location", "/charges/1"),
-        ],
-        r#"{"id":1,"status":"succeeded"}"#,
-    )
-        .into_response()
 }
 
 fn bare() -> Router {

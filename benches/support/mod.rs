@@ -1,0 +1,30 @@
+//! What the layer benchmarks share: the request body and the handler.
+
+use axum::body::Bytes;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+
+/// A 1 KiB JSON checkout body (compact, keys already sorted, padded with spaces).
+pub fn json_1k() -> Bytes {
+    let items: Vec<_> = (0..12)
+        .map(|i| serde_json::json!({"sku": format!("SKU-{i:04}"), "qty": i + 1, "price": 1999 + i}))
+        .collect();
+    let doc = serde_json::json!({"amount": 123456, "currency": "EUR", "items": items,
+        "customer": {"id": 42, "email": "alice@example.com"}});
+    let mut bytes = serde_json::to_vec(&doc).expect("json");
+    bytes.resize(1024, b' ');
+    Bytes::from(bytes)
+}
+
+/// The route under test: answers `201` with a small JSON body and a `Location`, doing nothing else.
+pub async fn created(_body: Bytes) -> Response {
+    (
+        StatusCode::CREATED,
+        [
+            ("content-type", "application/json"),
+            ("location", "/charges/1"),
+        ],
+        r#"{"id":1,"status":"succeeded"}"#,
+    )
+        .into_response()
+}
