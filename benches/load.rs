@@ -264,6 +264,14 @@ async fn fresh_pg_store(schema: &str, connections: u32) -> PostgresStore {
 
 // ---------------------------------------------------------------- scenarios
 
+/// The header of a baseline-vs-subject table, as `row` fills it.
+fn table(base: &str, subject: &str) {
+    println!(
+        "| case | {base} req/s | {subject} req/s | req/s ratio | p50 {base} / {subject} | p99 {base} / {subject} | p99 ratio |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+}
+
 fn ms(d: Duration) -> String {
     format!("{:.2} ms", d.as_secs_f64() * 1e3)
 }
@@ -316,10 +324,7 @@ async fn memory_vs_bare() {
     println!(
         "\n### Layer + memory store vs the bare route (HTTP/1.1 loopback, {CONCURRENCY} connections, 1 KiB JSON, {n} requests a round, median of 3 rounds)\n"
     );
-    println!(
-        "| case | bare req/s | layer req/s | req/s ratio | p50 bare / layer | p99 bare / layer | p99 ratio |"
-    );
-    println!("|---|---|---|---|---|---|---|");
+    table("bare", "layer");
     let (b, s) = paired(
         3,
         |_| load(bare_addr, CONCURRENCY, n, fresh_keys("bare")),
@@ -327,12 +332,15 @@ async fn memory_vs_bare() {
     )
     .await;
     row("fresh keys", b, s);
-    // Replays: every key was recorded by the first fresh round.
-    let replays: MakeRequest = Arc::new(|i| {
+    // Replays: every key was recorded by the first fresh round (keys fresh0-0 .. fresh0-{n-1}, each
+    // with subject user-{k % 1000}), so cycle through the first of them.
+    let recorded = n.min(5_000);
+    let replays: MakeRequest = Arc::new(move |i| {
+        let k = i % recorded;
         (
             "/checkout".into(),
-            format!("user-{}", i % 1000),
-            format!("fresh0-{}", i % 5_000),
+            format!("user-{}", k % 1000),
+            format!("fresh0-{k}"),
         )
     });
     let (b, s) = paired(
@@ -356,10 +364,7 @@ async fn postgres_vs_direct_sql(schema: &str) {
     println!(
         "\n### Layer + Postgres store vs the same claim and complete statements issued by the handler through sqlx (fresh keys, {CONCURRENCY} connections and {CONCURRENCY} pooled database connections, {n} requests a round, median of 3 rounds)\n"
     );
-    println!(
-        "| case | direct SQL req/s | layer req/s | req/s ratio | p50 direct / layer | p99 direct / layer | p99 ratio |"
-    );
-    println!("|---|---|---|---|---|---|---|");
+    table("direct SQL", "layer");
     let (b, s) = paired(
         3,
         |r| {
@@ -637,10 +642,7 @@ async fn growth_all(schema: &str) {
     println!(
         "\n### Growth: fresh-key requests/s with 50 000 live records vs an empty store (16 connections)\n"
     );
-    println!(
-        "| case | empty req/s | full req/s | req/s ratio | p50 empty / full | p99 empty / full | p99 ratio |"
-    );
-    println!("|---|---|---|---|---|---|---|");
+    table("empty", "full");
     growth("memory", MemoryStore::new(), async |store: &MemoryStore| {
         for i in 0..50_000 {
             store.claim(&filler_claim(i)).await.expect("fill");
