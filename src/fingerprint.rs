@@ -43,11 +43,6 @@ impl Fingerprint {
         Fingerprint(hasher.finalize().into())
     }
 
-    /// Wraps 32 bytes read back from a store.
-    pub fn from_bytes(bytes: [u8; 32]) -> Self {
-        Fingerprint(bytes)
-    }
-
     /// The 32 bytes of the digest.
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.0

@@ -83,10 +83,12 @@ struct Scripts {
 impl RedisStore {
     /// A store on `client` with keys under `idempotency:`; connects on first use.
     pub fn new(client: redis::Client) -> Result<Self, StoreError> {
+        // Responses are bounded by `timeout` around each operation (see `with_timeout`), so the
+        // manager sets no response timeout of its own that would cut a longer one short.
         let config = ConnectionManagerConfig::new()
             .set_number_of_retries(1)
             .set_connection_timeout(Some(DEFAULT_REDIS_TIMEOUT))
-            .set_response_timeout(Some(DEFAULT_REDIS_TIMEOUT));
+            .set_response_timeout(None);
         let connection = ConnectionManager::new_lazy_with_config(client, config)
             .map_err(|e| StoreError::new("redis: connection manager", e))?;
         Ok(RedisStore {
