@@ -23,7 +23,7 @@ use axum::response::Response;
 use axum::routing::post;
 use axum_idempotency::{
     ClaimOutcome, ClaimRequest, Fingerprint, Finished, IdempotencyLayer, IdempotencyStore,
-    MemoryStore, PostgresStore, RecordKey, StoredResponse, Subject,
+    LeaseToken, MemoryStore, PostgresStore, RecordKey, StoredResponse, Subject,
 };
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
@@ -187,6 +187,7 @@ fn direct_sql(store: PostgresStore) -> Router {
                 endpoint: "POST /checkout".into(),
             },
             fingerprint: Fingerprint::of(None, &body),
+            lease: LeaseToken::generate(),
             in_progress_ttl: Duration::from_secs(90),
             retention: Duration::from_secs(86_400),
         };
@@ -207,6 +208,7 @@ fn direct_sql(store: PostgresStore) -> Router {
                 ),
             ],
             body: Bytes::from_static(br#"{"id":1,"status":"succeeded"}"#),
+            body_omitted: false,
         };
         let retention = claim.retention;
         store
@@ -447,6 +449,7 @@ async fn duplicate_in_progress(schema: &str) {
             endpoint: "POST /checkout".into(),
         },
         fingerprint: Fingerprint::of(None, b""),
+        lease: LeaseToken::generate(),
         in_progress_ttl: Duration::from_secs(90),
         retention: Duration::from_secs(86_400),
     };
@@ -585,6 +588,7 @@ fn filler_claim(i: usize) -> ClaimRequest {
             endpoint: "POST /checkout".into(),
         },
         fingerprint: Fingerprint::of(None, b"{}"),
+        lease: LeaseToken::generate(),
         in_progress_ttl: Duration::from_secs(90),
         retention: Duration::from_secs(86_400),
     }

@@ -1,9 +1,9 @@
 //! The claim flow of one guarded request: key, subject, body, fingerprint, claim, then replay, refuse,
 //! or run the handler and record what it answered.
 
+use std::fmt;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use futures_util::FutureExt;
@@ -12,14 +12,15 @@ use sha2::{Digest, Sha256};
 use tower::{BoxError, Service, ServiceExt};
 use tracing::Instrument;
 
-use crate::body::{self, RequestBodyError, ResponseBody};
+use crate::body::{self, RequestBodyError};
 use crate::config::Config;
 use crate::fingerprint::Fingerprint;
 use crate::key;
-use crate::outcome::Outcome;
-use crate::policy::Disposition;
+use crate::lease::{self, Lease};
+use crate::outcome::{Outcome, report};
 use crate::problem::{ErrorKind, problem};
-use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
+use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey};
+use crate::recording;
 use crate::replay;
 use crate::store::IdempotencyStore;
 
@@ -70,7 +71,7 @@ where
     let endpoint = (config.endpoint)(&parts);
     let span = tracing::info_span!(
         "idempotency",
-        key_hash = %key_hash(&key),
+        key_hash = %KeyHash(&key),
         subject = %subject,
         endpoint = %endpoint,
         outcome = tracing::field::Empty,
@@ -99,6 +100,7 @@ where
                 endpoint,
             },
             fingerprint: Fingerprint::of(parts.uri.query(), &bytes),
+            lease: LeaseToken::generate(),
             in_progress_ttl: config.in_progress_ttl,
             retention: config.retention,
         };
@@ -142,11 +144,13 @@ where
                 Ok(replay::replay(&stored))
             }
             Err(e) if config.fail_open => {
+                lease::abandon(store, claim.key, claim.lease, config.in_progress_ttl);
                 report(&config, Outcome::FailedOpen);
                 tracing::warn!(error = %e, "idempotency store failed; running unguarded");
                 pass_through(inner, request).await
             }
             Err(e) => {
+                lease::abandon(store, claim.key, claim.lease, config.in_progress_ttl);
                 report(&config, Outcome::StoreUnavailable);
                 tracing::error!(error = %e, "idempotency store failed; refusing the request");
                 Ok(problem(
@@ -173,15 +177,17 @@ where
     Ok(inner.oneshot(request).await?.map(Body::new))
 }
 
-/// Runs the handler for a claimed record on a task of its own, so that a client that goes away does
-/// not cancel the effect halfway, and records (or releases) what it answered.
+/// Runs the handler for a claimed record, renewing the lease while it runs, and records (or
+/// releases) what it answered. The request future this runs in is detached onto a task of its own
+/// if the client goes away (see [`ResponseFuture`](crate::ResponseFuture)), so a disconnect cancels
+/// neither the effect nor its recording.
 async fn run<S, St, ResBody>(
     config: Arc<Config>,
     store: St,
     inner: S,
     request: Request<Body>,
     key: RecordKey,
-    lease: LeaseToken,
+    token: LeaseToken,
 ) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
@@ -191,203 +197,35 @@ where
     ResBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let task = tokio::spawn(
-        async move {
-            let claim = Claim::new(store, config.clone(), key, lease);
-            match AssertUnwindSafe(inner.oneshot(request))
-                .catch_unwind()
-                .await
-            {
-                Ok(Ok(response)) => Ok(record(&config, claim, response.map(Body::new)).await),
-                Ok(Err(e)) => {
-                    claim.release("the handler returned an error").await;
-                    Err(e)
-                }
-                Err(_panic) => {
-                    claim.release("the handler panicked").await;
-                    Ok(internal_error())
-                }
-            }
+    let lease = Lease::new(store, config.clone(), key, token);
+    let answer = lease
+        .hold(AssertUnwindSafe(inner.oneshot(request)).catch_unwind())
+        .await;
+    match answer {
+        Ok(Ok(response)) => Ok(recording::record(&config, lease, response.map(Body::new)).await),
+        Ok(Err(e)) => {
+            lease.release("the handler returned an error").await;
+            Err(e)
         }
-        .in_current_span(),
-    );
-    task.await.unwrap_or_else(|e| {
-        // The task was cancelled (runtime shutting down); the claim's drop guard released the record.
-        tracing::error!(error = %e, "the handler task did not finish");
-        Ok(internal_error())
-    })
-}
-
-fn internal_error() -> Response<Body> {
-    problem(
-        ErrorKind::InternalError,
-        "the request failed; it was not recorded and may be retried",
-        None,
-    )
-}
-
-/// Sorts the handler's response by the policy and records it, or releases the record.
-async fn record<St: IdempotencyStore>(
-    config: &Config,
-    claim: Claim<St>,
-    response: Response<Body>,
-) -> Response<Body> {
-    let outcome = match (config.policy)(response.status()) {
-        Disposition::Complete => Finished::Completed,
-        Disposition::Fail => Finished::Failed,
-        Disposition::Release => {
-            claim.release("the response asks for a retry").await;
-            return response;
-        }
-    };
-    let (parts, body) = response.into_parts();
-    let bytes = match body::read_response(body, config.response_limit).await {
-        ResponseBody::Whole(bytes) => bytes,
-        ResponseBody::Passed(body) => {
-            claim
-                .release("the response body is too large to record, has trailers, or failed")
-                .await;
-            return Response::from_parts(parts, body);
-        }
-    };
-    let stored = replay::capture(
-        outcome,
-        parts.status,
-        &parts.headers,
-        &config.stored_headers,
-        bytes.clone(),
-    );
-    claim.complete(Arc::new(stored)).await;
-    Response::from_parts(parts, Body::from(bytes))
-}
-
-/// Reports an outcome to the span and to the configured hook.
-fn report(config: &Config, outcome: Outcome) {
-    tracing::Span::current().record("outcome", outcome.as_str());
-    if let Some(hook) = &config.on_outcome {
-        hook(outcome);
-    }
-}
-
-/// A held claim: completed or released exactly once, and released on drop if neither happened (the
-/// task was cancelled), so a record is never left `in_progress` by this process on purpose.
-struct Claim<St: IdempotencyStore> {
-    store: St,
-    config: Arc<Config>,
-    key: RecordKey,
-    lease: LeaseToken,
-    done: bool,
-}
-
-impl<St: IdempotencyStore> Claim<St> {
-    fn new(store: St, config: Arc<Config>, key: RecordKey, lease: LeaseToken) -> Self {
-        Claim {
-            store,
-            config,
-            key,
-            lease,
-            done: false,
-        }
-    }
-
-    /// Records the response. When the store fails, the effect has happened, so the record is not
-    /// released (a retry would run it again): recording is retried in the background, for up to half
-    /// the in-progress TTL, while duplicates get `409`.
-    async fn complete(mut self, stored: Arc<StoredResponse>) {
-        self.done = true;
-        let retention = self.config.retention;
-        let first = self
-            .store
-            .complete(&self.key, self.lease, stored.clone(), retention)
-            .await;
-        if self.completed(first, stored.status) {
-            return;
-        }
-        report(&self.config, Outcome::RecordDeferred);
-        let deadline = Instant::now() + self.config.in_progress_ttl / 2;
-        let claim = self; // done: the retries below own it
-        let retry = async move {
-            let mut pause = Duration::from_millis(100);
-            loop {
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(2));
-                let attempt = claim
-                    .store
-                    .complete(&claim.key, claim.lease, stored.clone(), retention)
-                    .await;
-                if claim.completed(attempt, stored.status) {
-                    return;
-                }
-                if Instant::now() >= deadline {
-                    tracing::error!(
-                        "gave up recording the response; the record stays in progress and can be \
-                         retaken after the in-progress TTL"
-                    );
-                    return;
-                }
-            }
-        };
-        tokio::spawn(retry.in_current_span());
-    }
-
-    /// Reports what a completion attempt did; false when the store failed.
-    fn completed(&self, attempt: Result<bool, crate::StoreError>, status: u16) -> bool {
-        match attempt {
-            Ok(true) => {
-                report(&self.config, Outcome::Recorded);
-                tracing::info!(status, "recorded");
-                true
-            }
-            Ok(false) => {
-                report(&self.config, Outcome::LeaseLost);
-                tracing::warn!(
-                    "the lease was lost (the record was retaken after the in-progress TTL); \
-                     this late result was not recorded"
-                );
-                true
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "the response could not be recorded yet");
-                false
-            }
-        }
-    }
-
-    async fn release(mut self, why: &str) {
-        self.done = true;
-        report(&self.config, Outcome::Released);
-        tracing::info!(reason = why, "releasing the record");
-        match self.store.release(&self.key, self.lease).await {
-            Ok(true) => {}
-            Ok(false) => tracing::warn!("the lease was lost before the release; nothing changed"),
-            Err(e) => tracing::error!(
-                error = %e,
-                "the record could not be released; it can be retaken after the in-progress TTL"
-            ),
+        Err(_panic) => {
+            lease.release("the handler panicked").await;
+            Ok(problem(
+                ErrorKind::InternalError,
+                "the request failed; it was not recorded and may be retried",
+                None,
+            ))
         }
     }
 }
 
-impl<St: IdempotencyStore> Drop for Claim<St> {
-    fn drop(&mut self) {
-        if self.done {
-            return;
-        }
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let store = self.store.clone();
-            let key = self.key.clone();
-            let lease = self.lease;
-            runtime.spawn(async move {
-                let _ = store.release(&key, lease).await;
-            });
-        }
-    }
-}
+/// The first 8 bytes of the key's SHA-256 in hex, computed only if a subscriber records the span.
+struct KeyHash<'a>(&'a str);
 
-/// The first 8 bytes of the key's SHA-256, for logs that should not carry raw keys.
-fn key_hash(key: &str) -> String {
-    Sha256::digest(key.as_bytes())[..8]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+impl fmt::Display for KeyHash<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in &Sha256::digest(self.0.as_bytes())[..8] {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
 }

@@ -24,7 +24,7 @@ pub const DEFAULT_STORED_HEADERS: [&str; 5] = [
 
 /// Response headers never recorded, whatever the configuration says: credentials, cookies, and
 /// headers that describe one transfer rather than the response.
-pub const DENIED_HEADERS: [&str; 12] = [
+pub const DENIED_HEADERS: [&str; 13] = [
     "set-cookie",
     "set-cookie2",
     "authorization",
@@ -36,8 +36,17 @@ pub const DENIED_HEADERS: [&str; 12] = [
     "transfer-encoding",
     "connection",
     "idempotent-replayed",
+    "idempotency-replay",
     "idempotency-key",
 ];
+
+/// The longest in-progress TTL or retention that [`IdempotencyLayerBuilder::build`] accepts: ten
+/// years. Longer ones would overflow clocks or the stores' timestamps.
+pub const MAX_DURATION: Duration = Duration::from_secs(10 * 365 * 24 * 60 * 60);
+
+/// The shortest in-progress TTL that [`IdempotencyLayerBuilder::build`] accepts. The holder renews
+/// its lease every third of the TTL, and no store can promise a round trip much faster than this.
+pub const MIN_IN_PROGRESS_TTL: Duration = Duration::from_millis(30);
 
 /// Why a configuration was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -225,11 +234,14 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
     pub fn build(self) -> Result<IdempotencyLayer<S>, ConfigError> {
         let mut config = self.config;
         let err = |s: &str| Err(ConfigError(s.to_owned()));
-        if config.in_progress_ttl.is_zero() {
-            return err("in_progress_ttl must be more than zero");
+        if config.in_progress_ttl < MIN_IN_PROGRESS_TTL {
+            return err("in_progress_ttl must be at least 30 ms");
         }
         if config.retention.is_zero() {
             return err("retention must be more than zero");
+        }
+        if config.in_progress_ttl > MAX_DURATION || config.retention > MAX_DURATION {
+            return err("in_progress_ttl and retention must be at most ten years each");
         }
         if config.retry_after_secs == 0 {
             return err("retry_after_secs must be at least 1");
@@ -289,7 +301,13 @@ mod tests {
     #[test]
     fn invalid_settings_say_why() {
         assert!(refused(builder().in_progress_ttl(Duration::ZERO)).contains("in_progress_ttl"));
+        assert!(refused(builder().in_progress_ttl(Duration::from_millis(29))).contains("30 ms"));
         assert!(refused(builder().retention(Duration::ZERO)).contains("retention"));
+        assert!(refused(builder().retention(Duration::MAX)).contains("ten years"));
+        assert!(refused(builder().in_progress_ttl(Duration::MAX)).contains("ten years"));
+        let centuries = Duration::from_secs(300_000 * 365 * 24 * 3600);
+        assert!(refused(builder().retention(centuries)).contains("ten years"));
+        assert!(builder().retention(MAX_DURATION).build().is_ok());
         assert!(refused(builder().retry_after_secs(0)).contains("retry_after_secs"));
         assert!(refused(builder().body_limit(0)).contains("body_limit"));
         assert!(refused(builder().response_limit(0)).contains("response_limit"));

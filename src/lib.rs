@@ -64,24 +64,29 @@ mod config;
 mod fingerprint;
 pub mod key;
 mod layer;
+mod lease;
 mod outcome;
 mod policy;
 mod problem;
 mod record;
+mod recording;
 mod replay;
 mod service;
 pub mod store;
 mod subject;
 
 pub use canonical_json::{MAX_DEPTH, canonicalize};
-pub use config::{ConfigError, DEFAULT_STORED_HEADERS, DENIED_HEADERS, IdempotencyLayerBuilder};
+pub use config::{
+    ConfigError, DEFAULT_STORED_HEADERS, DENIED_HEADERS, IdempotencyLayerBuilder, MAX_DURATION,
+    MIN_IN_PROGRESS_TTL,
+};
 pub use fingerprint::Fingerprint;
 pub use layer::IdempotencyLayer;
 pub use outcome::{Outcome, OutcomeCounters};
 pub use policy::{Disposition, default_policy};
 pub use problem::ErrorKind;
 pub use record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
-pub use replay::IDEMPOTENT_REPLAYED;
+pub use replay::{IDEMPOTENCY_REPLAY, IDEMPOTENT_REPLAYED};
 pub use service::{IdempotencyService, ResponseFuture};
 #[cfg(feature = "redis")]
 pub use store::RedisStore;

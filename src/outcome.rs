@@ -4,6 +4,16 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::config::Config;
+
+/// Reports an outcome to the current span and to the configured hook.
+pub(crate) fn report(config: &Config, outcome: Outcome) {
+    tracing::Span::current().record("outcome", outcome.as_str());
+    if let Some(hook) = &config.on_outcome {
+        hook(outcome);
+    }
+}
+
 /// One thing the layer did with a guarded request. A request that runs the handler reports two: how
 /// it was claimed, then whether its answer was recorded or released.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

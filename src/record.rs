@@ -7,6 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use sha2::{Digest, Sha256};
+
 use crate::Fingerprint;
 
 /// The scope of one idempotent operation: the same key from another subject or on another endpoint is
@@ -19,6 +21,19 @@ pub struct RecordKey {
     pub subject: String,
     /// Method and path, e.g. `POST /orders/42/pay`.
     pub endpoint: String,
+}
+
+impl RecordKey {
+    /// SHA-256 of the scope (key, subject and endpoint, each length-prefixed), for stores that index
+    /// records by a fixed-size value: any subject or endpoint fits, whatever its length or bytes.
+    pub fn digest(&self) -> [u8; 32] {
+        let mut hasher = Sha256::new();
+        for part in [&self.key, &self.subject, &self.endpoint] {
+            hasher.update((part.len() as u64).to_be_bytes());
+            hasher.update(part.as_bytes());
+        }
+        hasher.finalize().into()
+    }
 }
 
 /// The fencing token of one claim. Completing or releasing a record is conditional on holding it, so
@@ -71,8 +86,12 @@ pub struct StoredResponse {
     pub status: u16,
     /// Header names and values, repeated headers kept in their order.
     pub headers: Vec<(HeaderName, HeaderValue)>,
-    /// The whole body.
+    /// The whole body; empty when `body_omitted`.
     pub body: Bytes,
+    /// True when the body was not recorded (over the recording limit, followed by trailers, or its
+    /// stream failed after the handler answered): a replay sends the status and headers with an empty
+    /// body and `Idempotency-Replay: omitted`.
+    pub body_omitted: bool,
 }
 
 /// A claim to make: the record's scope and fingerprint, and the layer's time limits.
@@ -82,6 +101,10 @@ pub struct ClaimRequest {
     pub key: RecordKey,
     /// The request's fingerprint.
     pub fingerprint: Fingerprint,
+    /// The lease token the caller holds if the claim (or a retake) succeeds. The caller chooses it,
+    /// so that a claim whose answer was lost (a timeout after the store committed it) can still be
+    /// released by its token.
+    pub lease: LeaseToken,
     /// How long an `in_progress` record may stand before another request may retake it.
     pub in_progress_ttl: Duration,
     /// How long a record lives; a claim that is never completed is purged after

@@ -10,14 +10,19 @@ use crate::record::{Finished, StoredResponse};
 /// The response header that marks a replay.
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
+/// The response header, `Idempotency-Replay: omitted`, of a replay whose body was not recorded (it
+/// was over the recording limit, had trailers, or its stream failed): status and headers are the
+/// original's, the body is empty.
+pub const IDEMPOTENCY_REPLAY: &str = "idempotency-replay";
+
 /// The record of a response: its status, the headers on the allow-list (repeated ones in order) and
-/// its body.
+/// its body (`None`: omitted).
 pub(crate) fn capture(
     outcome: Finished,
     status: StatusCode,
     headers: &HeaderMap,
     allowed: &[HeaderName],
-    body: Bytes,
+    body: Option<Bytes>,
 ) -> StoredResponse {
     let headers = headers
         .iter()
@@ -28,7 +33,8 @@ pub(crate) fn capture(
         outcome,
         status: status.as_u16(),
         headers,
-        body,
+        body_omitted: body.is_none(),
+        body: body.unwrap_or_default(),
     }
 }
 
@@ -47,6 +53,9 @@ pub(crate) fn replay(stored: &StoredResponse) -> Response<Body> {
         }
     }
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    if stored.body_omitted {
+        headers.insert(IDEMPOTENCY_REPLAY, HeaderValue::from_static("omitted"));
+    }
     response
 }
 
@@ -73,7 +82,7 @@ mod tests {
             StatusCode::CREATED,
             &headers,
             &allowed,
-            Bytes::from_static(b"hi"),
+            Some(Bytes::from_static(b"hi")),
         );
         let names: Vec<_> = stored.headers.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, ["content-type", "link", "link", "link"]);
@@ -101,6 +110,7 @@ mod tests {
                 (header::ETAG, HeaderValue::from_static("\"1\"")),
             ],
             body: Bytes::new(),
+            body_omitted: false,
         };
         let response = replay(&stored);
         assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
@@ -119,7 +129,7 @@ mod tests {
             for (n, value) in &sent {
                 headers.append(names[*n].clone(), HeaderValue::from_str(value).expect("value"));
             }
-            let stored = capture(Finished::Completed, StatusCode::OK, &headers, &allowed, Bytes::new());
+            let stored = capture(Finished::Completed, StatusCode::OK, &headers, &allowed, Some(Bytes::new()));
             let response = replay(&stored);
             for (n, name) in names.iter().enumerate() {
                 let expected: Vec<&str> = if n < 2 {

@@ -13,8 +13,46 @@ use crate::claim;
 use crate::config::Config;
 use crate::store::IdempotencyStore;
 
-/// The future of a guarded request.
-pub type ResponseFuture<E> = Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>;
+type BoxedFuture<E> = Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>;
+
+/// The future of a request through the layer.
+///
+/// For a guarded request, dropping it before it finishes (hyper drops it when the client goes away)
+/// does not cancel the work: what is left (the claim, the handler, the recording) is moved onto a
+/// task of its own and runs to the end, so no record is left claimed with nobody to finish it. A
+/// request that passes through unguarded is cancelled as usual.
+pub struct ResponseFuture<E: 'static> {
+    inner: Option<BoxedFuture<E>>,
+    detach_on_drop: bool,
+}
+
+impl<E: 'static> Future for ResponseFuture<E> {
+    type Output = Result<Response<Body>, E>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(inner) = self.inner.as_mut() else {
+            panic!("ResponseFuture polled after it finished");
+        };
+        let out = std::task::ready!(inner.as_mut().poll(cx));
+        self.inner = None;
+        Poll::Ready(out)
+    }
+}
+
+impl<E: 'static> Drop for ResponseFuture<E> {
+    fn drop(&mut self) {
+        if !self.detach_on_drop {
+            return;
+        }
+        if let (Some(rest), Ok(runtime)) =
+            (self.inner.take(), tokio::runtime::Handle::try_current())
+        {
+            runtime.spawn(async move {
+                let _ = rest.await;
+            });
+        }
+    }
+}
 
 /// Guards an inner service; built by [`IdempotencyLayer`](crate::IdempotencyLayer).
 pub struct IdempotencyService<Inner, S> {
@@ -66,13 +104,19 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         if !self.config.methods.contains(request.method()) {
             let future = inner.call(request);
-            return Box::pin(async move { Ok(future.await?.map(Body::new)) });
+            return ResponseFuture {
+                inner: Some(Box::pin(async move { Ok(future.await?.map(Body::new)) })),
+                detach_on_drop: false,
+            };
         }
-        Box::pin(claim::guard(
-            self.config.clone(),
-            self.store.clone(),
-            inner,
-            request,
-        ))
+        ResponseFuture {
+            inner: Some(Box::pin(claim::guard(
+                self.config.clone(),
+                self.store.clone(),
+                inner,
+                request,
+            ))),
+            detach_on_drop: true,
+        }
     }
 }

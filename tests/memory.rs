@@ -211,6 +211,9 @@ impl IdempotencyStore for DownStore {
     ) -> Result<bool, StoreError> {
         Err(StoreError::msg("connection refused"))
     }
+    async fn renew(&self, _: &RecordKey, _: LeaseToken, _: Duration) -> Result<bool, StoreError> {
+        Err(StoreError::msg("connection refused"))
+    }
     async fn release(&self, _: &RecordKey, _: LeaseToken) -> Result<bool, StoreError> {
         Err(StoreError::msg("connection refused"))
     }
@@ -251,6 +254,7 @@ async fn memory_is_bounded_by_retention() {
             endpoint: "POST /pay".into(),
         },
         fingerprint: Fingerprint::of(None, b"{}"),
+        lease: LeaseToken::generate(),
         in_progress_ttl: Duration::from_millis(10),
         retention,
     };

@@ -45,8 +45,15 @@ struct Record {
 }
 
 enum State {
-    InProgress { lease: LeaseToken, since: Instant },
-    Finished(Arc<StoredResponse>),
+    InProgress {
+        lease: LeaseToken,
+        since: Instant,
+    },
+    /// Finished by `lease`, so that a repeated completion by the same lease is recognised.
+    Finished {
+        response: Arc<StoredResponse>,
+        lease: LeaseToken,
+    },
 }
 
 impl MemoryStore {
@@ -98,7 +105,8 @@ impl IdempotencyStore for MemoryStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let now = Instant::now();
         let mut shard = self.shard(&request.key);
-        let fresh = |lease| Record {
+        let lease = request.lease;
+        let fresh = || Record {
             fingerprint: request.fingerprint,
             state: State::InProgress { lease, since: now },
             expires_at: now + request.in_progress_ttl + request.retention,
@@ -106,8 +114,7 @@ impl IdempotencyStore for MemoryStore {
         // Look up before inserting, so that replays and 409s never copy the key.
         if let Some(record) = shard.records.get_mut(&request.key) {
             if record.expires_at <= now {
-                let lease = LeaseToken::generate();
-                *record = fresh(lease);
+                *record = fresh();
                 return Ok(ClaimOutcome::Claimed {
                     lease,
                     retaken: false,
@@ -117,7 +124,7 @@ impl IdempotencyStore for MemoryStore {
                 return Ok(ClaimOutcome::FingerprintMismatch);
             }
             return Ok(match &record.state {
-                State::Finished(response) => ClaimOutcome::Finished(response.clone()),
+                State::Finished { response, .. } => ClaimOutcome::Finished(response.clone()),
                 State::InProgress { since, .. }
                     if now.duration_since(*since) < request.in_progress_ttl =>
                 {
@@ -125,8 +132,7 @@ impl IdempotencyStore for MemoryStore {
                 }
                 State::InProgress { .. } => {
                     // The shard lock makes this compare-and-swap atomic.
-                    let lease = LeaseToken::generate();
-                    *record = fresh(lease);
+                    *record = fresh();
                     ClaimOutcome::Claimed {
                         lease,
                         retaken: true,
@@ -134,8 +140,7 @@ impl IdempotencyStore for MemoryStore {
                 }
             });
         }
-        let lease = LeaseToken::generate();
-        shard.records.insert(request.key.clone(), fresh(lease));
+        shard.records.insert(request.key.clone(), fresh());
         Ok(ClaimOutcome::Claimed {
             lease,
             retaken: false,
@@ -152,8 +157,30 @@ impl IdempotencyStore for MemoryStore {
         let mut shard = self.shard(key);
         match shard.records.get_mut(key) {
             Some(record) if holds(record, lease) => {
-                record.state = State::Finished(response);
+                record.state = State::Finished { response, lease };
                 record.expires_at = Instant::now() + retention;
+                Ok(true)
+            }
+            Some(Record {
+                state: State::Finished { lease: by, .. },
+                ..
+            }) => Ok(*by == lease),
+            _ => Ok(false),
+        }
+    }
+
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        lifetime: Duration,
+    ) -> Result<bool, StoreError> {
+        let mut shard = self.shard(key);
+        match shard.records.get_mut(key) {
+            Some(record) if holds(record, lease) => {
+                let now = Instant::now();
+                record.state = State::InProgress { lease, since: now };
+                record.expires_at = now + lifetime;
                 Ok(true)
             }
             _ => Ok(false),

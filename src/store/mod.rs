@@ -13,7 +13,9 @@ pub use memory::MemoryStore;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "postgres")]
-pub use postgres::{DEFAULT_OPERATION_TIMEOUT, PostgresStore, PostgresStoreError};
+pub use postgres::{
+    DEFAULT_OPERATION_TIMEOUT, MIN_MIGRATE_TIMEOUT, PostgresStore, PostgresStoreError,
+};
 
 #[cfg(feature = "redis")]
 mod redis;
@@ -73,26 +75,43 @@ impl std::error::Error for StoreError {
 pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// Claims a record, atomically:
     ///
-    /// - no record, or one whose retention has passed: create it `in_progress` with a new lease,
-    ///   committed before this returns, and answer [`ClaimOutcome::Claimed`];
+    /// - no record, or one whose retention has passed: create it `in_progress` held by
+    ///   `request.lease`, committed before this returns, and answer [`ClaimOutcome::Claimed`];
     /// - a record with another fingerprint: [`ClaimOutcome::FingerprintMismatch`], changing nothing;
     /// - a finished record: [`ClaimOutcome::Finished`] with its response;
-    /// - an `in_progress` record younger than `in_progress_ttl`: [`ClaimOutcome::InProgress`];
-    /// - an older one: replace its lease by compare-and-swap on the old token, so that of many
-    ///   concurrent retakers exactly one gets `Claimed { retaken: true }` and the rest `InProgress`.
+    /// - an `in_progress` record claimed or renewed less than `in_progress_ttl` ago:
+    ///   [`ClaimOutcome::InProgress`];
+    /// - an older one (its holder stopped renewing it: presumed dead): replace its lease with
+    ///   `request.lease` by compare-and-swap on the old token, so that of many concurrent retakers
+    ///   exactly one gets `Claimed { retaken: true }` and the rest `InProgress`.
+    ///
+    /// Every scope the layer lets through must be accepted: any subject or endpoint, of any length,
+    /// with any characters (NUL included).
     fn claim(
         &self,
         request: &ClaimRequest,
     ) -> impl Future<Output = Result<ClaimOutcome, StoreError>> + Send;
 
     /// Stores the response of a claimed record and marks it finished, to live for `retention`.
-    /// Returns `false`, changing nothing, when `lease` no longer holds the record.
+    /// Returns `false`, changing nothing, when `lease` no longer holds the record. A record that
+    /// `lease` already completed (an earlier attempt committed, but its answer was lost) answers
+    /// `true` and is left as it is.
     fn complete(
         &self,
         key: &RecordKey,
         lease: LeaseToken,
         response: Arc<StoredResponse>,
         retention: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// The lease's heartbeat: while `lease` holds the `in_progress` record, restart its
+    /// in-progress TTL from now and push its expiry to `lifetime` from now. Returns `false`,
+    /// changing nothing, when `lease` no longer holds it (it was retaken, released or finished).
+    fn renew(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        lifetime: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Deletes a claimed record so that a retry runs again. Returns `false`, changing nothing, when

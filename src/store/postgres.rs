@@ -1,5 +1,6 @@
 //! The PostgreSQL store: one table shared by every instance of an application.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
@@ -19,6 +20,8 @@ const MIGRATION: &str = include_str!("../../migrations/0001_idempotency_records.
 const DEFAULT_TABLE: &str = "idempotency_records";
 /// Serialises concurrent `migrate()` calls across instances (`pg_advisory_xact_lock` key).
 const MIGRATE_LOCK: i64 = 0x6178_6964_656d_0001; // "axidem" + 1
+/// The shortest time `migrate()` may take (it may wait for another instance's migration).
+pub const MIN_MIGRATE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Rows removed per statement by `purge_expired`, so no single statement holds locks for long.
 const PURGE_BATCH: i64 = 10_000;
 
@@ -55,29 +58,41 @@ impl std::error::Error for PostgresStoreError {}
 
 struct Statements {
     table: String,
+    /// The table name as written in SQL: every part quoted, so reserved words work.
+    quoted: String,
+    /// The expiry index's name, quoted.
     index: String,
     claim: String,
     retake: String,
+    renew: String,
     complete: String,
     release: String,
     purge: String,
+    check_shape: String,
 }
 
 impl Statements {
     fn new(table: &str) -> Self {
         let unqualified = table.rsplit('.').next().unwrap_or(table);
-        let pk = "idempotency_key = $1 AND subject = $2 AND endpoint = $3";
+        let quoted = table
+            .split('.')
+            .map(|part| format!("\"{part}\""))
+            .collect::<Vec<_>>()
+            .join(".");
+        let t = &quoted;
         Statements {
             table: table.to_owned(),
-            index: format!("{unqualified}_expires_at_idx"),
+            index: format!("\"{unqualified}_expires_at_idx\""),
             // One round trip: insert, or read the record that is there. `same_fp` and the response
             // columns let the caller answer 409, 422 or a replay without another query; the body is
-            // only sent back when it can be replayed.
+            // only sent back when it can be replayed. $1 scope, $2 key, $3 subject, $4 endpoint,
+            // $5 fingerprint, $6 lease, $7 lifetime (µs), $8 in-progress TTL (µs).
             claim: format!(
                 "WITH ins AS ( \
-                   INSERT INTO {table} (idempotency_key, subject, endpoint, fingerprint, status, \
-                                        lease_token, expires_at) \
-                   VALUES ($1, $2, $3, $4, 'in_progress', $5, now() + $6::float8 * interval '1 microsecond') \
+                   INSERT INTO {t} (scope, idempotency_key, subject, endpoint, fingerprint, status, \
+                                    lease_token, expires_at) \
+                   VALUES ($1, $2, $3, $4, $5, 'in_progress', $6, \
+                           now() + $7::float8 * interval '1 microsecond') \
                    ON CONFLICT DO NOTHING \
                    RETURNING lease_token) \
                  SELECT true AS inserted, NULL::text AS status, NULL::bigint AS lease_token, \
@@ -86,34 +101,52 @@ impl Statements {
                         NULL::bytea[] AS header_values, NULL::bytea AS response_body \
                  FROM ins \
                  UNION ALL \
-                 SELECT false, status, lease_token, fingerprint = $4, \
-                        updated_at <= now() - $7::float8 * interval '1 microsecond', \
+                 SELECT false, status, lease_token, fingerprint = $5, \
+                        updated_at <= now() - $8::float8 * interval '1 microsecond', \
                         expires_at <= now(), response_status, header_names, header_values, \
-                        CASE WHEN fingerprint = $4 THEN response_body END \
-                 FROM {table} WHERE {pk} AND NOT EXISTS (SELECT 1 FROM ins)"
+                        CASE WHEN fingerprint = $5 THEN response_body END \
+                 FROM {t} WHERE scope = $1 AND NOT EXISTS (SELECT 1 FROM ins)"
             ),
             // Compare-and-swap on the lease token and the state read: of concurrent retakers only one
             // matches, and a late completion by the presumed-dead worker makes this match nothing.
+            // $1 scope, $2 fingerprint, $3 new lease, $4 lifetime (µs), $5 old lease, $6 old status.
             retake: format!(
-                "UPDATE {table} SET fingerprint = $4, status = 'in_progress', lease_token = $5, \
+                "UPDATE {t} SET fingerprint = $2, status = 'in_progress', lease_token = $3, \
                    response_status = NULL, header_names = NULL, header_values = NULL, \
                    response_body = NULL, created_at = now(), updated_at = now(), \
-                   expires_at = now() + $6::float8 * interval '1 microsecond' \
-                 WHERE {pk} AND lease_token = $7 AND status = $8"
+                   expires_at = now() + $4::float8 * interval '1 microsecond' \
+                 WHERE scope = $1 AND lease_token = $5 AND status = $6"
             ),
+            // The heartbeat. $1 scope, $2 lease, $3 lifetime (µs).
+            renew: format!(
+                "UPDATE {t} SET updated_at = now(), \
+                   expires_at = now() + $3::float8 * interval '1 microsecond' \
+                 WHERE scope = $1 AND lease_token = $2 AND status = 'in_progress'"
+            ),
+            // Finish the record if the lease holds it in progress; a record this lease already
+            // finished (an earlier attempt committed but its answer was lost) also counts as done.
+            // $1 scope, $2 lease, $3 status, $4 response status, $5 names, $6 values, $7 body,
+            // $8 retention (µs).
             complete: format!(
-                "UPDATE {table} SET status = $5, response_status = $6, header_names = $7, \
-                   header_values = $8, response_body = $9, updated_at = now(), \
-                   expires_at = now() + $10::float8 * interval '1 microsecond' \
-                 WHERE {pk} AND lease_token = $4 AND status = 'in_progress'"
+                "WITH done AS ( \
+                   UPDATE {t} SET status = $3, response_status = $4, header_names = $5, \
+                     header_values = $6, response_body = $7, updated_at = now(), \
+                     expires_at = now() + $8::float8 * interval '1 microsecond' \
+                   WHERE scope = $1 AND lease_token = $2 AND status = 'in_progress' \
+                   RETURNING 1) \
+                 SELECT EXISTS (SELECT 1 FROM done) \
+                     OR EXISTS (SELECT 1 FROM {t} WHERE scope = $1 AND lease_token = $2 \
+                                AND status <> 'in_progress') AS held"
             ),
             release: format!(
-                "DELETE FROM {table} WHERE {pk} AND lease_token = $4 AND status = 'in_progress'"
+                "DELETE FROM {t} WHERE scope = $1 AND lease_token = $2 AND status = 'in_progress'"
             ),
             purge: format!(
-                "DELETE FROM {table} WHERE ctid IN \
-                   (SELECT ctid FROM {table} WHERE expires_at <= now() LIMIT {PURGE_BATCH})"
+                "DELETE FROM {t} WHERE ctid IN \
+                   (SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT {PURGE_BATCH})"
             ),
+            check_shape: format!("SELECT scope, idempotency_key, lease_token FROM {t} LIMIT 0"),
+            quoted,
         }
     }
 }
@@ -129,7 +162,8 @@ impl PostgresStore {
     }
 
     /// A store on another table: a lower-case identifier (`[a-z_][a-z0-9_]*`, at most 40 characters),
-    /// optionally qualified by a schema of the same form (`billing.idempotency`).
+    /// optionally qualified by a schema of the same form (`billing.idempotency`). Names are quoted in
+    /// every statement, so reserved words such as `order` work too.
     pub fn with_table(pool: PgPool, table: &str) -> Result<Self, PostgresStoreError> {
         let parts: Vec<&str> = table.split('.').collect();
         let valid = |part: &str| {
@@ -190,47 +224,71 @@ impl PostgresStore {
 
     /// Creates the table and its index if they do not exist (`migrations/`). Safe to call from many
     /// instances at once: an advisory lock serialises them. It touches no migration bookkeeping of
-    /// the application's (no `_sqlx_migrations` rows).
+    /// the application's (no `_sqlx_migrations` rows). It fails, rather than waiting forever, after
+    /// the operation timeout or [`MIN_MIGRATE_TIMEOUT`], whichever is longer; and it fails with a
+    /// clear error when the table exists in a shape this version cannot use.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let sql = MIGRATION
             .replace("idempotency_records_expires_at_idx", "\u{0}")
-            .replace(DEFAULT_TABLE, &self.sql.table)
+            .replace(DEFAULT_TABLE, &self.sql.quoted)
             .replace('\u{0}', &self.sql.index);
-        let mut tx = self.pool.begin().await.map_err(db("migrate: begin"))?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(MIGRATE_LOCK)
-            .execute(&mut *tx)
-            .await
-            .map_err(db("migrate: lock"))?;
-        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
-            .execute(&mut *tx)
-            .await
-            .map_err(db("migrate: create table"))?;
-        tx.commit().await.map_err(db("migrate: commit"))?;
-        Ok(())
+        let limit = self.timeout.max(MIN_MIGRATE_TIMEOUT);
+        let migration = async {
+            let mut tx = self.pool.begin().await.map_err(db("migrate: begin"))?;
+            sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                .bind(MIGRATE_LOCK)
+                .execute(&mut *tx)
+                .await
+                .map_err(db("migrate: lock"))?;
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .execute(&mut *tx)
+                .await
+                .map_err(db("migrate: create table"))?;
+            sqlx::query(sqlx::AssertSqlSafe(self.sql.check_shape.as_str()))
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| {
+                    StoreError::new(
+                        format!(
+                            "migrate: the table {} exists but lacks the columns this version needs \
+                             (scope, idempotency_key, lease_token); it was made by an older \
+                             version: rename or drop it, then migrate again",
+                            self.sql.table
+                        ),
+                        e,
+                    )
+                })?;
+            tx.commit().await.map_err(db("migrate: commit"))
+        };
+        match tokio::time::timeout(limit, migration).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::msg(format!(
+                "postgres migrate: not done within {limit:?}"
+            ))),
+        }
     }
 
     async fn retake(
         &self,
         request: &ClaimRequest,
+        scope: &[u8; 32],
         old_lease: i64,
         old_status: &str,
-    ) -> Result<Option<LeaseToken>, StoreError> {
-        let lease = LeaseToken::generate();
-        let key = &request.key;
+    ) -> Result<bool, StoreError> {
         let done = self
             .timed(
                 "retake",
-                keyed(&self.sql.retake, key)
+                sqlx::query(sqlx::AssertSqlSafe(self.sql.retake.as_str()))
+                    .bind(&scope[..])
                     .bind(&request.fingerprint.as_bytes()[..])
-                    .bind(lease.0)
+                    .bind(request.lease.0)
                     .bind(micros(request.in_progress_ttl + request.retention))
                     .bind(old_lease)
                     .bind(old_status)
                     .execute(&self.pool),
             )
             .await?;
-        Ok((done.rows_affected() == 1).then_some(lease))
+        Ok(done.rows_affected() == 1)
     }
 
     /// Reads what a claim statement returned into an outcome, retaking the record when it is stale
@@ -238,10 +296,11 @@ impl PostgresStore {
     async fn decide(
         &self,
         request: &ClaimRequest,
+        scope: &[u8; 32],
         row: &PgRow,
-        lease: LeaseToken,
     ) -> Result<ClaimOutcome, StoreError> {
         let get = |e| StoreError::new("claim: unexpected row", e);
+        let lease = request.lease;
         if row.try_get::<bool, _>("inserted").map_err(get)? {
             return Ok(ClaimOutcome::Claimed {
                 lease,
@@ -255,12 +314,13 @@ impl PostgresStore {
         let expired: bool = row.try_get("expired").map_err(get)?;
         if expired {
             // Past retention: the key is new again, whatever was there.
-            return Ok(match self.retake(request, old_lease, &status).await? {
-                Some(lease) => ClaimOutcome::Claimed {
+            return Ok(if self.retake(request, scope, old_lease, &status).await? {
+                ClaimOutcome::Claimed {
                     lease,
                     retaken: false,
-                },
-                None => ClaimOutcome::InProgress,
+                }
+            } else {
+                ClaimOutcome::InProgress
             });
         }
         if !same_fp {
@@ -271,59 +331,77 @@ impl PostgresStore {
             "failed" => Finished::Failed,
             _ if !stale => return Ok(ClaimOutcome::InProgress),
             _ => {
-                return Ok(match self.retake(request, old_lease, &status).await? {
-                    Some(lease) => ClaimOutcome::Claimed {
+                return Ok(if self.retake(request, scope, old_lease, &status).await? {
+                    ClaimOutcome::Claimed {
                         lease,
                         retaken: true,
-                    },
-                    None => ClaimOutcome::InProgress,
+                    }
+                } else {
+                    ClaimOutcome::InProgress
                 });
             }
         };
         let status: i16 = row.try_get("response_status").map_err(get)?;
         let names: Vec<String> = row.try_get("header_names").map_err(get)?;
         let values: Vec<Vec<u8>> = row.try_get("header_values").map_err(get)?;
-        let body: Vec<u8> = row.try_get("response_body").map_err(get)?;
+        let body: Option<Vec<u8>> = row.try_get("response_body").map_err(get)?;
         Ok(ClaimOutcome::Finished(Arc::new(StoredResponse {
             outcome,
             status: u16::try_from(status).unwrap_or(500),
             headers: parse_headers(names, values),
-            body: Bytes::from(body),
+            body_omitted: body.is_none(),
+            body: body.map(Bytes::from).unwrap_or_default(),
         })))
     }
 
     async fn claim_once(
         &self,
         request: &ClaimRequest,
-        lease: LeaseToken,
+        scope: &[u8; 32],
     ) -> Result<Option<PgRow>, StoreError> {
         let key = &request.key;
         self.timed(
             "claim",
-            keyed(&self.sql.claim, key)
+            sqlx::query(sqlx::AssertSqlSafe(self.sql.claim.as_str()))
+                .bind(&scope[..])
+                .bind(&key.key)
+                .bind(printable(&key.subject))
+                .bind(printable(&key.endpoint))
                 .bind(&request.fingerprint.as_bytes()[..])
-                .bind(lease.0)
+                .bind(request.lease.0)
                 .bind(micros(request.in_progress_ttl + request.retention))
                 .bind(micros(request.in_progress_ttl))
                 .fetch_optional(&self.pool),
         )
         .await
     }
+
+    /// A statement on one record held by `lease`: binds its scope as `$1` and the lease as `$2`.
+    fn leased<'q>(
+        &'q self,
+        sql: &'q str,
+        scope: &'q [u8; 32],
+        lease: LeaseToken,
+    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(&scope[..])
+            .bind(lease.0)
+    }
 }
 
 impl IdempotencyStore for PostgresStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let lease = LeaseToken::generate();
-        if let Some(row) = self.claim_once(request, lease).await? {
-            return self.decide(request, &row, lease).await;
+        let scope = request.key.digest();
+        if let Some(row) = self.claim_once(request, &scope).await? {
+            return self.decide(request, &scope, &row).await;
         }
         // The insert met a row committed after this statement's snapshot was taken, so the read
         // half could not see it. A second statement sees it; that row was inserted a moment ago and
         // cannot be stale. If it is gone again (released), or needs a retake after all, answer 409
         // rather than spend a third round trip: the client's retry settles it.
-        match self.claim_once(request, lease).await? {
+        match self.claim_once(request, &scope).await? {
             Some(row) if needs_retake(&row) => Ok(ClaimOutcome::InProgress),
-            Some(row) => self.decide(request, &row, lease).await,
+            Some(row) => self.decide(request, &scope, &row).await,
             None => Ok(ClaimOutcome::InProgress),
         }
     }
@@ -335,22 +413,43 @@ impl IdempotencyStore for PostgresStore {
         response: Arc<StoredResponse>,
         retention: Duration,
     ) -> Result<bool, StoreError> {
+        let scope = key.digest();
         let (names, values): (Vec<&str>, Vec<&[u8]>) = response
             .headers
             .iter()
             .map(|(n, v)| (n.as_str(), v.as_bytes()))
             .unzip();
-        let done = self
+        let body = (!response.body_omitted).then_some(&response.body[..]);
+        let (held,): (bool,) = self
             .timed(
                 "complete",
-                keyed(&self.sql.complete, key)
+                sqlx::query_as(sqlx::AssertSqlSafe(self.sql.complete.as_str()))
+                    .bind(&scope[..])
                     .bind(lease.0)
                     .bind(response.outcome.as_str())
                     .bind(i16::try_from(response.status).unwrap_or(500))
                     .bind(names)
                     .bind(values)
-                    .bind(&response.body[..])
+                    .bind(body)
                     .bind(micros(retention))
+                    .fetch_one(&self.pool),
+            )
+            .await?;
+        Ok(held)
+    }
+
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        lifetime: Duration,
+    ) -> Result<bool, StoreError> {
+        let scope = key.digest();
+        let done = self
+            .timed(
+                "renew",
+                self.leased(&self.sql.renew, &scope, lease)
+                    .bind(micros(lifetime))
                     .execute(&self.pool),
             )
             .await?;
@@ -358,11 +457,11 @@ impl IdempotencyStore for PostgresStore {
     }
 
     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
+        let scope = key.digest();
         let done = self
             .timed(
                 "release",
-                keyed(&self.sql.release, key)
-                    .bind(lease.0)
+                self.leased(&self.sql.release, &scope, lease)
                     .execute(&self.pool),
             )
             .await?;
@@ -386,15 +485,14 @@ impl IdempotencyStore for PostgresStore {
     }
 }
 
-/// A statement on one record: binds its key, subject and endpoint as `$1`, `$2`, `$3`.
-fn keyed<'q>(
-    sql: &'q str,
-    key: &'q RecordKey,
-) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
-    sqlx::query(sqlx::AssertSqlSafe(sql))
-        .bind(&key.key)
-        .bind(&key.subject)
-        .bind(&key.endpoint)
+/// A subject or endpoint for the columns kept for inspection: PostgreSQL's `text` cannot hold NUL,
+/// so NUL is written as U+FFFD there (the record's identity is its `scope` digest, which is exact).
+fn printable(s: &str) -> Cow<'_, str> {
+    if s.contains('\0') {
+        Cow::Owned(s.replace('\0', "\u{FFFD}"))
+    } else {
+        Cow::Borrowed(s)
+    }
 }
 
 /// Stored headers back into HTTP types. The table may have been written by anyone: a name or value

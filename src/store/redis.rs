@@ -8,7 +8,6 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Script, Value};
-use sha2::{Digest, Sha256};
 
 use super::{IdempotencyStore, StoreError};
 use crate::config::DENIED_HEADERS;
@@ -18,7 +17,7 @@ use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey,
 pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Claim, atomically: insert; or answer mismatch, finished (with the response), in progress; or
-/// retake a record whose claim is older than the in-progress TTL. Times are the server's `TIME`.
+/// retake a record whose claim (or last renewal) is older than the in-progress TTL. Times are the server's `TIME`.
 /// KEYS[1] record; ARGV fingerprint, new lease, in-progress TTL (ms), TTL + retention (ms).
 const CLAIM: &str = r"
 local t = redis.call('TIME')
@@ -37,13 +36,25 @@ redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return {'retaken'}
 ";
 
-/// Complete, if the lease still holds an in-progress record. KEYS[1]; ARGV lease, status, response,
-/// retention (ms).
+/// Complete, if the lease still holds an in-progress record; a record this lease already finished
+/// counts as done. KEYS[1]; ARGV lease, status, response, retention (ms).
 const COMPLETE: &str = r"
 local rec = redis.call('HMGET', KEYS[1], 'lease', 'st')
-if rec[1] ~= ARGV[1] or rec[2] ~= 'in_progress' then return 0 end
+if rec[1] ~= ARGV[1] then return 0 end
+if rec[2] ~= 'in_progress' then return 1 end
 redis.call('HSET', KEYS[1], 'st', ARGV[2], 'resp', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return 1
+";
+
+/// Renew (the heartbeat), if the lease still holds an in-progress record. KEYS[1]; ARGV lease,
+/// lifetime (ms).
+const RENEW: &str = r"
+local rec = redis.call('HMGET', KEYS[1], 'lease', 'st')
+if rec[1] ~= ARGV[1] or rec[2] ~= 'in_progress' then return 0 end
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], 'ts', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 ";
 
@@ -77,6 +88,7 @@ pub struct RedisStore {
 struct Scripts {
     claim: Script,
     complete: Script,
+    renew: Script,
     release: Script,
 }
 
@@ -98,6 +110,7 @@ impl RedisStore {
             scripts: Arc::new(Scripts {
                 claim: Script::new(CLAIM),
                 complete: Script::new(COMPLETE),
+                renew: Script::new(RENEW),
                 release: Script::new(RELEASE),
             }),
         })
@@ -116,12 +129,7 @@ impl RedisStore {
     }
 
     fn redis_key(&self, key: &RecordKey) -> String {
-        let mut hasher = Sha256::new();
-        for part in [&key.key, &key.subject, &key.endpoint] {
-            hasher.update((part.len() as u64).to_be_bytes());
-            hasher.update(part.as_bytes());
-        }
-        let digest = hasher.finalize();
+        let digest = key.digest();
         let mut name = String::with_capacity(self.prefix.len() + 64);
         name.push_str(&self.prefix);
         for b in digest {
@@ -154,7 +162,7 @@ fn millis(d: Duration) -> u64 {
 
 impl IdempotencyStore for RedisStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let lease = LeaseToken::generate();
+        let lease = request.lease;
         let mut connection = self.connection.clone();
         let mut invocation = self.scripts.claim.key(self.redis_key(&request.key));
         invocation
@@ -211,6 +219,21 @@ impl IdempotencyStore for RedisStore {
         Ok(done == 1)
     }
 
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        lifetime: Duration,
+    ) -> Result<bool, StoreError> {
+        let mut connection = self.connection.clone();
+        let mut invocation = self.scripts.renew.key(self.redis_key(key));
+        invocation.arg(lease.0).arg(millis(lifetime));
+        let done: i64 = self
+            .timed("renew", invocation.invoke_async(&mut connection))
+            .await?;
+        Ok(done == 1)
+    }
+
     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
         let mut connection = self.connection.clone();
         let mut invocation = self.scripts.release.key(self.redis_key(key));
@@ -227,12 +250,15 @@ impl IdempotencyStore for RedisStore {
     }
 }
 
-/// The stored response as bytes: outcome, status, headers (length-prefixed), body.
+/// The stored response as bytes: outcome, status, headers (length-prefixed), body. The outcome is
+/// `c` or `f`, upper case when the body was omitted.
 fn encode(response: &StoredResponse) -> Vec<u8> {
     let mut out = Vec::with_capacity(response.body.len() + 64);
-    out.push(match response.outcome {
-        Finished::Completed => b'c',
-        Finished::Failed => b'f',
+    out.push(match (response.outcome, response.body_omitted) {
+        (Finished::Completed, false) => b'c',
+        (Finished::Failed, false) => b'f',
+        (Finished::Completed, true) => b'C',
+        (Finished::Failed, true) => b'F',
     });
     out.extend_from_slice(&response.status.to_be_bytes());
     out.extend_from_slice(&(response.headers.len() as u32).to_be_bytes());
@@ -255,9 +281,11 @@ fn decode(blob: &[u8]) -> Option<StoredResponse> {
         rest = tail;
         Some(head)
     };
-    let outcome = match take(1)? {
-        b"c" => Finished::Completed,
-        b"f" => Finished::Failed,
+    let (outcome, body_omitted) = match take(1)? {
+        b"c" => (Finished::Completed, false),
+        b"f" => (Finished::Failed, false),
+        b"C" => (Finished::Completed, true),
+        b"F" => (Finished::Failed, true),
         _ => return None,
     };
     let status = u16::from_be_bytes(take(2)?.try_into().ok()?);
@@ -280,6 +308,7 @@ fn decode(blob: &[u8]) -> Option<StoredResponse> {
         status,
         headers,
         body: Bytes::copy_from_slice(rest),
+        body_omitted,
     })
 }
 
@@ -301,9 +330,16 @@ mod tests {
                 (http::header::LINK, HeaderValue::from_static("<b>")),
             ],
             body: Bytes::from_static(b"{\"error\":\"card_declined\"}"),
+            body_omitted: false,
         };
         let blob = encode(&response);
-        assert_eq!(decode(&blob), Some(response));
+        assert_eq!(decode(&blob), Some(response.clone()));
+        let omitted = StoredResponse {
+            body: Bytes::new(),
+            body_omitted: true,
+            ..response
+        };
+        assert_eq!(decode(&encode(&omitted)), Some(omitted));
         for cut in 0..7 {
             assert_eq!(decode(&blob[..cut]), None, "cut at {cut}");
         }

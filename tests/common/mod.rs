@@ -15,14 +15,17 @@ use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing;
 use axum_idempotency::{IdempotencyLayer, IdempotencyStore, Subject};
+use http_body::Frame;
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 
-/// Counts of handler runs: `started` when a run begins, `finished` when it is about to answer.
+/// Counts of handler runs: `started` when a run begins, `finished` when it is about to answer,
+/// `streamed` when a streamed body (`x-stream`) has produced its last frame.
 #[derive(Clone, Default)]
 pub struct Counters {
     pub started: Arc<AtomicUsize>,
     pub finished: Arc<AtomicUsize>,
+    pub streamed: Arc<AtomicUsize>,
 }
 
 impl Counters {
@@ -32,10 +35,45 @@ impl Counters {
     pub fn finished(&self) -> usize {
         self.finished.load(Ordering::SeqCst)
     }
+    pub fn streamed(&self) -> usize {
+        self.streamed.load(Ordering::SeqCst)
+    }
+}
+
+/// A streamed body: `part1;` at once, then by `kind`: `slow` (`part2` after 500 ms), `endless`
+/// (100-byte chunks every 10 ms, for ever), `fail` (the stream fails), `trailers` (trailers).
+fn streamed(kind: String, counters: Counters) -> Body {
+    let frames = futures_util::stream::unfold(0u32, move |n| {
+        let (kind, counters) = (kind.clone(), counters.clone());
+        async move {
+            let frame: Result<Frame<Bytes>, std::io::Error> = match (kind.as_str(), n) {
+                (_, 0) => Ok(Frame::data(Bytes::from_static(b"part1;"))),
+                ("slow", 1) => {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    counters.streamed.fetch_add(1, Ordering::SeqCst);
+                    Ok(Frame::data(Bytes::from_static(b"part2")))
+                }
+                ("endless", _) => {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    Ok(Frame::data(Bytes::from(vec![b'x'; 100])))
+                }
+                ("fail", 1) => Err(std::io::Error::other("the body stream failed")),
+                ("trailers", 1) => {
+                    let mut trailers = HeaderMap::new();
+                    trailers.insert("x-checksum", HeaderValue::from_static("abc"));
+                    Ok(Frame::trailers(trailers))
+                }
+                _ => return None,
+            };
+            Some((frame, n + 1))
+        }
+    });
+    Body::new(http_body_util::StreamBody::new(frames))
 }
 
 /// The handler behind every test route. Request headers steer it: `x-delay-ms` (sleep first),
-/// `x-status` (answer with that status), `x-panic` (panic), `x-big` (a body of that many bytes).
+/// `x-status` (answer with that status), `x-panic` (panic), `x-big` (a body of that many bytes),
+/// `x-stream` (a streamed body, see [`streamed`]).
 async fn handler(State(counters): State<Counters>, headers: HeaderMap, body: Bytes) -> Response {
     let attempt = counters.started.fetch_add(1, Ordering::SeqCst) + 1;
     let num = |name: &str| {
@@ -53,13 +91,17 @@ async fn handler(State(counters): State<Counters>, headers: HeaderMap, body: Byt
     let status = num("x-status").map_or(StatusCode::CREATED, |s| {
         StatusCode::from_u16(s as u16).expect("test status")
     });
-    let payload = match num("x-big") {
-        Some(n) => "x".repeat(n as usize),
-        None => serde_json::json!({
-            "attempt": attempt,
-            "body": String::from_utf8_lossy(&body),
-        })
-        .to_string(),
+    let stream = headers.get("x-stream").and_then(|v| v.to_str().ok());
+    let payload = match (num("x-big"), stream) {
+        (_, Some(kind)) => streamed(kind.to_owned(), counters.clone()),
+        (Some(n), None) => Body::from("x".repeat(n as usize)),
+        (None, None) => Body::from(
+            serde_json::json!({
+                "attempt": attempt,
+                "body": String::from_utf8_lossy(&body),
+            })
+            .to_string(),
+        ),
     };
     counters.finished.fetch_add(1, Ordering::SeqCst);
     Response::builder()
@@ -70,7 +112,7 @@ async fn handler(State(counters): State<Counters>, headers: HeaderMap, body: Byt
         .header(header::LINK, "<a>")
         .header(header::LINK, "<b>")
         .header("x-not-stored", "1")
-        .body(Body::from(payload))
+        .body(payload)
         .expect("valid response")
 }
 

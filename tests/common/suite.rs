@@ -7,7 +7,7 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use axum_idempotency::{
     ClaimOutcome, ClaimRequest, Fingerprint, Finished, IdempotencyLayer, IdempotencyStore,
-    RecordKey, StoredResponse,
+    LeaseToken, RecordKey, StoredResponse,
 };
 use bytes::Bytes;
 use tokio::task::JoinSet;
@@ -42,9 +42,18 @@ macro_rules! store_suite {
             routes_are_isolated,
             panic_releases_the_key,
             disconnect_does_not_cancel_the_effect,
-            oversized_response_is_passed_on_and_released,
+            oversized_response_is_recorded_without_its_body,
             same_key_race_runs_once,
             stale_retake_race_has_one_winner,
+            slow_handler_outliving_the_ttl_is_not_retaken,
+            heartbeat_keeps_the_claim_until_it_stops,
+            completion_by_the_same_lease_is_idempotent,
+            streamed_response_reaches_the_client_before_it_ends,
+            endless_body_is_recorded_once_the_client_leaves,
+            failed_body_stream_is_recorded_without_its_body,
+            trailers_are_recorded_without_the_body,
+            disconnect_during_the_claim_still_runs_and_records,
+            any_scope_the_layer_lets_through_is_stored,
         );
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
@@ -73,6 +82,7 @@ fn claim_request(key: &str, ttl: Duration) -> ClaimRequest {
     ClaimRequest {
         key: record_key(key),
         fingerprint: Fingerprint::of(None, b"{}"),
+        lease: LeaseToken::generate(),
         in_progress_ttl: ttl,
         retention: Duration::from_secs(60),
     }
@@ -87,6 +97,7 @@ fn stored(body: &'static str) -> Arc<StoredResponse> {
             axum::http::HeaderValue::from_static("text/plain"),
         )],
         body: Bytes::from_static(body.as_bytes()),
+        body_omitted: false,
     })
 }
 
@@ -287,10 +298,12 @@ pub async fn late_completion_with_superseded_lease_changes_nothing<S: Idempotenc
         panic!("first claim must win");
     };
     tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    let mut retry = request.clone();
+    retry.lease = LeaseToken::generate();
     let ClaimOutcome::Claimed {
         lease: new,
         retaken: true,
-    } = store.claim(&request).await.expect("retake")
+    } = store.claim(&retry).await.expect("retake")
     else {
         panic!("a stale claim must be retaken");
     };
@@ -306,19 +319,31 @@ pub async fn late_completion_with_superseded_lease_changes_nothing<S: Idempotenc
     );
     assert!(!store.release(&key, old).await.expect("release"));
     assert!(
+        !store
+            .renew(&key, old, Duration::from_secs(60))
+            .await
+            .expect("renew")
+    );
+    assert!(
         store
             .complete(&key, new, stored("winner"), retention)
             .await
             .expect("complete")
     );
-    // Once finished, no lease holds the record any more.
+    // Once finished, the record cannot be released nor renewed, and the old lease still has nothing.
+    assert!(!store.release(&key, new).await.expect("release"));
     assert!(
         !store
-            .complete(&key, new, stored("again"), retention)
+            .renew(&key, new, Duration::from_secs(60))
+            .await
+            .expect("renew")
+    );
+    assert!(
+        !store
+            .complete(&key, old, stored("late"), retention)
             .await
             .expect("complete")
     );
-    assert!(!store.release(&key, new).await.expect("release"));
     match store.claim(&request).await.expect("claim") {
         ClaimOutcome::Finished(response) => assert_eq!(&response.body[..], b"winner"),
         other => panic!("expected the winner's response, got {other:?}"),
@@ -463,22 +488,38 @@ pub async fn disconnect_does_not_cancel_the_effect<S: IdempotencyStore>(store: S
     assert_eq!(counters.started(), 1);
 }
 
-pub async fn oversized_response_is_passed_on_and_released<S: IdempotencyStore>(store: S) {
+/// A response over the recording limit happened: it is recorded without its body, never released.
+pub async fn oversized_response_is_recorded_without_its_body<S: IdempotencyStore>(store: S) {
     let layer = IdempotencyLayer::builder(store)
         .response_limit(1000)
         .build()
         .expect("layer");
     let (router, counters) = app(layer);
-    let req = || post("/pay").key("k").user("alice").header("x-big", "5000");
+    let req = || post("/pay").key("k").user("alice").header("x-big", "1001");
     let first = send(&router, req()).await;
     assert_eq!(first.status, StatusCode::CREATED);
-    assert_eq!(first.body.len(), 5000, "the client gets the whole body");
+    assert_eq!(first.body.len(), 1001, "the client gets the whole body");
+    assert_eq!(first.header("idempotency-replay"), None);
     let retry = send(&router, req()).await;
-    assert!(
-        !retry.replayed(),
-        "an unrecordable response releases the key"
-    );
-    assert_eq!(counters.started(), 2);
+    assert_omitted_replay(&retry, StatusCode::CREATED);
+    assert_eq!(counters.started(), 1, "the handler ran once");
+    // At the limit exactly, the body is recorded.
+    let whole = || post("/pay").key("k2").user("alice").header("x-big", "1000");
+    assert_eq!(send(&router, whole()).await.body.len(), 1000);
+    let replay = send(&router, whole()).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body.len(), 1000);
+    assert_eq!(replay.header("idempotency-replay"), None);
+}
+
+/// A replay of a record whose body was omitted: status and headers, empty body, the marker header.
+fn assert_omitted_replay(answer: &super::Answer, status: StatusCode) {
+    assert_eq!(answer.status, status, "{answer:?}");
+    assert!(answer.replayed(), "{answer:?}");
+    assert_eq!(answer.header("idempotency-replay"), Some("omitted"));
+    assert!(answer.body.is_empty());
+    assert_eq!(answer.header("location"), Some("/charges/1"));
+    assert_eq!(answer.header("content-type"), Some("application/json"));
 }
 
 /// Many clients send the same key at once, round after round: exactly one handler run per round, and
@@ -543,7 +584,8 @@ pub async fn stale_retake_race_has_one_winner<S: IdempotencyStore>(store: S) {
         let gate = Arc::new(tokio::sync::Barrier::new(RETAKERS));
         let mut tasks = JoinSet::new();
         for _ in 0..RETAKERS {
-            let (store, gate, request) = (store.clone(), gate.clone(), request.clone());
+            let (store, gate, mut request) = (store.clone(), gate.clone(), request.clone());
+            request.lease = LeaseToken::generate();
             tasks.spawn(async move {
                 gate.wait().await;
                 store.claim(&request).await.expect("claim")
@@ -559,4 +601,368 @@ pub async fn stale_retake_race_has_one_winner<S: IdempotencyStore>(store: S) {
         }
         assert_eq!(winners, 1, "round {round}: exactly one retaker wins");
     }
+}
+
+/// A live handler slower than the in-progress TTL keeps its claim through the heartbeat: duplicates
+/// get 409 all along, never a second run.
+pub async fn slow_handler_outliving_the_ttl_is_not_retaken<S: IdempotencyStore>(store: S) {
+    let ttl = Duration::from_millis(300);
+    let layer = IdempotencyLayer::builder(store)
+        .in_progress_ttl(ttl)
+        .build()
+        .expect("layer");
+    let (router, counters) = app(layer);
+    let slow = || {
+        post("/pay")
+            .key("k")
+            .user("alice")
+            .header("x-delay-ms", "1500")
+    };
+    let first = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, slow()).await }
+    });
+    let c = counters.clone();
+    eventually(move || c.started() == 1).await;
+    // Duplicates over five TTLs while the handler still runs.
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if counters.finished() == 1 {
+            break;
+        }
+        let duplicate = send(&router, slow()).await;
+        assert!(
+            duplicate.status == StatusCode::CONFLICT || duplicate.replayed(),
+            "{duplicate:?}"
+        );
+    }
+    let first = first.await.expect("first");
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = send(&router, slow()).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(counters.started(), 1, "a live handler is never retaken");
+}
+
+/// Renewal is the heartbeat: a renewed claim stays in progress past its TTL; one left unrenewed for
+/// a TTL is retaken, and its old lease can renew nothing after that.
+pub async fn heartbeat_keeps_the_claim_until_it_stops<S: IdempotencyStore>(store: S) {
+    let ttl = Duration::from_millis(300);
+    let request = claim_request("k", ttl);
+    let lease = request.lease;
+    assert!(matches!(
+        store.claim(&request).await.expect("claim"),
+        ClaimOutcome::Claimed { retaken: false, .. }
+    ));
+    let lifetime = ttl + request.retention;
+    for _ in 0..8 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            store
+                .renew(&request.key, lease, lifetime)
+                .await
+                .expect("renew")
+        );
+    }
+    // 800 ms after the claim, over two TTLs: still held.
+    let mut other = claim_request("k", ttl);
+    assert_eq!(
+        store.claim(&other).await.expect("claim"),
+        ClaimOutcome::InProgress
+    );
+    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    other.lease = LeaseToken::generate();
+    assert!(matches!(
+        store.claim(&other).await.expect("retake"),
+        ClaimOutcome::Claimed { retaken: true, .. }
+    ));
+    assert!(
+        !store
+            .renew(&request.key, lease, lifetime)
+            .await
+            .expect("renew")
+    );
+    assert!(
+        store
+            .renew(&request.key, other.lease, lifetime)
+            .await
+            .expect("renew")
+    );
+}
+
+/// A completion whose answer was lost (it committed, then timed out) is retried by the same lease:
+/// that counts as done, and changes nothing.
+pub async fn completion_by_the_same_lease_is_idempotent<S: IdempotencyStore>(store: S) {
+    let request = claim_request("k", Duration::from_secs(30));
+    assert!(matches!(
+        store.claim(&request).await.expect("claim"),
+        ClaimOutcome::Claimed { .. }
+    ));
+    let (key, lease, retention) = (&request.key, request.lease, Duration::from_secs(60));
+    assert!(
+        store
+            .complete(key, lease, stored("first"), retention)
+            .await
+            .expect("complete")
+    );
+    assert!(
+        store
+            .complete(key, lease, stored("first"), retention)
+            .await
+            .expect("complete again")
+    );
+    assert!(
+        store
+            .complete(key, lease, stored("other"), retention)
+            .await
+            .expect("complete again")
+    );
+    assert!(!store.release(key, lease).await.expect("release"));
+    match store.claim(&request).await.expect("claim") {
+        ClaimOutcome::Finished(response) => {
+            assert_eq!(&response.body[..], b"first");
+            assert!(!response.body_omitted);
+        }
+        other => panic!("expected the first response, got {other:?}"),
+    }
+}
+
+/// The client gets the headers and the first frames while the handler is still producing the body;
+/// the record is written when the body ends, and replays the whole body.
+pub async fn streamed_response_reaches_the_client_before_it_ends<S: IdempotencyStore>(store: S) {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let (router, counters) = app(default_layer(store));
+    let req = || {
+        post("/pay")
+            .key("k")
+            .user("alice")
+            .header("x-stream", "slow")
+    };
+    let response = router
+        .clone()
+        .oneshot(req().build())
+        .await
+        .expect("response");
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let mut body = response.into_body();
+    let first = body.frame().await.expect("a frame").expect("data");
+    assert_eq!(first.into_data().expect("data"), "part1;");
+    assert_eq!(
+        counters.streamed(),
+        0,
+        "the first frame arrived before the handler produced the last"
+    );
+    // A duplicate while the body streams: the claim is still held.
+    let duplicate = send(&router, req()).await;
+    assert_eq!(duplicate.status, StatusCode::CONFLICT);
+    let rest = body.collect().await.expect("body").to_bytes();
+    assert_eq!(rest, "part2");
+    let replay = send(&router, req()).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, "part1;part2");
+    assert_eq!(replay.header("idempotency-replay"), None);
+    assert_eq!(counters.started(), 1);
+}
+
+/// An endless body (server-sent events) streams while the client reads; once the client leaves, the
+/// response is recorded without its body and replayed as such.
+pub async fn endless_body_is_recorded_once_the_client_leaves<S: IdempotencyStore>(store: S) {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let layer = IdempotencyLayer::builder(store)
+        .response_limit(1000)
+        .build()
+        .expect("layer");
+    let (router, counters) = app(layer);
+    let req = || {
+        post("/pay")
+            .key("k")
+            .user("alice")
+            .header("x-stream", "endless")
+    };
+    let response = router
+        .clone()
+        .oneshot(req().build())
+        .await
+        .expect("response");
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let mut body = response.into_body();
+    // Read well past the recording limit: the stream goes on.
+    let mut read = 0;
+    while read < 3000 {
+        let frame = body.frame().await.expect("a frame").expect("data");
+        read += frame.into_data().map(|d| d.len()).unwrap_or(0);
+    }
+    let duplicate = send(&router, req()).await;
+    assert_eq!(duplicate.status, StatusCode::CONFLICT, "still streaming");
+    drop(body); // the client goes away
+    let mut retry = send(&router, req()).await;
+    for _ in 0..100 {
+        if retry.status != StatusCode::CONFLICT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        retry = send(&router, req()).await;
+    }
+    assert_omitted_replay(&retry, StatusCode::CREATED);
+    assert_eq!(counters.started(), 1);
+}
+
+/// A body stream that fails after the handler answered: the effect happened, so the response is
+/// recorded without its body.
+pub async fn failed_body_stream_is_recorded_without_its_body<S: IdempotencyStore>(store: S) {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let (router, counters) = app(default_layer(store));
+    let req = || {
+        post("/pay")
+            .key("k")
+            .user("alice")
+            .header("x-stream", "fail")
+    };
+    let response = router
+        .clone()
+        .oneshot(req().build())
+        .await
+        .expect("response");
+    assert_eq!(response.status(), StatusCode::CREATED);
+    assert!(
+        response.into_body().collect().await.is_err(),
+        "the client sees the failure"
+    );
+    let retry = send(&router, req()).await;
+    assert_omitted_replay(&retry, StatusCode::CREATED);
+    assert_eq!(counters.started(), 1);
+}
+
+/// Trailers are not recorded: the response is recorded without its body.
+pub async fn trailers_are_recorded_without_the_body<S: IdempotencyStore>(store: S) {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let (router, counters) = app(default_layer(store));
+    let req = || {
+        post("/pay")
+            .key("k")
+            .user("alice")
+            .header("x-stream", "trailers")
+    };
+    let response = router
+        .clone()
+        .oneshot(req().build())
+        .await
+        .expect("response");
+    let collected = response.into_body().collect().await.expect("body");
+    assert_eq!(
+        collected.trailers().and_then(|t| t.get("x-checksum")),
+        Some(&axum::http::HeaderValue::from_static("abc")),
+        "the client gets the trailers"
+    );
+    assert_eq!(collected.to_bytes(), "part1;");
+    let retry = send(&router, req()).await;
+    assert_omitted_replay(&retry, StatusCode::CREATED);
+    assert_eq!(counters.started(), 1);
+}
+
+/// A store whose claims commit at once but whose answers arrive late, as over a slow network.
+#[derive(Clone)]
+struct LateAnswers<S>(S);
+
+impl<S: IdempotencyStore> IdempotencyStore for LateAnswers<S> {
+    async fn claim(
+        &self,
+        request: &ClaimRequest,
+    ) -> Result<ClaimOutcome, axum_idempotency::StoreError> {
+        let outcome = self.0.claim(request).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        outcome
+    }
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        response: Arc<StoredResponse>,
+        retention: Duration,
+    ) -> Result<bool, axum_idempotency::StoreError> {
+        self.0.complete(key, lease, response, retention).await
+    }
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        lifetime: Duration,
+    ) -> Result<bool, axum_idempotency::StoreError> {
+        self.0.renew(key, lease, lifetime).await
+    }
+    async fn release(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> Result<bool, axum_idempotency::StoreError> {
+        self.0.release(key, lease).await
+    }
+    async fn purge_expired(&self) -> Result<u64, axum_idempotency::StoreError> {
+        self.0.purge_expired().await
+    }
+}
+
+/// The client goes away while the claim is on its way back: the claim has committed, so the request
+/// goes on without the client (handler, record), and the retry gets the replay rather than 409 for
+/// a whole TTL.
+pub async fn disconnect_during_the_claim_still_runs_and_records<S: IdempotencyStore>(store: S) {
+    let (router, counters) = app(default_layer(LateAnswers(store)));
+    let req = || post("/pay").key("k").user("alice").json("{\"amount\":1}");
+    let client = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, req()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(counters.started(), 0, "still claiming");
+    client.abort();
+    assert!(client.await.expect_err("aborted").is_cancelled());
+    let c = counters.clone();
+    eventually(move || c.finished() == 1).await;
+    let mut retry = send(&router, req()).await;
+    for _ in 0..100 {
+        if retry.status != StatusCode::CONFLICT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        retry = send(&router, req()).await;
+    }
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.json()["attempt"], 1);
+    assert_eq!(counters.started(), 1);
+}
+
+/// Every store accepts every scope the layer lets through: a 10 KB endpoint, a 100 KB subject with
+/// NUL and non-ASCII characters; and scopes that differ only in such characters stay apart.
+pub async fn any_scope_the_layer_lets_through_is_stored<S: IdempotencyStore>(store: S) {
+    let layer = IdempotencyLayer::builder(store)
+        .subject_extractor(|parts: &axum::http::request::Parts| {
+            let user = parts.headers.get("x-user")?.to_str().ok()?;
+            let user = user.replace("NUL", "\0").replace("FFFD", "\u{FFFD}");
+            Some(format!("{user}-é-漢-{}", "s".repeat(100_000)))
+        })
+        .endpoint(|parts: &axum::http::request::Parts| {
+            format!(
+                "{} {}{}",
+                parts.method,
+                parts.uri.path(),
+                "/x".repeat(5_000)
+            )
+        })
+        .build()
+        .expect("layer");
+    let (router, counters) = app(layer);
+    for user in ["aNULb", "aFFFDb", "plain"] {
+        let req = || post("/pay").key("k").user(user).json("{\"amount\":1}");
+        let first = send(&router, req()).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{user}: {first:?}");
+        assert!(!first.replayed(), "{user}: another subject's record");
+        let replay = send(&router, req()).await;
+        assert!(replay.replayed(), "{user}: {replay:?}");
+        assert_eq!(replay.body, first.body);
+    }
+    assert_eq!(counters.started(), 3);
 }

@@ -1,0 +1,301 @@
+//! Recording the handler's answer while it reaches the client.
+//!
+//! The response is sorted by the policy. A response to record is copied into the record up to the
+//! recording limit while it is passed on:
+//!
+//! - a body that is whole at once (the usual `Json`, `String` or `Bytes` body) is recorded first and
+//!   then answered, so an immediate retry already gets the replay;
+//! - any other body is streamed: the client gets the headers at once and each frame as the handler
+//!   produces it, while a task of its own (holding the lease, heartbeat running) copies the frames
+//!   and records the response when the body ends, before the client sees the end. A client that goes
+//!   away does not stop the recording: the rest of the body is read (up to the recording limit, and
+//!   for at most the in-progress TTL) without it.
+//!
+//! A body over the recording limit, one with trailers, or one whose stream fails is recorded as its
+//! status and headers with the body omitted; never released, since the effect has happened.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use bytes::{Bytes, BytesMut};
+use futures_util::FutureExt;
+use http::{Response, response::Parts};
+use http_body::Frame;
+use http_body_util::BodyExt;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use crate::config::Config;
+use crate::lease::Lease;
+use crate::policy::Disposition;
+use crate::record::{Finished, StoredResponse};
+use crate::replay;
+use crate::store::IdempotencyStore;
+
+/// Frames in flight between the recording task and a slow client.
+const CHANNEL_FRAMES: usize = 4;
+
+/// Sorts the handler's response by the policy, then records it (or releases the record) and
+/// returns what the client gets.
+pub(crate) async fn record<St: IdempotencyStore>(
+    config: &Arc<Config>,
+    lease: Lease<St>,
+    response: Response<Body>,
+) -> Response<Body> {
+    let outcome = match (config.policy)(response.status()) {
+        Disposition::Complete => Finished::Completed,
+        Disposition::Fail => Finished::Failed,
+        Disposition::Release => {
+            lease.release("the response asks for a retry").await;
+            return response;
+        }
+    };
+    let (parts, mut body) = response.into_parts();
+    let head = replay::capture(
+        outcome,
+        parts.status,
+        &parts.headers,
+        &config.stored_headers,
+        None,
+    );
+    let mut copy = Copy::new(config.response_limit);
+    if http_body::Body::size_hint(&body).lower() > config.response_limit as u64 {
+        copy.omit();
+    }
+    // Read what the body has ready now, up to the limit.
+    let mut ready: VecDeque<Frame<Bytes>> = VecDeque::new();
+    let mut error = None;
+    let ended = loop {
+        if copy.omitted && !ready.is_empty() {
+            break false; // over the limit: stream the rest rather than buffer it
+        }
+        match body.frame().now_or_never() {
+            None => break false,
+            Some(None) => break true,
+            Some(Some(Ok(frame))) => {
+                copy.frame(&frame);
+                ready.push_back(frame);
+            }
+            Some(Some(Err(e))) => {
+                copy.omit();
+                error = Some(e);
+                break true;
+            }
+        }
+    };
+    if ended {
+        let body = copy.finish();
+        lease
+            .complete(Arc::new(with_body(head, body.clone())))
+            .await;
+        return match body {
+            Some(whole) => Response::from_parts(parts, Body::from(whole)),
+            None => Response::from_parts(parts, Body::new(Replayed { ready, error })),
+        };
+    }
+    stream(config, lease, parts, head, copy, ready, body)
+}
+
+/// Answers at once with a body fed by a task that reads the handler's body, copies it and records
+/// the response when it ends.
+fn stream<St: IdempotencyStore>(
+    config: &Arc<Config>,
+    lease: Lease<St>,
+    parts: Parts,
+    head: StoredResponse,
+    mut copy: Copy,
+    ready: VecDeque<Frame<Bytes>>,
+    mut body: Body,
+) -> Response<Body> {
+    let (tx, rx) = mpsc::channel(CHANNEL_FRAMES);
+    let patience = config.in_progress_ttl;
+    let task = async move {
+        let mut client = Some(tx);
+        let mut gone_at: Option<Instant> = None;
+        let drained = async {
+            for frame in ready {
+                forward(&mut client, Ok(frame)).await;
+            }
+            loop {
+                if client.is_none() {
+                    let since = *gone_at.get_or_insert_with(Instant::now);
+                    if copy.omitted {
+                        break; // nothing more to record, nobody to send it to
+                    }
+                    // Without a client, read on only while the body still fits the record, and
+                    // not for ever.
+                    match tokio::time::timeout_at(since + patience, body.frame()).await {
+                        Ok(next) => {
+                            if !on_frame(&mut copy, &mut client, next).await {
+                                break;
+                            }
+                        }
+                        Err(_) => {
+                            copy.omit();
+                            break;
+                        }
+                    }
+                    continue;
+                }
+                let next = body.frame().await;
+                if !on_frame(&mut copy, &mut client, next).await {
+                    break;
+                }
+            }
+        };
+        lease.hold(drained).await;
+        let recorded = copy.finish();
+        lease.complete(Arc::new(with_body(head, recorded))).await;
+        // Dropping `client` here ends the body the client reads: after the record.
+        drop(client);
+    };
+    tokio::spawn(task.in_current_span());
+    Response::from_parts(parts, Body::new(Channel { rx }))
+}
+
+/// Handles one frame read from the handler's body; false once the body has ended.
+async fn on_frame(
+    copy: &mut Copy,
+    client: &mut Option<mpsc::Sender<Result<Frame<Bytes>, axum::Error>>>,
+    next: Option<Result<Frame<Bytes>, axum::Error>>,
+) -> bool {
+    match next {
+        None => false,
+        Some(Ok(frame)) => {
+            copy.frame(&frame);
+            forward(client, Ok(frame)).await;
+            true
+        }
+        Some(Err(e)) => {
+            copy.omit();
+            forward(client, Err(e)).await;
+            false
+        }
+    }
+}
+
+/// Sends a frame to the client, forgetting the client once it has gone away.
+async fn forward(
+    client: &mut Option<mpsc::Sender<Result<Frame<Bytes>, axum::Error>>>,
+    frame: Result<Frame<Bytes>, axum::Error>,
+) {
+    if let Some(tx) = client
+        && tx.send(frame).await.is_err()
+    {
+        *client = None;
+    }
+}
+
+fn with_body(head: StoredResponse, body: Option<Bytes>) -> StoredResponse {
+    StoredResponse {
+        body_omitted: body.is_none(),
+        body: body.unwrap_or_default(),
+        ..head
+    }
+}
+
+/// The copy of a body kept for the record: its data up to `limit` bytes, or nothing once it is over
+/// the limit or has trailers.
+struct Copy {
+    chunks: Vec<Bytes>,
+    len: usize,
+    limit: usize,
+    omitted: bool,
+}
+
+impl Copy {
+    fn new(limit: usize) -> Self {
+        Copy {
+            chunks: Vec::new(),
+            len: 0,
+            limit,
+            omitted: false,
+        }
+    }
+
+    fn frame(&mut self, frame: &Frame<Bytes>) {
+        if self.omitted {
+            return;
+        }
+        match frame.data_ref() {
+            Some(data) => {
+                self.len += data.len();
+                if self.len > self.limit {
+                    self.omit();
+                } else if !data.is_empty() {
+                    self.chunks.push(data.clone());
+                }
+            }
+            None => self.omit(), // trailers are not recorded
+        }
+    }
+
+    fn omit(&mut self) {
+        self.omitted = true;
+        self.chunks = Vec::new();
+    }
+
+    /// The whole body, or `None` when it is omitted.
+    fn finish(self) -> Option<Bytes> {
+        if self.omitted {
+            return None;
+        }
+        Some(match self.chunks.len() {
+            0 => Bytes::new(),
+            1 => self.chunks.into_iter().next().unwrap_or_default(),
+            _ => {
+                let mut whole = BytesMut::with_capacity(self.len);
+                for chunk in &self.chunks {
+                    whole.extend_from_slice(chunk);
+                }
+                whole.freeze()
+            }
+        })
+    }
+}
+
+/// A body already read whole (frames, then maybe the error that ended it), sent on unchanged.
+struct Replayed {
+    ready: VecDeque<Frame<Bytes>>,
+    error: Option<axum::Error>,
+}
+
+impl http_body::Body for Replayed {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        if let Some(frame) = self.ready.pop_front() {
+            return Poll::Ready(Some(Ok(frame)));
+        }
+        Poll::Ready(self.error.take().map(Err))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ready.is_empty() && self.error.is_none()
+    }
+}
+
+/// The client's side of a streamed body.
+struct Channel {
+    rx: mpsc::Receiver<Result<Frame<Bytes>, axum::Error>>,
+}
+
+impl http_body::Body for Channel {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        self.rx.poll_recv(cx)
+    }
+}
