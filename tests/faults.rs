@@ -123,10 +123,10 @@ struct Setup {
 
 /// A store in a schema of its own, reached through a proxy; short timeouts so faults show quickly.
 async fn setup() -> Setup {
-    setup_with_ttl(Duration::from_secs(30)).await
+    setup_with(Duration::from_secs(30), 4).await
 }
 
-async fn setup_with_ttl(in_progress_ttl: Duration) -> Setup {
+async fn setup_with(in_progress_ttl: Duration, connections: u32) -> Setup {
     let options = PgConnectOptions::from_str(&database_url()).expect("url");
     let upstream: SocketAddr = tokio::net::lookup_host((options.get_host(), options.get_port()))
         .await
@@ -155,7 +155,7 @@ async fn setup_with_ttl(in_progress_ttl: Duration) -> Setup {
         .port(proxy.addr.port())
         .options([("search_path", schema.as_str())]);
     let pool = PgPoolOptions::new()
-        .max_connections(4)
+        .max_connections(connections)
         .acquire_timeout(Duration::from_millis(800))
         .connect_with(through_proxy)
         .await
@@ -297,9 +297,10 @@ async fn stall_during_complete_times_out_then_records() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn stall_before_the_claim_is_503_within_the_timeout() {
-    let s = setup().await;
+    // One connection, warmed: the claim statement is prepared on it, so the stalled claim is sent
+    // (not stuck in a handshake) and may commit once the network moves again.
+    let s = setup_with(Duration::from_secs(30), 1).await;
     let req = || post("/pay").key("k").user("alice");
-    // Warm connections, so the claim is really sent (not stuck in a connection handshake).
     let warm = send(&s.router, post("/pay").key("warm").user("alice")).await;
     assert_eq!(warm.status, StatusCode::CREATED);
     s.proxy.set(Mode::Stall);
@@ -309,9 +310,11 @@ async fn stall_before_the_claim_is_503_within_the_timeout() {
     assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(s.counters.started(), 1, "only the warm-up ran");
     s.proxy.set(Mode::Pass);
-    // The stalled claim reaches the database once the network moves again and commits, with
-    // nobody to run it. The layer releases it by its lease token, so the retry charges within
-    // seconds, not after the 30 s in-progress TTL.
+    // If the stalled claim committed once the network moved again, nobody holds it: the layer
+    // releases it by its lease token, so either way the retry charges within seconds, not after
+    // the 30 s in-progress TTL (`claim_whose_answer_was_lost_is_released` in the suite shows the
+    // release on every store). The pause lets a stalled claim land first.
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let charged = settle(&s.router, req).await;
     assert_eq!(charged.status, StatusCode::CREATED);
     assert!(!charged.replayed());
@@ -328,7 +331,7 @@ async fn stall_before_the_claim_is_503_within_the_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn outage_spanning_the_original_ttl_still_records_once() {
     let ttl = Duration::from_secs(3);
-    let s = setup_with_ttl(ttl).await;
+    let s = setup_with(ttl, 4).await;
     let req = || {
         post("/pay")
             .key("k")

@@ -54,6 +54,7 @@ macro_rules! store_suite {
             trailers_are_recorded_without_the_body,
             disconnect_during_the_claim_still_runs_and_records,
             any_scope_the_layer_lets_through_is_stored,
+            claim_whose_answer_was_lost_is_released,
         );
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
@@ -965,4 +966,78 @@ pub async fn any_scope_the_layer_lets_through_is_stored<S: IdempotencyStore>(sto
         assert_eq!(replay.body, first.body);
     }
     assert_eq!(counters.started(), 3);
+}
+
+/// A store whose first claim commits and then fails, as a claim that timed out after the database
+/// committed it.
+#[derive(Clone)]
+struct LostFirstAnswer<S> {
+    store: S,
+    lost: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl<S: IdempotencyStore> IdempotencyStore for LostFirstAnswer<S> {
+    async fn claim(
+        &self,
+        request: &ClaimRequest,
+    ) -> Result<ClaimOutcome, axum_idempotency::StoreError> {
+        let outcome = self.store.claim(request).await;
+        if !self.lost.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            return Err(axum_idempotency::StoreError::msg("no answer within 5s"));
+        }
+        outcome
+    }
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        response: Arc<StoredResponse>,
+        retention: Duration,
+    ) -> Result<bool, axum_idempotency::StoreError> {
+        self.store.complete(key, lease, response, retention).await
+    }
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        lifetime: Duration,
+    ) -> Result<bool, axum_idempotency::StoreError> {
+        self.store.renew(key, lease, lifetime).await
+    }
+    async fn release(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> Result<bool, axum_idempotency::StoreError> {
+        self.store.release(key, lease).await
+    }
+    async fn purge_expired(&self) -> Result<u64, axum_idempotency::StoreError> {
+        self.store.purge_expired().await
+    }
+}
+
+/// A claim that committed but whose answer was lost is answered 503 and released by its token in
+/// the background: the retry runs within moments, not after a whole in-progress TTL of 409s.
+pub async fn claim_whose_answer_was_lost_is_released<S: IdempotencyStore>(store: S) {
+    let store = LostFirstAnswer {
+        store,
+        lost: Arc::default(),
+    };
+    let (router, counters) = app(default_layer(store));
+    let req = || post("/pay").key("k").user("alice").json("{\"amount\":1}");
+    let lost = send(&router, req()).await;
+    assert_eq!(lost.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(lost.problem(), "idempotency_store_unavailable");
+    assert_eq!(counters.started(), 0);
+    let mut retry = send(&router, req()).await;
+    for _ in 0..100 {
+        if retry.status != StatusCode::CONFLICT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        retry = send(&router, req()).await;
+    }
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(!retry.replayed());
+    assert_eq!(counters.started(), 1);
 }
