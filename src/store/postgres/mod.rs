@@ -16,7 +16,7 @@ use crate::config::DENIED_HEADERS;
 use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
 
 /// The migration, with `idempotency_records` as the table name.
-const MIGRATION: &str = include_str!("../../migrations/0001_idempotency_records.sql");
+const MIGRATION: &str = include_str!("../../../migrations/0001_idempotency_records.sql");
 const DEFAULT_TABLE: &str = "idempotency_records";
 /// Serialises concurrent `migrate()` calls across instances (`pg_advisory_xact_lock` key).
 const MIGRATE_LOCK: i64 = 0x6178_6964_656d_0001; // "axidem" + 1
