@@ -5,13 +5,14 @@
 
 mod common;
 
+use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::http::StatusCode;
 use axum_idempotency::{IdempotencyLayer, IdempotencyStore, PostgresStore};
 use common::{app, post, send};
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
 fn database_url() -> String {
     std::env::var("DATABASE_URL")
@@ -199,25 +200,66 @@ async fn records_are_committed_before_the_handler_runs() {
 
 #[tokio::test]
 async fn hostile_keys_and_subjects_are_plain_data() {
-    // Keys and subjects are bound as parameters: SQL in them is just text.
-    let store = store().await;
+    // Keys and subjects are bound as parameters: SQL in them is just text. The store's table and a
+    // canary table are reached by the same unqualified names as the injected SQL uses, through the
+    // search path of the store's own connections, so interpolating a key or a subject into a
+    // statement would drop them (or fail the request).
+    let admin = pool(2).await;
+    let schema = fresh_schema(&admin).await;
+    let options = PgConnectOptions::from_str(&database_url())
+        .expect("url")
+        .options([("search_path", schema.as_str())]);
+    let in_schema = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(options)
+        .await
+        .expect("PostgreSQL");
+    let store = PostgresStore::new(in_schema);
+    assert_eq!(store.table(), "idempotency_records", "unqualified");
+    store.migrate().await.expect("migrate");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {schema}.canary (n int); INSERT INTO {schema}.canary VALUES (1)"
+    )))
+    .execute(&admin)
+    .await
+    .expect("canary");
     let (router, counters) = app(IdempotencyLayer::new(store.clone()));
-    let key = "'; DROP TABLE idempotency_records; --";
-    let user = "alice' OR '1'='1";
+    let key = "'; DROP TABLE idempotency_records; DROP TABLE canary; --";
+    let user = "alice' OR '1'='1'; DROP TABLE canary; --";
     let first = send(&router, post("/pay").key(key).user(user).json("{}")).await;
-    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
     let replay = send(&router, post("/pay").key(key).user(user).json("{}")).await;
-    assert!(replay.replayed());
+    assert!(replay.replayed(), "{replay:?}");
     // Another subject with the same key is not matched by the quote trick.
     let other = send(&router, post("/pay").key(key).user("alice").json("{}")).await;
+    assert_eq!(other.status, StatusCode::CREATED, "{other:?}");
     assert!(!other.replayed());
     assert_eq!(counters.started(), 2);
-    let (rows,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT count(*) FROM {}",
-        store.table()
+    // Both tables are still there, with their rows, and the hostile strings were stored verbatim.
+    let count = |table: &str| rows_in(&admin, format!("{schema}.{table}"));
+    assert_eq!(count("canary").await, 1);
+    assert_eq!(count("idempotency_records").await, 2);
+    let subjects: Vec<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT subject FROM {schema}.idempotency_records WHERE idempotency_key = $1 \
+         ORDER BY subject"
     )))
-    .fetch_one(store.pool())
+    .bind(key)
+    .fetch_all(&admin)
     .await
-    .expect("the table is still there");
-    assert_eq!(rows, 2);
+    .expect("records");
+    assert_eq!(
+        subjects,
+        vec![("alice".to_owned(),), (user.to_owned(),)],
+        "the key and subjects are stored as sent"
+    );
+}
+
+/// The number of rows in `table`; panics when the table is gone.
+async fn rows_in(pool: &PgPool, table: String) -> i64 {
+    let (rows,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+        .fetch_one(pool)
+        .await
+        .unwrap_or_else(|e| panic!("{table} must still exist: {e}"));
+    rows
 }
