@@ -261,10 +261,11 @@ async fn hostile_keys_and_subjects_are_plain_data() {
 
 /// The number of rows in `table`; panics when the table is gone.
 async fn rows_in(pool: &PgPool, table: String) -> i64 {
-    let (rows,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
-        .fetch_one(pool)
-        .await
-        .unwrap_or_else(|e| panic!("{table} must still exist: {e}"));
+    let (rows,): (i64,) =
+        sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+            .fetch_one(pool)
+            .await
+            .unwrap_or_else(|e| panic!("{table} must still exist: {e}"));
     rows
 }
 

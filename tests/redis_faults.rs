@@ -57,8 +57,8 @@ async fn setup() -> Setup {
         .next()
         .expect("an address");
     let proxy = Proxy::start(upstream).await;
-    let client = redis::Client::open(format!("redis://127.0.0.1:{}", proxy.port()))
-        .expect("proxy url");
+    let client =
+        redis::Client::open(format!("redis://127.0.0.1:{}", proxy.port())).expect("proxy url");
     let store = RedisStore::new(client)
         .expect("store")
         .with_prefix(&prefix())
