@@ -5,13 +5,18 @@
 
 mod common;
 
+use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::http::StatusCode;
-use axum_idempotency::{IdempotencyLayer, IdempotencyStore, PostgresStore};
+use axum_idempotency::{
+    ClaimOutcome, ClaimRequest, Fingerprint, Finished, IdempotencyLayer, IdempotencyStore,
+    PostgresStore, RecordKey,
+};
 use common::{app, post, send};
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::Connection;
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 
 fn database_url() -> String {
     std::env::var("DATABASE_URL")
@@ -199,25 +204,201 @@ async fn records_are_committed_before_the_handler_runs() {
 
 #[tokio::test]
 async fn hostile_keys_and_subjects_are_plain_data() {
-    // Keys and subjects are bound as parameters: SQL in them is just text.
-    let store = store().await;
+    // Keys and subjects are bound as parameters: SQL in them is just text. The store's table and a
+    // canary table are reached by the same unqualified names as the injected SQL uses, through the
+    // search path of the store's own connections, so interpolating a key or a subject into a
+    // statement would drop them (or fail the request).
+    let admin = pool(2).await;
+    let schema = fresh_schema(&admin).await;
+    let options = PgConnectOptions::from_str(&database_url())
+        .expect("url")
+        .options([("search_path", schema.as_str())]);
+    let in_schema = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(options)
+        .await
+        .expect("PostgreSQL");
+    let store = PostgresStore::new(in_schema);
+    assert_eq!(store.table(), "idempotency_records", "unqualified");
+    store.migrate().await.expect("migrate");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {schema}.canary (n int); INSERT INTO {schema}.canary VALUES (1)"
+    )))
+    .execute(&admin)
+    .await
+    .expect("canary");
     let (router, counters) = app(IdempotencyLayer::new(store.clone()));
-    let key = "'; DROP TABLE idempotency_records; --";
-    let user = "alice' OR '1'='1";
+    let key = "'; DROP TABLE idempotency_records; DROP TABLE canary; --";
+    let user = "alice' OR '1'='1'; DROP TABLE canary; --";
     let first = send(&router, post("/pay").key(key).user(user).json("{}")).await;
-    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
     let replay = send(&router, post("/pay").key(key).user(user).json("{}")).await;
-    assert!(replay.replayed());
+    assert!(replay.replayed(), "{replay:?}");
     // Another subject with the same key is not matched by the quote trick.
     let other = send(&router, post("/pay").key(key).user("alice").json("{}")).await;
+    assert_eq!(other.status, StatusCode::CREATED, "{other:?}");
     assert!(!other.replayed());
     assert_eq!(counters.started(), 2);
-    let (rows,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT count(*) FROM {}",
-        store.table()
+    // Both tables are still there, with their rows, and the hostile strings were stored verbatim.
+    let count = |table: &str| rows_in(&admin, format!("{schema}.{table}"));
+    assert_eq!(count("canary").await, 1);
+    assert_eq!(count("idempotency_records").await, 2);
+    let subjects: Vec<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT subject FROM {schema}.idempotency_records WHERE idempotency_key = $1 \
+         ORDER BY subject"
     )))
-    .fetch_one(store.pool())
+    .bind(key)
+    .fetch_all(&admin)
     .await
-    .expect("the table is still there");
-    assert_eq!(rows, 2);
+    .expect("records");
+    assert_eq!(
+        subjects,
+        vec![("alice".to_owned(),), (user.to_owned(),)],
+        "the key and subjects are stored as sent"
+    );
+}
+
+/// The number of rows in `table`; panics when the table is gone.
+async fn rows_in(pool: &PgPool, table: String) -> i64 {
+    let (rows,): (i64,) =
+        sqlx::query_as(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+            .fetch_one(pool)
+            .await
+            .unwrap_or_else(|e| panic!("{table} must still exist: {e}"));
+    rows
+}
+
+/// The claim of `POST /pay` by alice with `key` and `body`. Every claim in this file is built here.
+fn claim_request(key: &str, body: &[u8]) -> ClaimRequest {
+    ClaimRequest {
+        key: RecordKey {
+            key: key.to_owned(),
+            subject: "alice".to_owned(),
+            endpoint: "POST /pay".to_owned(),
+        },
+        fingerprint: Fingerprint::of(None, body),
+        in_progress_ttl: Duration::from_secs(60),
+        retention: Duration::from_secs(3600),
+    }
+}
+
+/// Writes a record into `table` the way the store lays it out (migrations/0001): `in_progress`, or
+/// `completed` with `response` (status, body). Every row this file writes by hand is written here.
+async fn insert_record(
+    conn: &mut PgConnection,
+    table: &str,
+    key: &RecordKey,
+    fingerprint: &Fingerprint,
+    response: Option<(i16, &[u8])>,
+) {
+    let status = if response.is_some() {
+        "completed"
+    } else {
+        "in_progress"
+    };
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {table} (idempotency_key, subject, endpoint, fingerprint, status, lease_token, \
+           response_status, header_names, header_values, response_body, expires_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, now() + interval '1 hour')"
+    )))
+    .bind(&key.key)
+    .bind(&key.subject)
+    .bind(&key.endpoint)
+    .bind(&fingerprint.as_bytes()[..])
+    .bind(status)
+    .bind(42_i64)
+    .bind(response.map(|(status, _)| status))
+    .bind(response.map(|_| vec!["content-type".to_owned()]))
+    .bind(response.map(|_| vec![b"text/plain".to_vec()]))
+    .bind(response.map(|(_, body)| body.to_vec()))
+    .execute(conn)
+    .await
+    .expect("insert a record");
+}
+
+/// What a claim answers when it meets a conflicting row that another transaction inserted but had
+/// not committed yet: the claim's INSERT waits on that row, and once it is committed the read half
+/// of the claim statement (whose snapshot predates the commit) sees nothing, so the store must
+/// issue the statement again. `row` is the other transaction's record: (fingerprint body, response).
+async fn claim_racing_an_uncommitted_insert(
+    row_body: &[u8],
+    response: Option<(i16, &[u8])>,
+) -> ClaimOutcome {
+    let store = store().await;
+    let request = claim_request("race", b"{}");
+    let mut other = PgConnection::connect(&database_url())
+        .await
+        .expect("PostgreSQL");
+    let mut tx = other.begin().await.expect("begin");
+    insert_record(
+        &mut tx,
+        store.table(),
+        &request.key,
+        &Fingerprint::of(None, row_body),
+        response,
+    )
+    .await;
+    let claim = tokio::spawn({
+        let (store, request) = (store.clone(), request.clone());
+        async move { store.claim(&request).await }
+    });
+    // Wait until the claim's INSERT is blocked on the uncommitted row.
+    let watcher = pool(1).await;
+    let mut blocked = false;
+    for _ in 0..200 {
+        let (waiting,): (i64,) = sqlx::query_as(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND datname = current_database() AND position($1 IN query) > 0",
+        )
+        .bind(store.table())
+        .fetch_one(&watcher)
+        .await
+        .expect("pg_stat_activity");
+        if waiting > 0 {
+            blocked = true;
+            break;
+        }
+        assert!(!claim.is_finished(), "the claim did not wait: {claim:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(blocked, "the claim never waited on the uncommitted row");
+    assert!(!claim.is_finished());
+    tx.commit().await.expect("commit");
+    tokio::time::timeout(Duration::from_secs(10), claim)
+        .await
+        .expect("the claim finishes once the row is committed")
+        .expect("task")
+        .expect("the claim succeeds")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_that_loses_the_race_to_a_completed_record_replays_it() {
+    let outcome = claim_racing_an_uncommitted_insert(b"{}", Some((201, b"charged"))).await;
+    let ClaimOutcome::Finished(stored) = outcome else {
+        panic!("expected a replay, got {outcome:?}");
+    };
+    assert_eq!(stored.outcome, Finished::Completed);
+    assert_eq!(stored.status, 201);
+    assert_eq!(&stored.body[..], b"charged");
+    assert_eq!(
+        stored.headers,
+        vec![(
+            axum::http::header::CONTENT_TYPE,
+            axum::http::HeaderValue::from_static("text/plain")
+        )]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_that_loses_the_race_to_a_claim_in_progress_is_in_progress() {
+    let outcome = claim_racing_an_uncommitted_insert(b"{}", None).await;
+    assert_eq!(outcome, ClaimOutcome::InProgress);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_that_loses_the_race_to_another_fingerprint_is_a_mismatch() {
+    let outcome =
+        claim_racing_an_uncommitted_insert(b"{\"amount\":2}", Some((201, b"charged"))).await;
+    assert_eq!(outcome, ClaimOutcome::FingerprintMismatch);
 }

@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests: a test app with a counting handler, and request builders.
 #![allow(dead_code)]
 
+pub mod proxy;
 pub mod suite;
 
 use std::sync::Arc;
