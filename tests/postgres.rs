@@ -12,7 +12,7 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use axum_idempotency::{
     ClaimOutcome, ClaimRequest, Fingerprint, Finished, IdempotencyLayer, IdempotencyStore,
-    PostgresStore, RecordKey,
+    LeaseToken, PostgresStore, RecordKey,
 };
 use common::{app, post, send};
 use sqlx::Connection;
@@ -278,6 +278,7 @@ fn claim_request(key: &str, body: &[u8]) -> ClaimRequest {
             endpoint: "POST /pay".to_owned(),
         },
         fingerprint: Fingerprint::of(None, body),
+        lease: LeaseToken::generate(),
         in_progress_ttl: Duration::from_secs(60),
         retention: Duration::from_secs(3600),
     }
@@ -298,10 +299,11 @@ async fn insert_record(
         "in_progress"
     };
     sqlx::query(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO {table} (idempotency_key, subject, endpoint, fingerprint, status, lease_token, \
-           response_status, header_names, header_values, response_body, expires_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, now() + interval '1 hour')"
+        "INSERT INTO {table} (scope, idempotency_key, subject, endpoint, fingerprint, status, \
+           lease_token, response_status, header_names, header_values, response_body, expires_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, now() + interval '1 hour')"
     )))
+    .bind(&key.digest()[..])
     .bind(&key.key)
     .bind(&key.subject)
     .bind(&key.endpoint)
@@ -351,7 +353,8 @@ async fn claim_racing_an_uncommitted_insert(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
              AND datname = current_database() AND position($1 IN query) > 0",
         )
-        .bind(store.table())
+        // The statement names the table quoted ("schema"."table"): look for its schema.
+        .bind(store.table().split('.').next().unwrap_or_default())
         .fetch_one(&watcher)
         .await
         .expect("pg_stat_activity");

@@ -154,13 +154,9 @@ async fn cut_between_claim_and_complete_records_later_and_runs_once() {
     assert_eq!(s.outcomes.get(Outcome::LeaseLost), 0);
 }
 
-// Fails today: the complete that timed out is still delivered when the stall ends and records the
-// answer, so the background retry finds the record no longer in progress and reports `LeaseLost`
-// (a false alarm) instead of `Recorded`. The client-visible behaviour holds (the retry is a replay,
-// the handler ran once). A complete that finds its own lease on a finished record should count as
-// done; remove the `ignore` once the store does that.
+// The complete that timed out is still delivered when the stall ends and records the answer; the
+// background retry by the same lease then counts as done (`Recorded`), not as a lost lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "the Redis complete is not idempotent under retry: a late first attempt makes the retry report LeaseLost"]
 async fn stall_during_complete_times_out_then_records() {
     let s = setup().await;
     let req = || {
