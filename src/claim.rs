@@ -14,6 +14,7 @@ use tracing::Instrument;
 
 use crate::body::{self, RequestBodyError};
 use crate::config::Config;
+use crate::context::IdempotencyContext;
 use crate::fingerprint::Fingerprint;
 use crate::key;
 use crate::lease::{self, Lease};
@@ -118,7 +119,7 @@ where
                     },
                 );
                 tracing::info!(retaken, "claimed; running the handler");
-                run(config, store, inner, request, claim.key, lease).await
+                run(config, store, inner, request, claim.key, lease, retaken).await
             }
             Ok(ClaimOutcome::FingerprintMismatch) => {
                 report(&config, Outcome::KeyReuse);
@@ -185,9 +186,10 @@ async fn run<S, St, ResBody>(
     config: Arc<Config>,
     store: St,
     inner: S,
-    request: Request<Body>,
+    mut request: Request<Body>,
     key: RecordKey,
     token: LeaseToken,
+    retaken: bool,
 ) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
@@ -197,25 +199,59 @@ where
     ResBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
+    request
+        .extensions_mut()
+        .insert(IdempotencyContext::new(key.clone(), retaken));
+    #[cfg(feature = "postgres")]
+    let slot = store.postgres().map(|pg| {
+        let slot = crate::store::TxSlot::new(pg.clone());
+        request.extensions_mut().insert(slot.clone());
+        (pg.clone(), slot)
+    });
     let lease = Lease::new(store, config.clone(), key, token);
     let answer = lease
         .hold(AssertUnwindSafe(inner.oneshot(request)).catch_unwind())
         .await;
+    // A transaction the handler took is rolled back on every path but a recorded answer.
+    #[cfg(feature = "postgres")]
+    let left = slot.map(|(pg, slot)| (pg, slot.take_back()));
     match answer {
-        Ok(Ok(response)) => Ok(recording::record(&config, lease, response.map(Body::new)).await),
+        Ok(Ok(response)) => {
+            let response = response.map(Body::new);
+            #[cfg(feature = "postgres")]
+            match left {
+                Some((pg, crate::store::Left::Transaction(tx))) => {
+                    return Ok(crate::store::record_in(&config, lease, &pg, tx, response).await);
+                }
+                Some((_, crate::store::Left::Kept)) => {
+                    tracing::error!(
+                        "the handler kept its IdempotentTx beyond its answer; it cannot be \
+                         committed with the record, so the record is released"
+                    );
+                    lease.release("the handler kept its transaction").await;
+                    return Ok(internal_error());
+                }
+                _ => {}
+            }
+            Ok(recording::record(&config, lease, response).await)
+        }
         Ok(Err(e)) => {
             lease.release("the handler returned an error").await;
             Err(e)
         }
         Err(_panic) => {
             lease.release("the handler panicked").await;
-            Ok(problem(
-                ErrorKind::InternalError,
-                "the request failed; it was not recorded and may be retried",
-                None,
-            ))
+            Ok(internal_error())
         }
     }
+}
+
+fn internal_error() -> Response<Body> {
+    problem(
+        ErrorKind::InternalError,
+        "the request failed; it was not recorded and may be retried",
+        None,
+    )
 }
 
 /// The first 8 bytes of the key's SHA-256 in hex, computed only if a subscriber records the span.

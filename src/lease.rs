@@ -48,6 +48,33 @@ impl<St: IdempotencyStore> Lease<St> {
         }
     }
 
+    /// The record's scope.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn key(&self) -> &RecordKey {
+        &self.key
+    }
+
+    /// The lease token.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn token(&self) -> LeaseToken {
+        self.token
+    }
+
+    /// The record was completed in the handler's transaction, which committed.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn recorded_in_transaction(mut self, status: u16) {
+        self.done = true;
+        report(&self.config, Outcome::Recorded);
+        tracing::info!(status, "recorded in the handler's transaction");
+    }
+
+    /// The lease turned out to be lost: nothing of this run is recorded, nothing is released.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn lost(mut self) {
+        self.done = true;
+        report(&self.config, Outcome::LeaseLost);
+    }
+
     /// Runs `work` while renewing the lease every third of the in-progress TTL. Work that finishes
     /// at its first poll (the usual fast handler) never starts a timer.
     pub(crate) async fn hold<F: Future>(&self, work: F) -> F::Output {

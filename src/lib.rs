@@ -61,6 +61,7 @@ mod body;
 mod canonical_json;
 mod claim;
 mod config;
+mod context;
 mod fingerprint;
 pub mod key;
 mod layer;
@@ -80,6 +81,7 @@ pub use config::{
     ConfigError, DEFAULT_STORED_HEADERS, DENIED_HEADERS, IdempotencyLayerBuilder, MAX_DURATION,
     MIN_IN_PROGRESS_TTL,
 };
+pub use context::IdempotencyContext;
 pub use fingerprint::Fingerprint;
 pub use layer::IdempotencyLayer;
 pub use outcome::{Outcome, OutcomeCounters};
@@ -92,5 +94,5 @@ pub use service::{IdempotencyService, ResponseFuture};
 pub use store::RedisStore;
 pub use store::{IdempotencyStore, MemoryStore, StoreError};
 #[cfg(feature = "postgres")]
-pub use store::{PostgresStore, PostgresStoreError};
+pub use store::{IdempotentTx, PostgresStore, PostgresStoreError};
 pub use subject::{Subject, SubjectExtension, SubjectExtractor};

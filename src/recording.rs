@@ -94,7 +94,14 @@ pub(crate) async fn record<St: IdempotencyStore>(
             .await;
         return match body {
             Some(whole) => Response::from_parts(parts, Body::from(whole)),
-            None => Response::from_parts(parts, Body::new(Replayed { ready, error })),
+            None => Response::from_parts(
+                parts,
+                Body::new(Prefixed {
+                    ready,
+                    error,
+                    rest: None,
+                }),
+            ),
         };
     }
     stream(config, lease, parts, head, copy, ready, body)
@@ -258,28 +265,40 @@ impl Copy {
     }
 }
 
-/// A body already read whole (frames, then maybe the error that ended it), sent on unchanged.
-struct Replayed {
+/// Frames already read, then maybe the error that ended them, then the rest of the body.
+struct Prefixed {
     ready: VecDeque<Frame<Bytes>>,
     error: Option<axum::Error>,
+    rest: Option<Body>,
 }
 
-impl http_body::Body for Replayed {
+impl http_body::Body for Prefixed {
     type Data = Bytes;
     type Error = axum::Error;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
+        cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
         if let Some(frame) = self.ready.pop_front() {
             return Poll::Ready(Some(Ok(frame)));
         }
-        Poll::Ready(self.error.take().map(Err))
+        if let Some(e) = self.error.take() {
+            return Poll::Ready(Some(Err(e)));
+        }
+        match self.rest.as_mut() {
+            Some(rest) => Pin::new(rest).poll_frame(cx),
+            None => Poll::Ready(None),
+        }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ready.is_empty() && self.error.is_none()
+        self.ready.is_empty()
+            && self.error.is_none()
+            && self
+                .rest
+                .as_ref()
+                .is_none_or(http_body::Body::is_end_stream)
     }
 }
 
@@ -297,5 +316,78 @@ impl http_body::Body for Channel {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
         self.rx.poll_recv(cx)
+    }
+}
+
+#[cfg(feature = "postgres")]
+/// A body read for a record that must be written before the client sees anything.
+pub(crate) struct Read {
+    /// The whole body, or `None` when it is omitted from the record.
+    pub(crate) copy: Option<Bytes>,
+    frames: VecDeque<Frame<Bytes>>,
+    error: Option<axum::Error>,
+    rest: Option<Body>,
+}
+
+#[cfg(feature = "postgres")]
+/// Reads `body` until it ends or is over `limit` (or has trailers, or fails); what is past the limit
+/// is left unread, to be streamed to the client afterwards.
+pub(crate) async fn read_up_to(mut body: Body, limit: usize) -> Read {
+    let mut copy = Copy::new(limit);
+    let mut frames = VecDeque::new();
+    if http_body::Body::size_hint(&body).lower() > limit as u64 {
+        copy.omit();
+        return Read {
+            copy: None,
+            frames,
+            error: None,
+            rest: Some(body),
+        };
+    }
+    loop {
+        match body.frame().await {
+            None => break,
+            Some(Ok(frame)) => {
+                copy.frame(&frame);
+                frames.push_back(frame);
+                if copy.omitted {
+                    return Read {
+                        copy: None,
+                        frames,
+                        error: None,
+                        rest: Some(body),
+                    };
+                }
+            }
+            Some(Err(e)) => {
+                copy.omit();
+                return Read {
+                    copy: None,
+                    frames,
+                    error: Some(e),
+                    rest: None,
+                };
+            }
+        }
+    }
+    Read {
+        copy: copy.finish(),
+        frames,
+        error: None,
+        rest: None,
+    }
+}
+
+#[cfg(feature = "postgres")]
+/// The body the client gets for what [`read_up_to`] read: the whole body, or what was read followed
+/// by the rest of the stream.
+pub(crate) fn body_of(read: Read) -> Body {
+    match read.copy {
+        Some(whole) => Body::from(whole),
+        None => Body::new(Prefixed {
+            ready: read.frames,
+            error: read.error,
+            rest: read.rest,
+        }),
     }
 }

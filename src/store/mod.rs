@@ -14,8 +14,10 @@ pub use memory::MemoryStore;
 mod postgres;
 #[cfg(feature = "postgres")]
 pub use postgres::{
-    DEFAULT_OPERATION_TIMEOUT, MIN_MIGRATE_TIMEOUT, PostgresStore, PostgresStoreError,
+    DEFAULT_OPERATION_TIMEOUT, IdempotentTx, MIN_MIGRATE_TIMEOUT, PostgresStore, PostgresStoreError,
 };
+#[cfg(feature = "postgres")]
+pub(crate) use postgres::{Left, TxSlot, record_in};
 
 #[cfg(feature = "redis")]
 mod redis;
@@ -124,6 +126,13 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
 
     /// Deletes every record whose retention has passed; returns how many.
     fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// The Postgres store behind this one, if any, whose transactions handlers can take as
+    /// [`IdempotentTx`](crate::IdempotentTx). A store that wraps a `PostgresStore` forwards it.
+    #[cfg(feature = "postgres")]
+    fn postgres(&self) -> Option<&PostgresStore> {
+        None
+    }
 }
 
 /// Spawns a task that calls [`IdempotencyStore::purge_expired`] every `every`, logging failures, for

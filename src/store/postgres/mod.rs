@@ -11,6 +11,10 @@ use http::{HeaderName, HeaderValue};
 use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
 
+mod tx;
+pub use tx::IdempotentTx;
+pub(crate) use tx::{Left, TxSlot, record_in};
+
 use super::{IdempotencyStore, StoreError};
 use crate::config::DENIED_HEADERS;
 use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
@@ -376,6 +380,80 @@ impl PostgresStore {
         .await
     }
 
+    /// The completion statement, bound: see [`IdempotencyStore::complete`].
+    fn completion<'q>(
+        &'q self,
+        scope: &'q [u8; 32],
+        lease: LeaseToken,
+        response: &'q StoredResponse,
+        retention: Duration,
+    ) -> sqlx::query::QueryAs<'q, sqlx::Postgres, (bool,), sqlx::postgres::PgArguments> {
+        let (names, values): (Vec<&str>, Vec<&[u8]>) = response
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_bytes()))
+            .unzip();
+        let body = (!response.body_omitted).then_some(&response.body[..]);
+        sqlx::query_as(sqlx::AssertSqlSafe(self.sql.complete.as_str()))
+            .bind(&scope[..])
+            .bind(lease.0)
+            .bind(response.outcome.as_str())
+            .bind(i16::try_from(response.status).unwrap_or(500))
+            .bind(names)
+            .bind(values)
+            .bind(body)
+            .bind(micros(retention))
+    }
+
+    /// Begins a transaction for a handler, within the operation timeout.
+    async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
+        self.timed("begin", self.pool.begin()).await
+    }
+
+    /// Completes a record inside the handler's transaction (not committed here).
+    async fn complete_in(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        key: &RecordKey,
+        lease: LeaseToken,
+        response: &StoredResponse,
+        retention: Duration,
+    ) -> Result<bool, CompleteInError> {
+        let scope = key.digest();
+        let completion = self.completion(&scope, lease, response, retention);
+        match tokio::time::timeout(self.timeout, completion.fetch_one(tx)).await {
+            Ok(Ok((held,))) => Ok(held),
+            Ok(Err(e)) => Err(CompleteInError {
+                aborted_transaction: e
+                    .as_database_error()
+                    .and_then(|d| d.code())
+                    .is_some_and(|code| code == "25P02"),
+                error: StoreError::new("postgres complete in transaction", e),
+            }),
+            Err(_) => Err(CompleteInError {
+                aborted_transaction: false,
+                error: StoreError::msg(format!(
+                    "postgres complete in transaction: no answer within {:?}",
+                    self.timeout
+                )),
+            }),
+        }
+    }
+
+    async fn commit(
+        &self,
+        tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    ) -> Result<(), StoreError> {
+        self.timed("commit", tx.commit()).await
+    }
+
+    async fn rollback(
+        &self,
+        tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    ) -> Result<(), StoreError> {
+        self.timed("rollback", tx.rollback()).await
+    }
+
     /// A statement on one record held by `lease`: binds its scope as `$1` and the lease as `$2`.
     fn leased<'q>(
         &'q self,
@@ -414,28 +492,18 @@ impl IdempotencyStore for PostgresStore {
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let scope = key.digest();
-        let (names, values): (Vec<&str>, Vec<&[u8]>) = response
-            .headers
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.as_bytes()))
-            .unzip();
-        let body = (!response.body_omitted).then_some(&response.body[..]);
         let (held,): (bool,) = self
             .timed(
                 "complete",
-                sqlx::query_as(sqlx::AssertSqlSafe(self.sql.complete.as_str()))
-                    .bind(&scope[..])
-                    .bind(lease.0)
-                    .bind(response.outcome.as_str())
-                    .bind(i16::try_from(response.status).unwrap_or(500))
-                    .bind(names)
-                    .bind(values)
-                    .bind(body)
-                    .bind(micros(retention))
+                self.completion(&scope, lease, &response, retention)
                     .fetch_one(&self.pool),
             )
             .await?;
         Ok(held)
+    }
+
+    fn postgres(&self) -> Option<&PostgresStore> {
+        Some(self)
     }
 
     async fn renew(
@@ -493,6 +561,14 @@ fn printable(s: &str) -> Cow<'_, str> {
     } else {
         Cow::Borrowed(s)
     }
+}
+
+/// Why a completion inside the handler's transaction failed.
+struct CompleteInError {
+    error: StoreError,
+    /// The handler's own statements had already failed (SQLSTATE 25P02): nothing in the
+    /// transaction can commit.
+    aborted_transaction: bool,
 }
 
 /// Stored headers back into HTTP types. The table may have been written by anyone: a name or value

@@ -1,0 +1,278 @@
+//! Transactional completion: a handler's effects and its record commit together.
+//!
+//! The claim stays in its own committed statement. A handler behind a [`PostgresStore`] layer that
+//! takes an [`IdempotentTx`] writes its effects through that transaction; once it has answered, the
+//! layer writes the record's completion in the same transaction (conditional on the lease) and
+//! commits, and only then does the client see the response. So the effect and the record that says
+//! it happened commit together or not at all.
+
+use std::ops::{Deref, DerefMut};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use axum::body::Body;
+use axum::extract::FromRequestParts;
+use axum::response::Response;
+use http::request::Parts;
+use sqlx::{PgConnection, Postgres, Transaction};
+
+use super::PostgresStore;
+use crate::config::Config;
+use crate::lease::Lease;
+use crate::outcome::{Outcome, report};
+use crate::policy::Disposition;
+use crate::problem::{ErrorKind, problem};
+use crate::record::{Finished, StoredResponse};
+use crate::recording;
+use crate::replay;
+use crate::store::IdempotencyStore;
+
+/// The transaction of an idempotent request on a [`PostgresStore`]: write the handler's effects
+/// through it, and the layer commits them together with the record of the response.
+///
+/// ```ignore
+/// async fn checkout(mut tx: IdempotentTx, Json(order): Json<Order>) -> impl IntoResponse {
+///     sqlx::query("INSERT INTO charges (amount) VALUES ($1)")
+///         .bind(order.amount)
+///         .execute(&mut *tx)
+///         .await?;
+///     (StatusCode::CREATED, Json(receipt))
+/// }
+/// ```
+///
+/// - Do not commit it: the layer does, after writing the record in it. It dereferences to the
+///   transaction's [`PgConnection`], so queries take `&mut *tx`.
+/// - It is rolled back, and the record released for another try, when the handler panics, returns
+///   an error, or answers a status the policy releases (5xx by default). If the record was retaken
+///   meanwhile (the lease was lost), it is rolled back and the client gets `409 in_progress`: the
+///   retaker's run is the one that counts. If the commit fails, the client gets
+///   `503 idempotency_store_unavailable` and the record is released: the effect did not happen.
+/// - It holds one pool connection from extraction until the response is recorded, besides the
+///   connections the layer uses for claims and heartbeats: size the pool for your concurrent
+///   transactional requests plus a few.
+/// - On a route whose layer is not on a `PostgresStore` (or that the layer did not claim: no key,
+///   or a failing store with `fail_open`), extracting it answers `500 internal_error` and logs why;
+///   the handler does not run without its transaction.
+pub struct IdempotentTx {
+    tx: Option<Transaction<'static, Postgres>>,
+    slot: Arc<TxSlot>,
+}
+
+impl Deref for IdempotentTx {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        match &self.tx {
+            Some(tx) => tx,
+            None => unreachable!("the transaction is only taken when IdempotentTx is dropped"),
+        }
+    }
+}
+
+impl DerefMut for IdempotentTx {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        match &mut self.tx {
+            Some(tx) => tx,
+            None => unreachable!("the transaction is only taken when IdempotentTx is dropped"),
+        }
+    }
+}
+
+impl Drop for IdempotentTx {
+    fn drop(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            *self.slot.lock() = SlotState::Returned(tx);
+        }
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for IdempotentTx {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        let Some(slot) = parts.extensions.get::<Arc<TxSlot>>().cloned() else {
+            tracing::error!(
+                "IdempotentTx needs this route's IdempotencyLayer to be on a PostgresStore and the \
+                 request to be claimed (an Idempotency-Key, a working store); the handler was not \
+                 run without its transaction"
+            );
+            return Err(problem(
+                ErrorKind::InternalError,
+                "this operation needs a transaction the idempotency layer did not provide",
+                None,
+            ));
+        };
+        if !matches!(*slot.lock(), SlotState::Unused) {
+            tracing::error!("IdempotentTx was extracted twice for one request");
+            return Err(problem(
+                ErrorKind::InternalError,
+                "the transaction of this request was already taken",
+                None,
+            ));
+        }
+        let tx = match slot.store.begin().await {
+            Ok(tx) => tx,
+            Err(e) => {
+                tracing::error!(error = %e, "could not begin the handler's transaction");
+                return Err(problem(
+                    ErrorKind::StoreUnavailable,
+                    "the idempotency store is unavailable; retry later",
+                    Some(2),
+                ));
+            }
+        };
+        *slot.lock() = SlotState::Taken;
+        Ok(IdempotentTx { tx: Some(tx), slot })
+    }
+}
+
+/// Where the layer hands the transaction to the handler and gets it back.
+pub(crate) struct TxSlot {
+    store: PostgresStore,
+    state: Mutex<SlotState>,
+}
+
+enum SlotState {
+    /// The handler did not take a transaction.
+    Unused,
+    /// The handler holds it.
+    Taken,
+    /// The handler dropped it, uncommitted: the layer completes the record in it.
+    Returned(Transaction<'static, Postgres>),
+    /// The layer took it back.
+    Done,
+}
+
+/// What the handler left in the slot.
+pub(crate) enum Left {
+    /// No transaction was taken: record as usual.
+    Nothing,
+    /// The handler's transaction, to complete and commit.
+    Transaction(Transaction<'static, Postgres>),
+    /// The handler kept the transaction beyond its answer (moved it into a task): it cannot be
+    /// completed atomically.
+    Kept,
+}
+
+impl TxSlot {
+    pub(crate) fn new(store: PostgresStore) -> Arc<Self> {
+        Arc::new(TxSlot {
+            store,
+            state: Mutex::new(SlotState::Unused),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, SlotState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes back what the handler left, once it has answered.
+    pub(crate) fn take_back(&self) -> Left {
+        match std::mem::replace(&mut *self.lock(), SlotState::Done) {
+            SlotState::Unused | SlotState::Done => Left::Nothing,
+            SlotState::Taken => Left::Kept,
+            SlotState::Returned(tx) => Left::Transaction(tx),
+        }
+    }
+}
+
+/// Records a response whose handler wrote its effects through `tx`: reads the body up to the
+/// recording limit (heartbeat running), writes the completion in `tx`, commits, and only then
+/// returns the response. See [`IdempotentTx`] for what each failure answers.
+pub(crate) async fn record_in<St: IdempotencyStore>(
+    config: &Arc<Config>,
+    lease: Lease<St>,
+    store: &PostgresStore,
+    mut tx: Transaction<'static, Postgres>,
+    response: Response<Body>,
+) -> Response<Body> {
+    let outcome = match (config.policy)(response.status()) {
+        Disposition::Complete => Finished::Completed,
+        Disposition::Fail => Finished::Failed,
+        Disposition::Release => {
+            rollback(store, tx).await;
+            lease.release("the response asks for a retry").await;
+            return response;
+        }
+    };
+    let (parts, body) = response.into_parts();
+    let head = replay::capture(
+        outcome,
+        parts.status,
+        &parts.headers,
+        &config.stored_headers,
+        None,
+    );
+    let read = lease
+        .hold(recording::read_up_to(body, config.response_limit))
+        .await;
+    let stored = Arc::new(StoredResponse {
+        body_omitted: read.copy.is_none(),
+        body: read.copy.clone().unwrap_or_default(),
+        ..head
+    });
+    let completed = store
+        .complete_in(
+            &mut tx,
+            lease.key(),
+            lease.token(),
+            &stored,
+            config.retention,
+        )
+        .await;
+    match completed {
+        Ok(true) => {}
+        Ok(false) => {
+            rollback(store, tx).await;
+            lease.lost();
+            tracing::warn!(
+                "the lease was lost before the commit (the record was retaken): the handler's \
+                 transaction was rolled back"
+            );
+            return problem(
+                ErrorKind::InProgress,
+                "this request was taken over by another attempt; retry later for its answer",
+                Some(config.retry_after_secs),
+            );
+        }
+        Err(e) if e.aborted_transaction => {
+            // The handler's own statement failed and it answered anyway: nothing of its effect can
+            // commit, so its answer is recorded on its own, as for a handler without a transaction.
+            rollback(store, tx).await;
+            lease.complete(stored).await;
+            return Response::from_parts(parts, recording::body_of(read));
+        }
+        Err(e) => {
+            rollback(store, tx).await;
+            tracing::error!(error = %e.error, "the record could not be written in the transaction");
+            lease
+                .release("the transaction could not be completed")
+                .await;
+            return unavailable(config);
+        }
+    }
+    if let Err(e) = store.commit(tx).await {
+        tracing::error!(error = %e, "the handler's transaction did not commit");
+        // The effect did not happen (or, if the commit landed after all, the record is finished
+        // and this release changes nothing).
+        lease.release("the transaction did not commit").await;
+        return unavailable(config);
+    }
+    lease.recorded_in_transaction(stored.status);
+    Response::from_parts(parts, recording::body_of(read))
+}
+
+/// Rolls back the handler's transaction, or leaves it to be rolled back when its connection closes.
+async fn rollback(store: &PostgresStore, tx: Transaction<'static, Postgres>) {
+    if let Err(e) = store.rollback(tx).await {
+        tracing::warn!(error = %e, "rollback failed; the connection is dropped instead");
+    }
+}
+
+fn unavailable(config: &Config) -> Response<Body> {
+    report(config, Outcome::StoreUnavailable);
+    problem(
+        ErrorKind::StoreUnavailable,
+        "the operation could not be recorded and did not happen; retry later",
+        Some(config.retry_after_secs),
+    )
+}
