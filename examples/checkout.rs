@@ -8,7 +8,14 @@
 //!
 //! Environment: `BIND` (default `127.0.0.1:3000`), `DATABASE_URL` (Postgres; the memory store when
 //! unset), `IDEMPOTENCY_IN_PROGRESS_TTL_SECS` (default 90), `CHECKOUT_DELAY_MS` (simulated payment
-//! latency, default 0).
+//! latency, default 0), `CHECKOUT_HOLD_MS` (a pause after the charge is written, before the answer,
+//! to watch a crash at that point; default 0), `CHECKOUT_TRANSACTIONAL` (on Postgres, write the
+//! charge in the layer's transaction so it commits with its record; default 1, 0 to write it on its
+//! own as a handler without `IdempotentTx` would).
+//!
+//! The simulated payment provider deduplicates by the `Idempotency-Key` it is given, as real ones
+//! do; the checkout gives it `IdempotencyContext::derived_key()`, so a retake that runs the handler
+//! again (its process died) does not charge the card twice at the provider either.
 
 use std::collections::HashMap;
 use std::error::Error;
@@ -21,16 +28,33 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use axum_idempotency::{IdempotencyLayer, IdempotencyStore, MemoryStore, PostgresStore, Subject};
+use axum_idempotency::{
+    IdempotencyContext, IdempotencyLayer, IdempotencyStore, IdempotentTx, MemoryStore,
+    PostgresStore, Subject,
+};
 use serde_json::{Value, json};
-use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
+use sqlx::{PgConnection, PgPool};
 
 /// What the example is configured with.
 #[derive(Clone, Copy)]
 pub struct Settings {
     pub in_progress_ttl: Duration,
     pub checkout_delay: Duration,
+    pub checkout_hold: Duration,
+    pub transactional: bool,
+}
+
+impl Settings {
+    /// The defaults, with a TTL and a payment latency.
+    pub fn new(in_progress_ttl: Duration, checkout_delay: Duration) -> Self {
+        Settings {
+            in_progress_ttl,
+            checkout_delay,
+            checkout_hold: Duration::ZERO,
+            transactional: true,
+        }
+    }
 }
 
 impl Settings {
@@ -44,6 +68,8 @@ impl Settings {
         Ok(Settings {
             in_progress_ttl: Duration::from_secs(secs("IDEMPOTENCY_IN_PROGRESS_TTL_SECS", 90)?),
             checkout_delay: Duration::from_millis(secs("CHECKOUT_DELAY_MS", 0)?),
+            checkout_hold: Duration::from_millis(secs("CHECKOUT_HOLD_MS", 0)?),
+            transactional: secs("CHECKOUT_TRANSACTIONAL", 1)? != 0,
         })
     }
 }
@@ -64,6 +90,8 @@ pub struct MemoryLedger {
     next_id: i64,
     charges: Vec<(String, Value)>,
     attempts: HashMap<String, i64>,
+    /// The simulated provider's payments: its idempotency key to (subject, payment id).
+    payments: HashMap<String, (String, i64)>,
 }
 
 impl Ledger {
@@ -87,7 +115,10 @@ impl Ledger {
                  id bigserial PRIMARY KEY, subject text NOT NULL, kind text NOT NULL,
                  amount bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now());
              CREATE TABLE IF NOT EXISTS checkout_attempts (
-                 subject text PRIMARY KEY, attempts bigint NOT NULL);",
+                 subject text PRIMARY KEY, attempts bigint NOT NULL);
+             CREATE TABLE IF NOT EXISTS provider_payments (
+                 id bigserial PRIMARY KEY, idempotency_key text NOT NULL UNIQUE,
+                 subject text NOT NULL, amount bigint NOT NULL);",
         )
         .execute(&mut *tx)
         .await?;
@@ -113,7 +144,59 @@ impl Ledger {
         Ok(())
     }
 
-    async fn record(&self, subject: &str, kind: &str, amount: i64) -> Result<i64, sqlx::Error> {
+    /// The simulated payment provider: charges the card once per idempotency key, and answers a
+    /// repeated key with the first payment (its state is its own: not in the handler's
+    /// transaction).
+    async fn provider_charge(
+        &self,
+        key: &str,
+        subject: &str,
+        amount: i64,
+    ) -> Result<i64, sqlx::Error> {
+        match self {
+            Ledger::Memory(m) => {
+                let mut m = lock(m);
+                let next = m.payments.len() as i64 + 1;
+                let entry = m
+                    .payments
+                    .entry(key.to_owned())
+                    .or_insert_with(|| (subject.to_owned(), next));
+                Ok(entry.1)
+            }
+            Ledger::Postgres(pool) => {
+                let (id,): (i64,) = sqlx::query_as(
+                    "INSERT INTO provider_payments (idempotency_key, subject, amount) \
+                     VALUES ($1, $2, $3) ON CONFLICT (idempotency_key) \
+                     DO UPDATE SET amount = provider_payments.amount RETURNING id",
+                )
+                .bind(key)
+                .bind(subject)
+                .bind(amount)
+                .fetch_one(pool)
+                .await?;
+                Ok(id)
+            }
+        }
+    }
+
+    /// Records a charge: in `tx` (the layer's transaction, committed with the record) when given.
+    async fn record(
+        &self,
+        subject: &str,
+        kind: &str,
+        amount: i64,
+        tx: Option<&mut PgConnection>,
+    ) -> Result<i64, sqlx::Error> {
+        let insert = sqlx::query_as(
+            "INSERT INTO checkout_charges (subject, kind, amount) VALUES ($1, $2, $3) RETURNING id",
+        )
+        .bind(subject)
+        .bind(kind)
+        .bind(amount);
+        if let (Ledger::Postgres(_), Some(tx)) = (self, tx) {
+            let (id,): (i64,) = insert.fetch_one(tx).await?;
+            return Ok(id);
+        }
         match self {
             Ledger::Memory(m) => {
                 let mut m = lock(m);
@@ -124,27 +207,25 @@ impl Ledger {
                 Ok(id)
             }
             Ledger::Postgres(pool) => {
-                let (id,): (i64,) = sqlx::query_as(
-                    "INSERT INTO checkout_charges (subject, kind, amount) VALUES ($1, $2, $3) \
-                     RETURNING id",
-                )
-                .bind(subject)
-                .bind(kind)
-                .bind(amount)
-                .fetch_one(pool)
-                .await?;
+                let (id,): (i64,) = insert.fetch_one(pool).await?;
                 Ok(id)
             }
         }
     }
 
-    async fn list(&self, subject: &str) -> Result<(Vec<Value>, i64), sqlx::Error> {
+    /// The subject's charges, handler runs, and payments at the provider.
+    async fn list(&self, subject: &str) -> Result<(Vec<Value>, i64, i64), sqlx::Error> {
         match self {
             Ledger::Memory(m) => {
                 let m = lock(m);
                 let charges = m.charges.iter().filter(|(s, _)| s == subject);
                 let charges = charges.map(|(_, c)| c.clone()).collect();
-                Ok((charges, m.attempts.get(subject).copied().unwrap_or(0)))
+                let payments = m.payments.values().filter(|(s, _)| s == subject).count();
+                Ok((
+                    charges,
+                    m.attempts.get(subject).copied().unwrap_or(0),
+                    payments as i64,
+                ))
             }
             Ledger::Postgres(pool) => {
                 let rows: Vec<(i64, String, i64)> = sqlx::query_as(
@@ -159,11 +240,16 @@ impl Ledger {
                 .bind(subject)
                 .fetch_one(pool)
                 .await?;
+                let (payments,): (i64,) =
+                    sqlx::query_as("SELECT count(*) FROM provider_payments WHERE subject = $1")
+                        .bind(subject)
+                        .fetch_one(pool)
+                        .await?;
                 let charges = rows
                     .into_iter()
                     .map(|(id, kind, amount)| json!({"id": id, "kind": kind, "amount": amount}))
                     .collect();
-                Ok((charges, attempts))
+                Ok((charges, attempts, payments))
             }
         }
     }
@@ -189,9 +275,18 @@ pub fn app<S: IdempotencyStore>(
         .require_key(true)
         .in_progress_ttl(settings.in_progress_ttl)
         .build()?;
-    Ok(Router::new()
-        .route("/checkout", post(checkout))
-        .route("/refund", post(refund))
+    // On Postgres the charge is written in the layer's transaction (`IdempotentTx`), so it commits
+    // with its record; `CHECKOUT_TRANSACTIONAL=0` writes it on its own instead, to compare.
+    let routes = if settings.transactional {
+        Router::new()
+            .route("/checkout", post(checkout))
+            .route("/refund", post(refund))
+    } else {
+        Router::new()
+            .route("/checkout", post(checkout_separately))
+            .route("/refund", post(refund_separately))
+    };
+    Ok(routes
         .route_layer(idempotency)
         .route("/charges", get(charges))
         .layer(middleware::from_fn(demo_auth))
@@ -221,24 +316,56 @@ async fn demo_auth(mut request: Request, next: Next) -> Response {
     }
 }
 
+/// `POST /checkout`. `IdempotentTx` is `None` on the memory store, where there is no transaction.
 async fn checkout(
     State(state): State<AppState>,
     Extension(subject): Extension<Subject>,
+    context: IdempotencyContext,
+    tx: Option<IdempotentTx>,
     body: axum::body::Bytes,
 ) -> Response {
-    pay(&state, &subject.0, "charge", &body).await
+    pay(&state, &subject.0, "charge", &context, tx, &body).await
 }
 
 async fn refund(
     State(state): State<AppState>,
     Extension(subject): Extension<Subject>,
+    context: IdempotencyContext,
+    tx: Option<IdempotentTx>,
     body: axum::body::Bytes,
 ) -> Response {
-    pay(&state, &subject.0, "refund", &body).await
+    pay(&state, &subject.0, "refund", &context, tx, &body).await
 }
 
-/// The simulated payment: wait, count the attempt, then decline, fail, or record the charge.
-async fn pay(state: &AppState, subject: &str, kind: &str, body: &[u8]) -> Response {
+async fn checkout_separately(
+    State(state): State<AppState>,
+    Extension(subject): Extension<Subject>,
+    context: IdempotencyContext,
+    body: axum::body::Bytes,
+) -> Response {
+    pay(&state, &subject.0, "charge", &context, None, &body).await
+}
+
+async fn refund_separately(
+    State(state): State<AppState>,
+    Extension(subject): Extension<Subject>,
+    context: IdempotencyContext,
+    body: axum::body::Bytes,
+) -> Response {
+    pay(&state, &subject.0, "refund", &context, None, &body).await
+}
+
+/// The simulated payment: wait, count the attempt (outside any transaction, so handler runs are
+/// counted even when rolled back), then decline, fail, or charge at the provider (by the derived
+/// key) and record the charge (in `tx` when given).
+async fn pay(
+    state: &AppState,
+    subject: &str,
+    kind: &str,
+    context: &IdempotencyContext,
+    mut tx: Option<IdempotentTx>,
+    body: &[u8],
+) -> Response {
     let request: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
     let Some(amount) = request.get("amount").and_then(Value::as_i64) else {
         return error(StatusCode::BAD_REQUEST, "invalid_amount");
@@ -253,11 +380,30 @@ async fn pay(state: &AppState, subject: &str, kind: &str, body: &[u8]) -> Respon
         Some("flaky") => return error(StatusCode::SERVICE_UNAVAILABLE, "provider_unavailable"),
         _ => {}
     }
-    match state.ledger.record(subject, kind, amount).await {
+    let payment = match state
+        .ledger
+        .provider_charge(&context.derived_key(), subject, amount)
+        .await
+    {
+        Ok(payment) => payment,
+        Err(e) => {
+            tracing::error!(error = %e, "the provider could not be reached");
+            return error(StatusCode::SERVICE_UNAVAILABLE, "provider_unavailable");
+        }
+    };
+    let recorded = state
+        .ledger
+        .record(subject, kind, amount, tx.as_deref_mut())
+        .await;
+    tokio::time::sleep(state.settings.checkout_hold).await;
+    match recorded {
         Ok(id) => (
             StatusCode::CREATED,
             [(header::LOCATION, format!("/charges/{id}"))],
-            Json(json!({"id": id, "kind": kind, "amount": amount, "status": "succeeded"})),
+            Json(json!({
+                "id": id, "kind": kind, "amount": amount, "status": "succeeded",
+                "payment": payment,
+            })),
         )
             .into_response(),
         Err(e) => {
@@ -272,9 +418,10 @@ async fn charges(
     Extension(subject): Extension<Subject>,
 ) -> Response {
     match state.ledger.list(&subject.0).await {
-        Ok((charges, attempts)) => {
-            Json(json!({"charges": charges, "attempts": attempts})).into_response()
-        }
+        Ok((charges, attempts, payments)) => Json(json!({
+            "charges": charges, "attempts": attempts, "provider_payments": payments,
+        }))
+        .into_response(),
         Err(e) => {
             tracing::error!(error = %e, "could not list charges");
             error(StatusCode::SERVICE_UNAVAILABLE, "ledger_unavailable")

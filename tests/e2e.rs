@@ -63,10 +63,7 @@ fn rand_suffix() -> u64 {
 }
 
 fn settings(delay_ms: u64) -> Settings {
-    Settings {
-        in_progress_ttl: Duration::from_secs(90),
-        checkout_delay: Duration::from_millis(delay_ms),
-    }
+    Settings::new(Duration::from_secs(90), Duration::from_millis(delay_ms))
 }
 
 /// Serves the example's router on a loopback port of its own.
@@ -138,6 +135,14 @@ async fn try_http(
 
 async fn checkout_req(addr: SocketAddr, user: &str, key: &str, body: &str) -> Answer {
     http(addr, "POST", "/checkout", user, Some(key), body).await
+}
+
+/// Payments the example's simulated provider took for `user`.
+async fn provider_payments(addr: SocketAddr, user: &str) -> i64 {
+    let answer = http(addr, "GET", "/charges", user, None, "").await;
+    answer.json()["provider_payments"]
+        .as_i64()
+        .expect("provider_payments")
 }
 
 async fn charges(addr: SocketAddr, user: &str) -> (usize, i64) {
@@ -336,9 +341,21 @@ fn example_binary() -> std::path::PathBuf {
 
 /// The example as a process of its own, on Postgres in `schema`, and the address it listens on.
 async fn start_example(schema: &str, ttl_secs: u64, delay_ms: u64) -> (Child, SocketAddr) {
+    start_example_with(schema, ttl_secs, delay_ms, &[]).await
+}
+
+/// [`start_example`] with more environment variables.
+async fn start_example_with(
+    schema: &str,
+    ttl_secs: u64,
+    delay_ms: u64,
+    env: &[(&str, &str)],
+) -> (Child, SocketAddr) {
     let binary = example_binary();
     let url = format!("{}?options[search_path]={schema}", database_url());
-    let mut child = Command::new(binary)
+    let mut child = Command::new(binary);
+    child.envs(env.iter().copied());
+    let mut child = child
         .env("DATABASE_URL", url)
         .env("BIND", "127.0.0.1:0")
         .env("IDEMPOTENCY_IN_PROGRESS_TTL_SECS", ttl_secs.to_string())
@@ -439,4 +456,159 @@ async fn replay_survives_a_restart() {
     assert!(replay.replayed());
     assert_eq!(replay.body, charged.body);
     assert_eq!(charges(addr, "hank").await, (1, 1));
+}
+
+// ---- transactional completion, with the example binary killed at each point ----
+
+/// Polls `sql` (one text or bool-ish row) until it returns `want`, for at most ten seconds.
+async fn wait_for(pool: &PgPool, sql: &str, want: &str) {
+    for _ in 0..500 {
+        let row: Option<(String,)> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .fetch_optional(pool)
+            .await
+            .expect("poll");
+        if row.is_some_and(|(v,)| v == want) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{sql} never returned {want}");
+}
+
+/// Killed after the charge was written in the layer's transaction, before the commit: the charge
+/// rolls back with the process, the record is retaken after the TTL, and the retaker charges once.
+/// The provider, called with the derived key, is charged once across both runs.
+async fn killed_between_charge_and_commit(transactional: bool) -> (usize, i64, i64) {
+    let (schema, pool) = schema_pool().await;
+    let body = r#"{"amount":700}"#;
+    const TTL: Duration = Duration::from_secs(4);
+    let mode = if transactional { "1" } else { "0" };
+    let hold = [
+        ("CHECKOUT_HOLD_MS", "20000"),
+        ("CHECKOUT_TRANSACTIONAL", mode),
+    ];
+    let (mut first, addr) = start_example_with(&schema, TTL.as_secs(), 0, &hold).await;
+    let in_flight = tokio::spawn(async move {
+        try_http(addr, "POST", "/checkout", "hana", Some("tx-1"), body).await
+    });
+    // The handler ran up to its pause: the attempt and the provider payment are on record.
+    wait_for(
+        &pool,
+        "SELECT count(*)::text FROM provider_payments WHERE subject = 'hana'",
+        "1",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    first.kill().await.expect("kill -9 before the commit");
+    let killed_at = Instant::now();
+    assert!(in_flight.await.expect("client").is_err());
+    let (_second, addr) = start_example_with(
+        &schema,
+        TTL.as_secs(),
+        0,
+        &[("CHECKOUT_TRANSACTIONAL", mode)],
+    )
+    .await;
+    let early = checkout_req(addr, "hana", "tx-1", body).await;
+    assert_eq!(early.status, StatusCode::CONFLICT, "held until the TTL");
+    tokio::time::sleep(TTL.saturating_sub(killed_at.elapsed()) + Duration::from_millis(500)).await;
+    let retaken = checkout_req(addr, "hana", "tx-1", body).await;
+    assert_eq!(retaken.status, StatusCode::CREATED, "{retaken:?}");
+    let replay = checkout_req(addr, "hana", "tx-1", body).await;
+    assert!(replay.replayed());
+    let (charges, attempts) = charges(addr, "hana").await;
+    (charges, attempts, provider_payments(addr, "hana").await)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactional_checkout_killed_before_the_commit_charges_once() {
+    let (charges, attempts, payments) = killed_between_charge_and_commit(true).await;
+    assert_eq!(charges, 1, "the killed run's charge rolled back");
+    assert_eq!(attempts, 2, "the handler ran twice");
+    assert_eq!(payments, 1, "the provider deduplicated by the derived key");
+}
+
+/// The same crash without the transaction: the killed run's charge had committed on its own, so the
+/// retake charges again. Only the provider's own deduplication by the derived key saves the card.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn separate_checkout_killed_before_the_record_charges_twice() {
+    let (charges, attempts, payments) = killed_between_charge_and_commit(false).await;
+    assert_eq!(
+        charges, 2,
+        "without the transaction the ledger is charged twice"
+    );
+    assert_eq!(attempts, 2);
+    assert_eq!(payments, 1);
+}
+
+/// The database refuses the completion: the charge rolls back with it, the client gets 503, the
+/// record is released; after a crash and a restart, the retry charges once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactional_completion_refused_by_the_database_charges_once() {
+    let (schema, pool) = schema_pool().await;
+    let body = r#"{"amount":800}"#;
+    let (mut first, addr) = start_example(&schema, 90, 0).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE FUNCTION {schema}.refuse() RETURNS trigger LANGUAGE plpgsql AS \
+           $$ BEGIN RAISE EXCEPTION 'completion refused'; END $$; \
+         CREATE TRIGGER refuse BEFORE UPDATE ON {schema}.idempotency_records \
+           FOR EACH ROW WHEN (NEW.status <> 'in_progress') EXECUTE FUNCTION {schema}.refuse();"
+    )))
+    .execute(&pool)
+    .await
+    .expect("trigger");
+    let refused = checkout_req(addr, "ivan", "tx-2", body).await;
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{refused:?}"
+    );
+    assert_eq!(refused.json()["error"], "idempotency_store_unavailable");
+    assert_eq!(
+        charges(addr, "ivan").await,
+        (0, 1),
+        "the charge rolled back"
+    );
+    first.kill().await.expect("kill -9");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP TRIGGER refuse ON {schema}.idempotency_records"
+    )))
+    .execute(&pool)
+    .await
+    .expect("drop trigger");
+    let (_second, addr) = start_example(&schema, 90, 0).await;
+    let retry = checkout_req(addr, "ivan", "tx-2", body).await;
+    assert_eq!(
+        retry.status,
+        StatusCode::CREATED,
+        "the record was released: {retry:?}"
+    );
+    assert!(!retry.replayed());
+    assert_eq!(charges(addr, "ivan").await, (1, 2));
+    assert_eq!(provider_payments(addr, "ivan").await, 1);
+}
+
+/// Killed after the commit, whether or not the answer reached the client: the retry replays, and
+/// the charge is there once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transactional_checkout_killed_after_the_commit_replays() {
+    let (schema, pool) = schema_pool().await;
+    let body = r#"{"amount":900}"#;
+    let (mut first, addr) = start_example(&schema, 90, 300).await;
+    let in_flight = tokio::spawn(async move {
+        try_http(addr, "POST", "/checkout", "jack", Some("tx-3"), body).await
+    });
+    wait_for(
+        &pool,
+        "SELECT status FROM idempotency_records WHERE idempotency_key = 'tx-3'",
+        "completed",
+    )
+    .await;
+    first.kill().await.expect("kill -9 after the commit");
+    let _ = in_flight.await;
+    let (_second, addr) = start_example(&schema, 90, 0).await;
+    let replay = checkout_req(addr, "jack", "tx-3", body).await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed());
+    assert_eq!(charges(addr, "jack").await, (1, 1));
 }

@@ -10,7 +10,7 @@ use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use axum::body::Body;
-use axum::extract::FromRequestParts;
+use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum::response::Response;
 use http::request::Parts;
 use sqlx::{PgConnection, Postgres, Transaction};
@@ -101,7 +101,31 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotentTx {
                 None,
             ));
         };
-        if !matches!(*slot.lock(), SlotState::Unused) {
+        take(slot).await
+    }
+}
+
+/// `Option<IdempotentTx>`: `None` where the layer offers no transaction (its store is not a
+/// `PostgresStore`, or it did not claim the request), for handlers that also run on other stores.
+impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotentTx {
+    type Rejection = Response;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        match parts.extensions.get::<Arc<TxSlot>>().cloned() {
+            Some(slot) => take(slot).await.map(Some),
+            None => Ok(None),
+        }
+    }
+}
+
+/// Begins the transaction in `slot` for the handler.
+async fn take(slot: Arc<TxSlot>) -> Result<IdempotentTx, Response> {
+    {
+        let mut state = slot.lock();
+        if !matches!(*state, SlotState::Unused) {
             tracing::error!("IdempotentTx was extracted twice for one request");
             return Err(problem(
                 ErrorKind::InternalError,
@@ -109,19 +133,19 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotentTx {
                 None,
             ));
         }
-        let tx = match slot.store.begin().await {
-            Ok(tx) => tx,
-            Err(e) => {
-                tracing::error!(error = %e, "could not begin the handler's transaction");
-                return Err(problem(
-                    ErrorKind::StoreUnavailable,
-                    "the idempotency store is unavailable; retry later",
-                    Some(2),
-                ));
-            }
-        };
-        *slot.lock() = SlotState::Taken;
-        Ok(IdempotentTx { tx: Some(tx), slot })
+        *state = SlotState::Taken;
+    }
+    match slot.store.begin().await {
+        Ok(tx) => Ok(IdempotentTx { tx: Some(tx), slot }),
+        Err(e) => {
+            *slot.lock() = SlotState::Unused;
+            tracing::error!(error = %e, "could not begin the handler's transaction");
+            Err(problem(
+                ErrorKind::StoreUnavailable,
+                "the idempotency store is unavailable; retry later",
+                Some(2),
+            ))
+        }
     }
 }
 
