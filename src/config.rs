@@ -48,6 +48,10 @@ pub const MAX_DURATION: Duration = Duration::from_secs(10 * 365 * 24 * 60 * 60);
 /// its lease every third of the TTL, and no store can promise a round trip much faster than this.
 pub const MIN_IN_PROGRESS_TTL: Duration = Duration::from_millis(30);
 
+/// The largest `response_limit` [`IdempotencyLayerBuilder::build`] accepts: 64 MiB. Every store
+/// must take a recorded body in one statement within its timeout.
+pub const MAX_RESPONSE_LIMIT: usize = 64 * 1024 * 1024;
+
 /// Why a configuration was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError(String);
@@ -249,8 +253,8 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
         if config.body_limit == 0 {
             return err("body_limit must be at least 1 byte");
         }
-        if config.response_limit == 0 {
-            return err("response_limit must be at least 1 byte");
+        if config.response_limit == 0 || config.response_limit > MAX_RESPONSE_LIMIT {
+            return err("response_limit must be from 1 byte to 64 MiB");
         }
         if config.methods.is_empty() {
             return err("at least one method must be guarded");
@@ -311,6 +315,7 @@ mod tests {
         assert!(refused(builder().retry_after_secs(0)).contains("retry_after_secs"));
         assert!(refused(builder().body_limit(0)).contains("body_limit"));
         assert!(refused(builder().response_limit(0)).contains("response_limit"));
+        assert!(refused(builder().response_limit(MAX_RESPONSE_LIMIT + 1)).contains("64 MiB"));
         assert!(refused(builder().methods([])).contains("at least one method"));
         assert!(refused(builder().methods([Method::POST, Method::GET])).contains("GET"));
         assert!(refused(builder().store_header("set-cookie")).contains("never stored"));

@@ -1,21 +1,28 @@
 //! The life of a held claim: its heartbeat while the handler runs and while its answer is recorded,
 //! then exactly one of complete or release, retried until the store answers.
 //!
-//! - **Heartbeat.** While a [`Lease`] holds a record ([`Lease::hold`]), it renews it every third of
-//!   the in-progress TTL, so "older than the TTL" means "no heartbeat for a TTL": the holder died. A
-//!   live handler, however slow, is never retaken.
-//! - **Complete.** Once the handler's answer is recorded the effect is on record. When the store
-//!   fails, the completion is retried in the background, with the heartbeat still running, until it
-//!   succeeds or the lease is lost; never given up on a timer, and never released (the effect has
-//!   happened: a release would let a retry run it again).
+//! - **Heartbeat.** While a [`Lease`] holds a record ([`Lease::hold`]: the handler, the body, every
+//!   completion attempt), it renews it a third of the in-progress TTL after the last renewal that
+//!   got through, and, when a renewal fails, again a twentieth of the TTL later; each renewal may
+//!   take at most a sixth of the TTL. The schedule belongs to the lease, not to one phase, so
+//!   "older than the TTL" means "no heartbeat for a TTL": the holder died. A live handler, however
+//!   slow, is never retaken while the store can be reached.
+//! - **Complete.** Once the handler has answered with a response the policy records, the effect
+//!   has happened and the record is never released. When the store fails, the completion is
+//!   retried in the background, heartbeat running, until it succeeds or the lease is lost; never
+//!   given up on a timer. After three attempts that failed while the store took renewals between
+//!   them (it is reachable; the completion itself fails), the body is left out of the record: a body
+//!   too large for the store, or for its timeout, must not keep the key in progress for ever.
 //! - **Release.** Retried in the background until the store answers, for at most the in-progress TTL
 //!   (after which the record is retakeable anyway).
-//! - **Claims whose answer was lost** (a store timeout after the claim may have committed) are
-//!   released by their token in the background ([`abandon`]), so a retry is not stuck until the TTL.
+//! - **Claims whose answer was lost** (a store timeout after the claim may have committed, and may
+//!   still land later) are released by their token in the background ([`abandon`]) until the
+//!   release deletes them or the TTL has passed, so a retry is not stuck until the TTL.
 
 use std::future::{Future, poll_fn};
 use std::pin::pin;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::Duration;
 
@@ -27,25 +34,47 @@ use crate::outcome::{Outcome, report};
 use crate::record::{LeaseToken, RecordKey, StoredResponse};
 use crate::store::{IdempotencyStore, StoreError};
 
-/// A held claim: completed or released exactly once, and released on drop if neither happened (the
-/// runtime shut down), so this process never leaves a record `in_progress` on purpose.
+/// A held claim: completed or released exactly once. Dropped before either (a panic while the
+/// answer was being read, say), it releases the record if the handler had not answered, and
+/// records the answer without its body if it had ([`Lease::answered`]): an effect that happened is
+/// never released.
 pub(crate) struct Lease<St: IdempotencyStore> {
     store: St,
     config: Arc<Config>,
     key: RecordKey,
     token: LeaseToken,
     done: bool,
+    /// The answer's status and headers, once the handler answered with a response to record.
+    answered: Option<StoredResponse>,
+    /// When the next renewal is due; shared by every phase of the lease.
+    next_renewal: Mutex<Instant>,
+    /// Renewals that got through.
+    renewals: AtomicU64,
 }
 
 impl<St: IdempotencyStore> Lease<St> {
     pub(crate) fn new(store: St, config: Arc<Config>, key: RecordKey, token: LeaseToken) -> Self {
+        let first = Instant::now() + config.in_progress_ttl / 3;
         Lease {
             store,
             config,
             key,
             token,
             done: false,
+            answered: None,
+            next_renewal: Mutex::new(first),
+            renewals: AtomicU64::new(0),
         }
+    }
+
+    /// The handler answered with a response the policy records (`head`: its status and headers,
+    /// body omitted): from now on the record is never released.
+    pub(crate) fn answered(&mut self, head: &StoredResponse) {
+        self.answered = Some(StoredResponse {
+            body: bytes::Bytes::new(),
+            body_omitted: true,
+            ..head.clone()
+        });
     }
 
     /// The record's scope.
@@ -91,23 +120,38 @@ impl<St: IdempotencyStore> Lease<St> {
         .await
     }
 
-    /// Renews the lease forever (until dropped); stops renewing once the lease is lost.
+    /// Renews the lease on its schedule forever (until dropped); stops once the lease is lost.
     async fn heartbeat(&self) {
-        let every = self.config.in_progress_ttl / 3;
-        let lifetime = self.config.in_progress_ttl + self.config.retention;
+        let ttl = self.config.in_progress_ttl;
+        let lifetime = ttl + self.config.retention;
         loop {
-            tokio::time::sleep(every).await;
-            match self.store.renew(&self.key, self.token, lifetime).await {
-                Ok(true) => tracing::trace!("lease renewed"),
-                Ok(false) => {
+            let due = *lock(&self.next_renewal);
+            tokio::time::sleep_until(due).await;
+            let started = Instant::now();
+            let renewal = self.store.renew(&self.key, self.token, lifetime);
+            let next = match tokio::time::timeout(ttl / 6, renewal).await {
+                Ok(Ok(true)) => {
+                    tracing::trace!("lease renewed");
+                    self.renewals.fetch_add(1, Ordering::Relaxed);
+                    started + ttl / 3
+                }
+                Ok(Ok(false)) => {
                     tracing::warn!(
                         "the lease was lost while the handler or its recording was running \
                          (the record was retaken after a TTL without heartbeat)"
                     );
                     return std::future::pending().await;
                 }
-                Err(e) => tracing::warn!(error = %e, "the lease could not be renewed; will retry"),
-            }
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "the lease could not be renewed; will retry");
+                    Instant::now() + ttl / 20
+                }
+                Err(_) => {
+                    tracing::warn!("the lease renewal timed out; will retry");
+                    Instant::now() + ttl / 20
+                }
+            };
+            *lock(&self.next_renewal) = next;
         }
     }
 
@@ -117,8 +161,10 @@ impl<St: IdempotencyStore> Lease<St> {
     pub(crate) async fn complete(mut self, stored: Arc<StoredResponse>) {
         self.done = true;
         let first = self
-            .store
-            .complete(&self.key, self.token, stored.clone(), self.config.retention)
+            .hold(
+                self.store
+                    .complete(&self.key, self.token, stored.clone(), self.config.retention),
+            )
             .await;
         if self.settled(first, stored.status) {
             return;
@@ -127,16 +173,39 @@ impl<St: IdempotencyStore> Lease<St> {
         tokio::spawn(async move { self.keep_completing(stored).await }.in_current_span());
     }
 
-    async fn keep_completing(self, stored: Arc<StoredResponse>) {
+    async fn keep_completing(self, mut stored: Arc<StoredResponse>) {
         let retries = async {
             let mut pause = Duration::from_millis(50);
+            // Failed attempts with a renewal that got through since the previous failure: the store
+            // is reachable and takes renewals but refuses this completion, so the body is the
+            // trouble (too large for the store or its timeout), not an outage.
+            let mut refused = 0;
+            let mut renewals_seen = self.renewals.load(Ordering::Relaxed);
             loop {
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(self.longest_pause());
+                if refused >= OMIT_BODY_AFTER && !stored.body_omitted {
+                    tracing::warn!(
+                        "the store takes renewals but not this response; recording it without its \
+                         body"
+                    );
+                    stored = Arc::new(StoredResponse {
+                        body: bytes::Bytes::new(),
+                        body_omitted: true,
+                        ..(*stored).clone()
+                    });
+                }
                 let attempt = self
                     .store
                     .complete(&self.key, self.token, stored.clone(), self.config.retention)
                     .await;
+                if attempt.is_err() {
+                    let renewals = self.renewals.load(Ordering::Relaxed);
+                    if renewals > renewals_seen {
+                        refused += 1;
+                    }
+                    renewals_seen = renewals;
+                }
                 if self.settled(attempt, stored.status) {
                     return;
                 }
@@ -197,32 +266,56 @@ impl<St: IdempotencyStore> Drop for Lease<St> {
         if self.done {
             return;
         }
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let store = self.store.clone();
-            let key = self.key.clone();
-            let token = self.token;
-            runtime.spawn(async move {
-                let _ = store.release(&key, token).await;
-            });
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let lease = Lease {
+            store: self.store.clone(),
+            config: self.config.clone(),
+            key: self.key.clone(),
+            token: self.token,
+            done: false,
+            answered: None,
+            next_renewal: Mutex::new(Instant::now() + self.config.in_progress_ttl / 3),
+            renewals: AtomicU64::new(0),
+        };
+        match self.answered.take() {
+            Some(head) => {
+                tracing::error!(
+                    "the answer could not be read to the end; recording it without body"
+                );
+                runtime.spawn(lease.complete(Arc::new(head)).in_current_span());
+            }
+            None => {
+                runtime.spawn(lease.release("the request was dropped").in_current_span());
+            }
         }
     }
 }
 
+fn lock(next: &Mutex<Instant>) -> std::sync::MutexGuard<'_, Instant> {
+    next.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Completion attempts refused while the store took renewals, after which the body is left out of
+/// the record.
+const OMIT_BODY_AFTER: u32 = 3;
+
 /// After a claim that failed in flight (a timeout or a lost connection: the store may still have
-/// committed it), releases the record by its token in the background, so that no retry waits a whole
-/// in-progress TTL for a claim nobody holds. Stops once the release deleted it, after three answers
-/// that nothing is there, or after the TTL.
+/// committed it, or commit it later when the statement is finally delivered), releases the record
+/// by its token in the background, so that no retry waits a whole in-progress TTL for a claim nobody
+/// holds. Stops once the release deleted it, or after the TTL (the record is retakeable then).
 pub(crate) fn abandon<St: IdempotencyStore>(
     store: St,
     key: RecordKey,
     token: LeaseToken,
     ttl: Duration,
 ) {
-    tokio::spawn(keep_releasing(store, key, token, ttl, 3).in_current_span());
+    tokio::spawn(keep_releasing(store, key, token, ttl, u32::MAX).in_current_span());
 }
 
 /// Tries to release `token`'s record until it is deleted, `absent_answers` answers said nothing was
-/// held by it, or `ttl` has passed.
+/// held by it, or `ttl` has passed (at least one attempt is made).
 async fn keep_releasing<St: IdempotencyStore>(
     store: St,
     key: RecordKey,
@@ -231,10 +324,13 @@ async fn keep_releasing<St: IdempotencyStore>(
     absent_answers: u32,
 ) {
     let deadline = Instant::now() + ttl;
-    let mut pause = Duration::from_millis(100);
+    let mut pause = (ttl / 10).min(Duration::from_millis(100));
     let mut absent = 0;
-    while Instant::now() + pause < deadline {
+    loop {
         tokio::time::sleep(pause).await;
+        if Instant::now() > deadline {
+            return;
+        }
         pause = (pause * 2).min(Duration::from_secs(2));
         match store.release(&key, token).await {
             Ok(true) => {

@@ -79,7 +79,7 @@ mod subject;
 pub use canonical_json::{MAX_DEPTH, canonicalize};
 pub use config::{
     ConfigError, DEFAULT_STORED_HEADERS, DENIED_HEADERS, IdempotencyLayerBuilder, MAX_DURATION,
-    MIN_IN_PROGRESS_TTL,
+    MAX_RESPONSE_LIMIT, MIN_IN_PROGRESS_TTL,
 };
 pub use context::IdempotencyContext;
 pub use fingerprint::Fingerprint;

@@ -15,6 +15,7 @@
 //! status and headers with the body omitted; never released, since the effect has happened.
 
 use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -39,11 +40,17 @@ use crate::store::IdempotencyStore;
 /// Frames in flight between the recording task and a slow client.
 const CHANNEL_FRAMES: usize = 4;
 
+/// Frames read at once before the body is treated as a stream (a body that is always ready must
+/// not keep the request in a loop).
+const READY_FRAMES: usize = 64;
+
+type Next = Option<Result<Frame<Bytes>, axum::Error>>;
+
 /// Sorts the handler's response by the policy, then records it (or releases the record) and
 /// returns what the client gets.
 pub(crate) async fn record<St: IdempotencyStore>(
     config: &Arc<Config>,
-    lease: Lease<St>,
+    mut lease: Lease<St>,
     response: Response<Body>,
 ) -> Response<Body> {
     let outcome = match (config.policy)(response.status()) {
@@ -62,6 +69,8 @@ pub(crate) async fn record<St: IdempotencyStore>(
         &config.stored_headers,
         None,
     );
+    // From here on the effect has happened: whatever goes wrong, the record is not released.
+    lease.answered(&head);
     let mut copy = Copy::new(config.response_limit);
     if http_body::Body::size_hint(&body).lower() > config.response_limit as u64 {
         copy.omit();
@@ -70,10 +79,11 @@ pub(crate) async fn record<St: IdempotencyStore>(
     let mut ready: VecDeque<Frame<Bytes>> = VecDeque::new();
     let mut error = None;
     let ended = loop {
-        if copy.omitted && !ready.is_empty() {
-            break false; // over the limit: stream the rest rather than buffer it
+        if (copy.omitted && !ready.is_empty()) || ready.len() >= READY_FRAMES {
+            break false; // stream the rest rather than buffer it
         }
-        match body.frame().now_or_never() {
+        let next = std::panic::catch_unwind(AssertUnwindSafe(|| body.frame().now_or_never()));
+        match next.unwrap_or_else(|_| Some(Some(Err(panicked())))) {
             None => break false,
             Some(None) => break true,
             Some(Some(Ok(frame))) => {
@@ -107,8 +117,23 @@ pub(crate) async fn record<St: IdempotencyStore>(
     stream(config, lease, parts, head, copy, ready, body)
 }
 
+/// The error a client sees when the handler's body panicked.
+fn panicked() -> axum::Error {
+    axum::Error::new("the response body panicked")
+}
+
+/// The next frame of `body`, a panic in it turned into an error.
+async fn next_frame(body: &mut Body) -> Next {
+    AssertUnwindSafe(body.frame())
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|_| Some(Err(panicked())))
+}
+
 /// Answers at once with a body fed by a task that reads the handler's body, copies it and records
-/// the response when it ends.
+/// the response when it ends, before the client sees the end; or, once the record can only be the
+/// status and headers (the body went over the limit, or has trailers), at once, streaming the rest
+/// without holding the claim.
 fn stream<St: IdempotencyStore>(
     config: &Arc<Config>,
     lease: Lease<St>,
@@ -122,34 +147,37 @@ fn stream<St: IdempotencyStore>(
     let patience = config.in_progress_ttl;
     let task = async move {
         let mut client = Some(tx);
-        let mut gone_at: Option<Instant> = None;
+        let mut ended = false;
         let drained = async {
             for frame in ready {
                 forward(&mut client, Ok(frame)).await;
             }
-            loop {
-                if client.is_none() {
-                    let since = *gone_at.get_or_insert_with(Instant::now);
-                    if copy.omitted {
-                        break; // nothing more to record, nobody to send it to
-                    }
-                    // Without a client, read on only while the body still fits the record, and
-                    // not for ever.
-                    match tokio::time::timeout_at(since + patience, body.frame()).await {
-                        Ok(next) => {
-                            if !on_frame(&mut copy, &mut client, next).await {
+            let mut gone_at: Option<Instant> = None;
+            while !copy.omitted {
+                let next = match &client {
+                    Some(tx) => tokio::select! {
+                        next = next_frame(&mut body) => next,
+                        () = tx.closed() => {
+                            client = None;
+                            continue;
+                        }
+                    },
+                    None => {
+                        // Without a client, read on only while the body still fits the record,
+                        // and not for ever.
+                        let since = *gone_at.get_or_insert_with(Instant::now);
+                        match tokio::time::timeout_at(since + patience, next_frame(&mut body)).await
+                        {
+                            Ok(next) => next,
+                            Err(_) => {
+                                copy.omit();
                                 break;
                             }
                         }
-                        Err(_) => {
-                            copy.omit();
-                            break;
-                        }
                     }
-                    continue;
-                }
-                let next = body.frame().await;
+                };
                 if !on_frame(&mut copy, &mut client, next).await {
+                    ended = true;
                     break;
                 }
             }
@@ -157,6 +185,23 @@ fn stream<St: IdempotencyStore>(
         lease.hold(drained).await;
         let recorded = copy.finish();
         lease.complete(Arc::new(with_body(head, recorded))).await;
+        // What is left of a body recorded without it streams to the client, the claim finished.
+        while !ended && client.is_some() {
+            let next = match &client {
+                Some(tx) => tokio::select! {
+                    next = next_frame(&mut body) => next,
+                    () = tx.closed() => break,
+                },
+                None => break,
+            };
+            match next {
+                None => ended = true,
+                Some(frame) => {
+                    ended = frame.is_err();
+                    forward(&mut client, frame).await;
+                }
+            }
+        }
         // Dropping `client` here ends the body the client reads: after the record.
         drop(client);
     };
@@ -168,7 +213,7 @@ fn stream<St: IdempotencyStore>(
 async fn on_frame(
     copy: &mut Copy,
     client: &mut Option<mpsc::Sender<Result<Frame<Bytes>, axum::Error>>>,
-    next: Option<Result<Frame<Bytes>, axum::Error>>,
+    next: Next,
 ) -> bool {
     match next {
         None => false,

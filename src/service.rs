@@ -17,10 +17,10 @@ type BoxedFuture<E> = Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + S
 
 /// The future of a request through the layer.
 ///
-/// For a guarded request, dropping it before it finishes (hyper drops it when the client goes away)
-/// does not cancel the work: what is left (the claim, the handler, the recording) is moved onto a
-/// task of its own and runs to the end, so no record is left claimed with nobody to finish it. A
-/// request that passes through unguarded is cancelled as usual.
+/// For a request with an `Idempotency-Key` to a guarded method, dropping it before it finishes
+/// (hyper drops it when the client goes away) does not cancel the work: what is left (the claim,
+/// the handler, the recording) is moved onto a task of its own and runs to the end, so no record is
+/// left claimed with nobody to finish it. Other requests are cancelled as usual.
 pub struct ResponseFuture<E: 'static> {
     inner: Option<BoxedFuture<E>>,
     detach_on_drop: bool,
@@ -33,9 +33,20 @@ impl<E: 'static> Future for ResponseFuture<E> {
         let Some(inner) = self.inner.as_mut() else {
             panic!("ResponseFuture polled after it finished");
         };
-        let out = std::task::ready!(inner.as_mut().poll(cx));
-        self.inner = None;
-        Poll::Ready(out)
+        // A panic inside leaves nothing to detach: the future must not be polled again.
+        let polled =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.as_mut().poll(cx)));
+        match polled {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(out)) => {
+                self.inner = None;
+                Poll::Ready(out)
+            }
+            Err(panic) => {
+                self.inner = None;
+                std::panic::resume_unwind(panic)
+            }
+        }
     }
 }
 
@@ -109,6 +120,7 @@ where
                 detach_on_drop: false,
             };
         }
+        let has_key = request.headers().contains_key(crate::key::IDEMPOTENCY_KEY);
         ResponseFuture {
             inner: Some(Box::pin(claim::guard(
                 self.config.clone(),
@@ -116,7 +128,7 @@ where
                 inner,
                 request,
             ))),
-            detach_on_drop: true,
+            detach_on_drop: has_key,
         }
     }
 }

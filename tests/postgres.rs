@@ -405,3 +405,23 @@ async fn a_claim_that_loses_the_race_to_another_fingerprint_is_a_mismatch() {
         claim_racing_an_uncommitted_insert(b"{\"amount\":2}", Some((201, b"charged"))).await;
     assert_eq!(outcome, ClaimOutcome::FingerprintMismatch);
 }
+
+/// Once the table and its index exist, `migrate()` takes no lock on the table: an instance that
+/// starts while a write is open neither waits for it nor blocks other writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn migrate_again_does_not_lock_the_table() {
+    let store = store().await;
+    let mut writer = store.pool().begin().await.expect("begin");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE {} SET lease_token = lease_token",
+        store.table()
+    )))
+    .execute(&mut *writer)
+    .await
+    .expect("an open write");
+    tokio::time::timeout(Duration::from_secs(3), store.migrate())
+        .await
+        .expect("migrate does not wait for the open write")
+        .expect("migrate");
+    writer.rollback().await.expect("rollback");
+}

@@ -14,7 +14,8 @@ pub use memory::MemoryStore;
 mod postgres;
 #[cfg(feature = "postgres")]
 pub use postgres::{
-    DEFAULT_OPERATION_TIMEOUT, IdempotentTx, MIN_MIGRATE_TIMEOUT, PostgresStore, PostgresStoreError,
+    DEFAULT_OPERATION_TIMEOUT, IdempotentTx, MIN_MIGRATE_TIMEOUT, MIN_OPERATION_TIMEOUT,
+    PostgresStore, PostgresStoreError,
 };
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::{Left, TxSlot, record_in};
@@ -136,9 +137,11 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
 }
 
 /// Spawns a task that calls [`IdempotencyStore::purge_expired`] every `every`, logging failures, for
-/// applications that want expired records removed without a scheduler of their own. Abort the
-/// returned handle to stop it.
+/// applications that want expired records removed without a scheduler of their own (at most once
+/// a second). Abort the returned handle to stop it.
 pub fn spawn_purge<S: IdempotencyStore>(store: S, every: Duration) -> tokio::task::JoinHandle<()> {
+    // A zero period would make the interval panic; purging more than once a second is pointless.
+    let every = every.max(Duration::from_secs(1));
     tokio::spawn(async move {
         let mut ticks = tokio::time::interval(every);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -124,7 +124,8 @@ impl RedisStore {
 
     /// How long one operation may take before it fails. Default: [`DEFAULT_REDIS_TIMEOUT`].
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
+        // No server answers in less; a shorter timeout would fail every operation.
+        self.timeout = timeout.max(Duration::from_millis(10));
         self
     }
 

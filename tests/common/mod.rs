@@ -42,7 +42,8 @@ impl Counters {
 }
 
 /// A streamed body: `part1;` at once, then by `kind`: `slow` (`part2` after 500 ms), `endless`
-/// (100-byte chunks every 10 ms, for ever), `fail` (the stream fails), `trailers` (trailers).
+/// (100-byte chunks every 10 ms, for ever), `fail` (the stream fails), `trailers` (trailers),
+/// `stall` (nothing more, for ever), `panic` (a panic at once), `late-panic` (a panic after 50 ms).
 fn streamed(kind: String, counters: Counters) -> Body {
     let frames = futures_util::stream::unfold(0u32, move |n| {
         let (kind, counters) = (kind.clone(), counters.clone());
@@ -59,6 +60,12 @@ fn streamed(kind: String, counters: Counters) -> Body {
                     Ok(Frame::data(Bytes::from(vec![b'x'; 100])))
                 }
                 ("fail", 1) => Err(std::io::Error::other("the body stream failed")),
+                ("stall", 1) => std::future::pending().await,
+                ("panic", 1) => panic!("the body panicked on purpose"),
+                ("late-panic", 1) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    panic!("the body panicked on purpose")
+                }
                 ("trailers", 1) => {
                     let mut trailers = HeaderMap::new();
                     trailers.insert("x-checksum", HeaderValue::from_static("abc"));

@@ -47,6 +47,9 @@ pub struct PostgresStore {
 
 /// How long one store operation may take before it counts as failed (`503`), by default.
 pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
+/// The shortest operation timeout [`PostgresStore::with_timeout`] sets: shorter ones are raised to
+/// it (no database answers faster, and every statement would fail).
+pub const MIN_OPERATION_TIMEOUT: Duration = Duration::from_millis(10);
 
 /// An invalid table name given to [`PostgresStore::with_table`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,10 +69,13 @@ struct Statements {
     quoted: String,
     /// The expiry index's name, quoted.
     index: String,
+    /// The expiry index's name, quoted and qualified like the table.
+    qualified_index: String,
     claim: String,
     retake: String,
     renew: String,
     complete: String,
+    finished_by: String,
     release: String,
     purge: String,
     check_shape: String,
@@ -87,6 +93,10 @@ impl Statements {
         Statements {
             table: table.to_owned(),
             index: format!("\"{unqualified}_expires_at_idx\""),
+            qualified_index: match table.rsplit_once('.') {
+                Some((schema, _)) => format!("\"{schema}\".\"{unqualified}_expires_at_idx\""),
+                None => format!("\"{unqualified}_expires_at_idx\""),
+            },
             // One round trip: insert, or read the record that is there. `same_fp` and the response
             // columns let the caller answer 409, 422 or a replay without another query; the body is
             // only sent back when it can be replayed. $1 scope, $2 key, $3 subject, $4 endpoint,
@@ -113,13 +123,19 @@ impl Statements {
             ),
             // Compare-and-swap on the lease token and the state read: of concurrent retakers only one
             // matches, and a late completion by the presumed-dead worker makes this match nothing.
-            // $1 scope, $2 fingerprint, $3 new lease, $4 lifetime (µs), $5 old lease, $6 old status.
+            // The staleness is checked again against the row as it is now (READ COMMITTED rechecks
+            // the newest version), so a heartbeat that landed since the claim read it wins.
+            // $1 scope, $2 fingerprint, $3 new lease, $4 lifetime (µs), $5 old lease, $6 old status,
+            // $7 in-progress TTL (µs).
             retake: format!(
                 "UPDATE {t} SET fingerprint = $2, status = 'in_progress', lease_token = $3, \
                    response_status = NULL, header_names = NULL, header_values = NULL, \
                    response_body = NULL, created_at = now(), updated_at = now(), \
                    expires_at = now() + $4::float8 * interval '1 microsecond' \
-                 WHERE scope = $1 AND lease_token = $5 AND status = $6"
+                 WHERE scope = $1 AND lease_token = $5 AND status = $6 \
+                   AND (expires_at <= now() \
+                        OR (status = 'in_progress' \
+                            AND updated_at <= now() - $7::float8 * interval '1 microsecond'))"
             ),
             // The heartbeat. $1 scope, $2 lease, $3 lifetime (µs).
             renew: format!(
@@ -141,6 +157,13 @@ impl Statements {
                  SELECT EXISTS (SELECT 1 FROM done) \
                      OR EXISTS (SELECT 1 FROM {t} WHERE scope = $1 AND lease_token = $2 \
                                 AND status <> 'in_progress') AS held"
+            ),
+            // Whether `lease` finished the record: asked again, in a statement of its own, when a
+            // completion matched nothing (a concurrent attempt by the same lease may have finished
+            // it after the completion's snapshot was taken). $1 scope, $2 lease.
+            finished_by: format!(
+                "SELECT EXISTS (SELECT 1 FROM {t} WHERE scope = $1 AND lease_token = $2 \
+                                AND status <> 'in_progress')"
             ),
             release: format!(
                 "DELETE FROM {t} WHERE scope = $1 AND lease_token = $2 AND status = 'in_progress'"
@@ -198,7 +221,7 @@ impl PostgresStore {
     /// A claim that times out may still have committed; its record then stays `in_progress` with no
     /// worker and is retaken after the in-progress TTL: the handler still runs at most once.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
+        self.timeout = timeout.max(MIN_OPERATION_TIMEOUT);
         self
     }
 
@@ -244,10 +267,22 @@ impl PostgresStore {
                 .execute(&mut *tx)
                 .await
                 .map_err(db("migrate: lock"))?;
-            sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
-                .execute(&mut *tx)
-                .await
-                .map_err(db("migrate: create table"))?;
+            // `CREATE INDEX IF NOT EXISTS` locks the table against writes even when the index
+            // exists, so a migration that has been applied already takes no lock at all.
+            let (present,): (bool,) = sqlx::query_as(
+                "SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL",
+            )
+            .bind(&self.sql.quoted)
+            .bind(&self.sql.qualified_index)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db("migrate: look up the table"))?;
+            if !present {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db("migrate: create table"))?;
+            }
             sqlx::query(sqlx::AssertSqlSafe(self.sql.check_shape.as_str()))
                 .execute(&mut *tx)
                 .await
@@ -289,6 +324,7 @@ impl PostgresStore {
                     .bind(micros(request.in_progress_ttl + request.retention))
                     .bind(old_lease)
                     .bind(old_status)
+                    .bind(micros(request.in_progress_ttl))
                     .execute(&self.pool),
             )
             .await?;
@@ -499,7 +535,19 @@ impl IdempotencyStore for PostgresStore {
                     .fetch_one(&self.pool),
             )
             .await?;
-        Ok(held)
+        if held {
+            return Ok(true);
+        }
+        let (finished,): (bool,) = self
+            .timed(
+                "complete",
+                sqlx::query_as(sqlx::AssertSqlSafe(self.sql.finished_by.as_str()))
+                    .bind(&scope[..])
+                    .bind(lease.0)
+                    .fetch_one(&self.pool),
+            )
+            .await?;
+        Ok(finished)
     }
 
     fn postgres(&self) -> Option<&PostgresStore> {
