@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: a test app with a counting handler, and request builders.
 #![allow(dead_code)]
 
+#[cfg(feature = "postgres")]
+pub mod example;
 pub mod proxy;
 pub mod suite;
 

@@ -1,0 +1,388 @@
+//! Soak under faults (RELIABILITY.md): three instances of the checkout example on one PostgreSQL,
+//! clients sending checkouts with duplicates spread across the instances and retrying on 409, 503
+//! and connection errors, while instances are killed (SIGKILL) and restarted at random and
+//! PostgreSQL itself is restarted. At the end, per key: one charge for every key that got a 2xx,
+//! none charged twice, every replay equal to the first 2xx body.
+//!
+//! Bounded: each mode runs `SOAK_SECS` seconds (default 35), then the clients get 30 s to settle
+//! their last keys. Loopback only. The long run is
+//! `SOAK_SECS=300 cargo test --all-features --test soak -- --nocapture`.
+#![cfg(feature = "postgres")]
+
+mod common;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use common::example::{self, Reply};
+use sqlx::PgPool;
+use tokio::time::Instant;
+
+const INSTANCES: usize = 3;
+const CLIENTS: usize = 6;
+const TTL_SECS: u64 = 3;
+
+/// What a soak run saw.
+#[derive(Debug, Default)]
+struct Report {
+    requests: u64,
+    keys: u64,
+    duplicates: u64,
+    conflicts: u64,
+    unavailable: u64,
+    connection_errors: u64,
+    kills: u64,
+    db_restarts: u64,
+    keys_with_2xx: u64,
+    unfinished_keys: u64,
+    double_charges: u64,
+    lost_charges: u64,
+    provider_double_payments: u64,
+    replay_mismatches: u64,
+}
+
+/// A small xorshift generator: the harness needs spread, not quality.
+struct Rng(u64);
+
+impl Rng {
+    fn seeded(salt: u64) -> Rng {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        Rng((now ^ salt.wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+#[derive(Default)]
+struct Counts {
+    requests: AtomicU64,
+    conflicts: AtomicU64,
+    unavailable: AtomicU64,
+    connection_errors: AtomicU64,
+}
+
+/// The answers one key got: every 2xx body, and whether any answer was final.
+#[derive(Default)]
+struct KeyLog {
+    amount: i64,
+    ok_bodies: Vec<bytes::Bytes>,
+    finished: bool,
+}
+
+type Addrs = Arc<Mutex<Vec<SocketAddr>>>;
+
+fn env(transactional: bool) -> Vec<(&'static str, String)> {
+    vec![
+        ("IDEMPOTENCY_IN_PROGRESS_TTL_SECS", TTL_SECS.to_string()),
+        ("CHECKOUT_DELAY_MS", "120".to_owned()),
+        ("CHECKOUT_HOLD_MS", "80".to_owned()),
+        (
+            "CHECKOUT_TRANSACTIONAL",
+            if transactional { "1" } else { "0" }.to_owned(),
+        ),
+    ]
+}
+
+/// Sends one key's checkout until a final answer (2xx or 4xx other than 409), retrying on 409, 503
+/// and connection errors against a random instance, until `give_up`.
+async fn settle_key(
+    addrs: Addrs,
+    counts: Arc<Counts>,
+    user: String,
+    key: String,
+    body: String,
+    give_up: Instant,
+    salt: u64,
+) -> Option<Reply> {
+    let mut rng = Rng::seeded(salt);
+    while Instant::now() < give_up {
+        let addr = {
+            let list = addrs.lock().expect("addrs");
+            list[rng.below(list.len() as u64) as usize]
+        };
+        counts.requests.fetch_add(1, Ordering::Relaxed);
+        let reply = example::request(
+            addr,
+            "POST",
+            "/checkout",
+            &user,
+            Some(&key),
+            &body,
+            Duration::from_secs(10),
+        )
+        .await;
+        match reply {
+            Ok(reply) if reply.status == StatusCode::CONFLICT => {
+                counts.conflicts.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(reply) if reply.status == StatusCode::SERVICE_UNAVAILABLE => {
+                counts.unavailable.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(reply) => return Some(reply),
+            Err(_) => {
+                counts.connection_errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100 + rng.below(200))).await;
+    }
+    None
+}
+
+/// Restarts the machine's PostgreSQL cluster (as `.ci/run` starts it).
+async fn restart_postgres() {
+    let version = std::fs::read_dir("/etc/postgresql")
+        .expect("a Debian PostgreSQL cluster under /etc/postgresql")
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .next()
+        .expect("a cluster version");
+    let status = tokio::process::Command::new("pg_ctlcluster")
+        .args(["--skip-systemctl-redirect", &version, "main", "restart"])
+        .status()
+        .await
+        .expect("run pg_ctlcluster");
+    assert!(status.success(), "restarting PostgreSQL failed");
+    for _ in 0..100 {
+        if PgPool::connect(&example::database_url()).await.is_ok() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("PostgreSQL did not come back within 10 s");
+}
+
+async fn soak(secs: u64, transactional: bool) -> Report {
+    let admin = PgPool::connect(&example::database_url())
+        .await
+        .expect("PostgreSQL must be running (see .ci/run)");
+    let schema = format!(
+        "idem_t_{}_{}_soak{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_secs(),
+        std::process::id(),
+        u8::from(transactional)
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+        .execute(&admin)
+        .await
+        .expect("schema");
+    admin.close().await;
+
+    let env = env(transactional);
+    let mut children = Vec::new();
+    let mut list = Vec::new();
+    for _ in 0..INSTANCES {
+        let (child, addr) = example::start(&schema, &env).await;
+        children.push(child);
+        list.push(addr);
+    }
+    let addrs: Addrs = Arc::new(Mutex::new(list));
+    let counts = Arc::new(Counts::default());
+    let logs: Arc<Mutex<HashMap<String, KeyLog>>> = Arc::default();
+    let next_amount = Arc::new(AtomicU64::new(1));
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(secs);
+    let give_up = deadline + Duration::from_secs(30);
+    let mut report = Report::default();
+
+    // Clients: each sends keys one after another, every key twice at once (a double click), to
+    // two random instances.
+    let mut clients = tokio::task::JoinSet::new();
+    for client in 0..CLIENTS {
+        let (addrs, counts, logs, next_amount) = (
+            addrs.clone(),
+            counts.clone(),
+            logs.clone(),
+            next_amount.clone(),
+        );
+        clients.spawn(async move {
+            let user = format!("soak-{client}");
+            let mut n = 0u64;
+            while Instant::now() < deadline {
+                n += 1;
+                let key = format!("c{client}-k{n}");
+                let amount = next_amount.fetch_add(1, Ordering::Relaxed) as i64;
+                let body = format!("{{\"amount\":{amount}}}");
+                logs.lock().expect("logs").insert(
+                    key.clone(),
+                    KeyLog {
+                        amount,
+                        ..KeyLog::default()
+                    },
+                );
+                let mut sends = tokio::task::JoinSet::new();
+                for copy in 0..2u64 {
+                    sends.spawn(settle_key(
+                        addrs.clone(),
+                        counts.clone(),
+                        user.clone(),
+                        key.clone(),
+                        body.clone(),
+                        give_up,
+                        (client as u64) << 32 | n << 1 | copy,
+                    ));
+                }
+                while let Some(reply) = sends.join_next().await {
+                    let Some(reply) = reply.expect("sender") else {
+                        continue;
+                    };
+                    let mut logs = logs.lock().expect("logs");
+                    let log = logs.get_mut(&key).expect("key log");
+                    log.finished = true;
+                    if reply.status.is_success() {
+                        log.ok_bodies.push(reply.body.clone());
+                    }
+                }
+            }
+        });
+    }
+
+    // Chaos: kill -9 and restart a random instance every 1 to 3 s; restart PostgreSQL once, a
+    // third of the way in.
+    let mut rng = Rng::seeded(7);
+    let mut restarted_db = false;
+    while Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(1000 + rng.below(2000))).await;
+        if Instant::now() >= deadline {
+            break;
+        }
+        if !restarted_db && Instant::now() >= start + Duration::from_secs(secs / 3) {
+            restart_postgres().await;
+            restarted_db = true;
+            report.db_restarts += 1;
+            continue;
+        }
+        let victim = rng.below(INSTANCES as u64) as usize;
+        children[victim].kill().await.expect("kill -9");
+        report.kills += 1;
+        tokio::time::sleep(Duration::from_millis(rng.below(500))).await;
+        let (child, addr) = example::start(&schema, &env).await;
+        children[victim] = child;
+        addrs.lock().expect("addrs")[victim] = addr;
+    }
+    while let Some(done) = clients.join_next().await {
+        done.expect("client");
+    }
+    for mut child in children {
+        let _ = child.kill().await;
+    }
+
+    // The ledger, read directly: charges and provider payments per amount (one amount per key).
+    let url = format!("{}?options[search_path]={schema}", example::database_url());
+    let pool = PgPool::connect(&url)
+        .await
+        .expect("PostgreSQL after the soak");
+    let charged: HashMap<i64, i64> =
+        sqlx::query_as("SELECT amount, count(*) FROM checkout_charges GROUP BY amount")
+            .fetch_all(&pool)
+            .await
+            .expect("charges")
+            .into_iter()
+            .collect();
+    let paid: HashMap<i64, i64> =
+        sqlx::query_as("SELECT amount, count(*) FROM provider_payments GROUP BY amount")
+            .fetch_all(&pool)
+            .await
+            .expect("payments")
+            .into_iter()
+            .collect();
+    let logs = logs.lock().expect("logs");
+    for log in logs.values() {
+        let charges = charged.get(&log.amount).copied().unwrap_or(0);
+        report.keys += 1;
+        if charges > 1 {
+            report.double_charges += 1;
+        }
+        if paid.get(&log.amount).copied().unwrap_or(0) > 1 {
+            report.provider_double_payments += 1;
+        }
+        if !log.finished {
+            report.unfinished_keys += 1;
+        }
+        if let Some(first) = log.ok_bodies.first() {
+            report.keys_with_2xx += 1;
+            if charges == 0 {
+                report.lost_charges += 1;
+            }
+            if log.ok_bodies.iter().any(|b| b != first) {
+                report.replay_mismatches += 1;
+            }
+        }
+    }
+    report.requests = counts.requests.load(Ordering::Relaxed);
+    report.duplicates = report.keys; // every key was sent twice at once
+    report.conflicts = counts.conflicts.load(Ordering::Relaxed);
+    report.unavailable = counts.unavailable.load(Ordering::Relaxed);
+    report.connection_errors = counts.connection_errors.load(Ordering::Relaxed);
+    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&pool)
+        .await;
+    report
+}
+
+fn print(mode: &str, secs: u64, r: &Report) {
+    println!(
+        "soak {mode} ({secs} s, {INSTANCES} instances, TTL {TTL_SECS} s): requests {}, keys {}, \
+         duplicates {}, 409 {}, 503 {}, connection errors {}, kills {}, database restarts {}, \
+         keys with 2xx {}, unfinished {}, double charges {}, lost charges {}, provider double \
+         payments {}, replay mismatches {}",
+        r.requests,
+        r.keys,
+        r.duplicates,
+        r.conflicts,
+        r.unavailable,
+        r.connection_errors,
+        r.kills,
+        r.db_restarts,
+        r.keys_with_2xx,
+        r.unfinished_keys,
+        r.double_charges,
+        r.lost_charges,
+        r.provider_double_payments,
+        r.replay_mismatches
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn soak_under_kills_and_a_database_restart() {
+    let secs: u64 = std::env::var("SOAK_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(35);
+
+    // The transactional checkout: effect and record commit together.
+    let tx = soak(secs, true).await;
+    print("transactional", secs, &tx);
+    assert!(tx.kills >= 3, "{tx:?}");
+    assert_eq!(tx.db_restarts, 1, "{tx:?}");
+    assert!(tx.keys_with_2xx >= 20, "enough traffic got through: {tx:?}");
+    assert_eq!(tx.double_charges, 0, "{tx:?}");
+    assert_eq!(tx.lost_charges, 0, "{tx:?}");
+    assert_eq!(tx.replay_mismatches, 0, "{tx:?}");
+    assert_eq!(tx.provider_double_payments, 0, "{tx:?}");
+
+    // The charge committed on its own, then the record: a kill between the two can charge twice
+    // (reported, not asserted); the provider, called with the derived key, still charges once,
+    // and a 2xx still means a charge.
+    let separate = soak(secs, false).await;
+    print("separate", secs, &separate);
+    assert!(separate.kills >= 3, "{separate:?}");
+    assert_eq!(separate.lost_charges, 0, "{separate:?}");
+    assert_eq!(separate.replay_mismatches, 0, "{separate:?}");
+    assert_eq!(separate.provider_double_payments, 0, "{separate:?}");
+}
