@@ -8,26 +8,19 @@ mod checkout;
 mod common;
 
 use std::net::SocketAddr;
-use std::process::Stdio;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use axum::http::{Request, StatusCode};
+use axum::http::StatusCode;
 use axum_idempotency::{IdempotencyStore, MemoryStore, PostgresStore};
-use bytes::Bytes;
 use checkout::{Ledger, Settings};
 use common::Answer;
-use http_body_util::{BodyExt, Full};
-use hyper_util::rt::TokioIo;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 
-fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
-}
+use common::example::{self, database_url};
 
 /// A fresh schema, and a pool whose connections use it.
 async fn schema_pool() -> (String, PgPool) {
@@ -110,27 +103,8 @@ async fn try_http(
     user: &str,
     key: Option<&str>,
     body: &str,
-) -> Result<Answer, Box<dyn std::error::Error + Send + Sync>> {
-    let stream = TcpStream::connect(addr).await?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-    tokio::spawn(conn);
-    let mut request = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", addr.to_string())
-        .header("authorization", format!("Bearer {user}"))
-        .header("content-type", "application/json");
-    if let Some(key) = key {
-        request = request.header("idempotency-key", key);
-    }
-    let request = request.body(Full::new(Bytes::from(body.to_owned())))?;
-    let response = sender.send_request(request).await?;
-    let (parts, body) = response.into_parts();
-    Ok(Answer {
-        status: parts.status,
-        headers: parts.headers,
-        body: body.collect().await?.to_bytes(),
-    })
+) -> Result<Answer, String> {
+    example::request(addr, method, path, user, key, body, Duration::from_secs(60)).await
 }
 
 async fn checkout_req(addr: SocketAddr, user: &str, key: &str, body: &str) -> Answer {
@@ -313,32 +287,6 @@ async fn postgres_outcomes_and_isolation() {
 
 // ---- the example binary, killed and restarted ----
 
-/// Builds the example binary (once) and returns its path.
-fn example_binary() -> std::path::PathBuf {
-    static BUILT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-            // The same features as this test binary, so the library is not built a second time.
-            let mut features = vec!["postgres"];
-            if cfg!(feature = "redis") {
-                features.push("redis");
-            }
-            let status = std::process::Command::new(cargo)
-                .args(["build", "--quiet", "--example", "checkout", "--features"])
-                .arg(features.join(","))
-                .current_dir(env!("CARGO_MANIFEST_DIR"))
-                .status()
-                .expect("run cargo build");
-            assert!(status.success(), "building the example failed");
-            let exe = std::env::current_exe().expect("test binary");
-            // target/<profile>/deps/e2e-<hash> -> target/<profile>/examples/checkout
-            let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
-            dir.join("examples").join("checkout")
-        })
-        .clone()
-}
-
 /// The example as a process of its own, on Postgres in `schema`, and the address it listens on.
 async fn start_example(schema: &str, ttl_secs: u64, delay_ms: u64) -> (Child, SocketAddr) {
     start_example_with(schema, ttl_secs, delay_ms, &[]).await
@@ -351,41 +299,12 @@ async fn start_example_with(
     delay_ms: u64,
     env: &[(&str, &str)],
 ) -> (Child, SocketAddr) {
-    let binary = example_binary();
-    let url = format!("{}?options[search_path]={schema}", database_url());
-    let mut child = Command::new(binary);
-    child.envs(env.iter().copied());
-    let mut child = child
-        .env("DATABASE_URL", url)
-        .env("BIND", "127.0.0.1:0")
-        .env("IDEMPOTENCY_IN_PROGRESS_TTL_SECS", ttl_secs.to_string())
-        .env("CHECKOUT_DELAY_MS", delay_ms.to_string())
-        .env("NO_COLOR", "1")
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start the example");
-    let stdout = child.stdout.take().expect("stdout");
-    let mut lines = BufReader::new(stdout).lines();
-    let addr = tokio::time::timeout(Duration::from_secs(30), async {
-        while let Some(line) = lines.next_line().await.expect("read") {
-            if let Some(rest) = line.split("listening on http://").nth(1) {
-                let addr: String = rest
-                    .chars()
-                    .take_while(|c| !c.is_whitespace() && *c != '\u{1b}')
-                    .collect();
-                return addr.parse::<SocketAddr>().expect("address");
-            }
-        }
-        panic!("the example exited before listening");
-    })
-    .await
-    .expect("the example starts within 30 s");
-    // Keep draining its logs so it never blocks on a full pipe.
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    (child, addr)
+    let mut all = vec![
+        ("IDEMPOTENCY_IN_PROGRESS_TTL_SECS", ttl_secs.to_string()),
+        ("CHECKOUT_DELAY_MS", delay_ms.to_string()),
+    ];
+    all.extend(env.iter().map(|(k, v)| (*k, (*v).to_owned())));
+    example::start(schema, &all).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

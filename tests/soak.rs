@@ -18,7 +18,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::http::StatusCode;
-use common::example::{self, Reply};
+use common::Answer;
+use common::example;
 use sqlx::PgPool;
 use tokio::time::Instant;
 
@@ -106,7 +107,7 @@ async fn settle_key(
     body: String,
     give_up: Instant,
     salt: u64,
-) -> Option<Reply> {
+) -> Option<Answer> {
     let mut rng = Rng::seeded(salt);
     while Instant::now() < give_up {
         let addr = {
@@ -149,8 +150,18 @@ async fn restart_postgres() {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .next()
         .expect("a cluster version");
-    let status = tokio::process::Command::new("pg_ctlcluster")
-        .args(["--skip-systemctl-redirect", &version, "main", "restart"])
+    // The server outlives this test: it must not inherit any file this process holds open (a pipe
+    // to whoever runs the tests would never close), so every descriptor past stderr is closed and
+    // the standard ones are /dev/null.
+    let script = format!(
+        "for fd in $(ls /proc/$$/fd); do if [ \"$fd\" -gt 2 ]; then eval \"exec $fd>&-\"; fi; \
+         done 2>/dev/null; exec pg_ctlcluster --skip-systemctl-redirect {version} main restart"
+    );
+    let status = tokio::process::Command::new("bash")
+        .args(["-c", &script])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
         .status()
         .await
         .expect("run pg_ctlcluster");

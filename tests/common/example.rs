@@ -5,13 +5,15 @@ use std::net::SocketAddr;
 use std::process::Stdio;
 use std::time::Duration;
 
-use axum::http::{HeaderMap, Request, StatusCode};
+use axum::http::Request;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
+
+use super::Answer;
 
 pub fn database_url() -> String {
     std::env::var("DATABASE_URL")
@@ -83,22 +85,6 @@ pub async fn start(schema: &str, env: &[(&str, String)]) -> (Child, SocketAddr) 
     (child, addr)
 }
 
-/// An answer read whole.
-#[derive(Debug)]
-pub struct Reply {
-    pub status: StatusCode,
-    pub headers: HeaderMap,
-    pub body: Bytes,
-}
-
-impl Reply {
-    pub fn replayed(&self) -> bool {
-        self.headers
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true")
-    }
-}
-
 /// One HTTP/1.1 request on a connection of its own, within `timeout`.
 pub async fn request(
     addr: SocketAddr,
@@ -108,7 +94,7 @@ pub async fn request(
     key: Option<&str>,
     body: &str,
     timeout: Duration,
-) -> Result<Reply, String> {
+) -> Result<Answer, String> {
     let exchange = async {
         let stream = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
@@ -133,7 +119,7 @@ pub async fn request(
             .map_err(|e| e.to_string())?;
         let (parts, body) = response.into_parts();
         let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
-        Ok(Reply {
+        Ok(Answer {
             status: parts.status,
             headers: parts.headers,
             body,

@@ -870,17 +870,47 @@ pub async fn trailers_are_recorded_without_the_body<S: IdempotencyStore>(store: 
     assert_eq!(counters.started(), 1);
 }
 
-/// A store whose claims commit at once but whose answers arrive late, as over a slow network.
-#[derive(Clone)]
-struct LateAnswers<S>(S);
+/// What goes wrong with a wrapped store's claims.
+#[derive(Clone, Copy)]
+enum ClaimFault {
+    /// Claims commit at once, but their answers arrive 300 ms later, as over a slow network.
+    LateAnswer,
+    /// The first claim commits, then fails, as a claim that timed out after the database committed.
+    FirstAnswerLost,
+}
 
-impl<S: IdempotencyStore> IdempotencyStore for LateAnswers<S> {
+/// A store whose claims go wrong as `fault` says; everything else passes through.
+#[derive(Clone)]
+struct Faulty<S> {
+    store: S,
+    fault: ClaimFault,
+    lost: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl<S> Faulty<S> {
+    fn new(store: S, fault: ClaimFault) -> Self {
+        Faulty {
+            store,
+            fault,
+            lost: Arc::default(),
+        }
+    }
+}
+
+impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
     async fn claim(
         &self,
         request: &ClaimRequest,
     ) -> Result<ClaimOutcome, axum_idempotency::StoreError> {
-        let outcome = self.0.claim(request).await;
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        let outcome = self.store.claim(request).await;
+        match self.fault {
+            ClaimFault::LateAnswer => tokio::time::sleep(Duration::from_millis(300)).await,
+            ClaimFault::FirstAnswerLost => {
+                if !self.lost.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                    return Err(axum_idempotency::StoreError::msg("no answer within 5s"));
+                }
+            }
+        }
         outcome
     }
     async fn complete(
@@ -890,7 +920,7 @@ impl<S: IdempotencyStore> IdempotencyStore for LateAnswers<S> {
         response: Arc<StoredResponse>,
         retention: Duration,
     ) -> Result<bool, axum_idempotency::StoreError> {
-        self.0.complete(key, lease, response, retention).await
+        self.store.complete(key, lease, response, retention).await
     }
     async fn renew(
         &self,
@@ -898,17 +928,17 @@ impl<S: IdempotencyStore> IdempotencyStore for LateAnswers<S> {
         lease: LeaseToken,
         lifetime: Duration,
     ) -> Result<bool, axum_idempotency::StoreError> {
-        self.0.renew(key, lease, lifetime).await
+        self.store.renew(key, lease, lifetime).await
     }
     async fn release(
         &self,
         key: &RecordKey,
         lease: LeaseToken,
     ) -> Result<bool, axum_idempotency::StoreError> {
-        self.0.release(key, lease).await
+        self.store.release(key, lease).await
     }
     async fn purge_expired(&self) -> Result<u64, axum_idempotency::StoreError> {
-        self.0.purge_expired().await
+        self.store.purge_expired().await
     }
 }
 
@@ -916,7 +946,7 @@ impl<S: IdempotencyStore> IdempotencyStore for LateAnswers<S> {
 /// goes on without the client (handler, record), and the retry gets the replay rather than 409 for
 /// a whole TTL.
 pub async fn disconnect_during_the_claim_still_runs_and_records<S: IdempotencyStore>(store: S) {
-    let (router, counters) = app(default_layer(LateAnswers(store)));
+    let (router, counters) = app(default_layer(Faulty::new(store, ClaimFault::LateAnswer)));
     let req = || post("/pay").key("k").user("alice").json("{\"amount\":1}");
     let client = tokio::spawn({
         let router = router.clone();
@@ -973,61 +1003,10 @@ pub async fn any_scope_the_layer_lets_through_is_stored<S: IdempotencyStore>(sto
     assert_eq!(counters.started(), 3);
 }
 
-/// A store whose first claim commits and then fails, as a claim that timed out after the database
-/// committed it.
-#[derive(Clone)]
-struct LostFirstAnswer<S> {
-    store: S,
-    lost: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl<S: IdempotencyStore> IdempotencyStore for LostFirstAnswer<S> {
-    async fn claim(
-        &self,
-        request: &ClaimRequest,
-    ) -> Result<ClaimOutcome, axum_idempotency::StoreError> {
-        let outcome = self.store.claim(request).await;
-        if !self.lost.swap(true, std::sync::atomic::Ordering::SeqCst) {
-            return Err(axum_idempotency::StoreError::msg("no answer within 5s"));
-        }
-        outcome
-    }
-    async fn complete(
-        &self,
-        key: &RecordKey,
-        lease: LeaseToken,
-        response: Arc<StoredResponse>,
-        retention: Duration,
-    ) -> Result<bool, axum_idempotency::StoreError> {
-        self.store.complete(key, lease, response, retention).await
-    }
-    async fn renew(
-        &self,
-        key: &RecordKey,
-        lease: LeaseToken,
-        lifetime: Duration,
-    ) -> Result<bool, axum_idempotency::StoreError> {
-        self.store.renew(key, lease, lifetime).await
-    }
-    async fn release(
-        &self,
-        key: &RecordKey,
-        lease: LeaseToken,
-    ) -> Result<bool, axum_idempotency::StoreError> {
-        self.store.release(key, lease).await
-    }
-    async fn purge_expired(&self) -> Result<u64, axum_idempotency::StoreError> {
-        self.store.purge_expired().await
-    }
-}
-
 /// A claim that committed but whose answer was lost is answered 503 and released by its token in
 /// the background: the retry runs within moments, not after a whole in-progress TTL of 409s.
 pub async fn claim_whose_answer_was_lost_is_released<S: IdempotencyStore>(store: S) {
-    let store = LostFirstAnswer {
-        store,
-        lost: Arc::default(),
-    };
+    let store = Faulty::new(store, ClaimFault::FirstAnswerLost);
     let (router, counters) = app(default_layer(store));
     let req = || post("/pay").key("k").user("alice").json("{\"amount\":1}");
     let lost = send(&router, req()).await;
