@@ -312,8 +312,7 @@ async fn soak(secs: u64, transactional: bool) -> Report {
             .expect("payments")
             .into_iter()
             .collect();
-    let logs = logs.lock().expect("logs");
-    for log in logs.values() {
+    for log in logs.lock().expect("logs").values() {
         let charges = charged.get(&log.amount).copied().unwrap_or(0);
         report.keys += 1;
         if charges > 1 {
