@@ -119,7 +119,8 @@ where
                     },
                 );
                 tracing::info!(retaken, "claimed; running the handler");
-                run(config, store, inner, request, claim.key, lease, retaken).await
+                let claim = ClaimRequest { lease, ..claim };
+                run(config, store, inner, request, claim, retaken).await
             }
             Ok(ClaimOutcome::FingerprintMismatch) => {
                 report(&config, Outcome::KeyReuse);
@@ -187,8 +188,7 @@ async fn run<S, St, ResBody>(
     store: St,
     inner: S,
     mut request: Request<Body>,
-    key: RecordKey,
-    token: LeaseToken,
+    claim: ClaimRequest,
     retaken: bool,
 ) -> Result<Response<Body>, S::Error>
 where
@@ -199,16 +199,18 @@ where
     ResBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    request
-        .extensions_mut()
-        .insert(IdempotencyContext::new(key.clone(), retaken));
+    request.extensions_mut().insert(IdempotencyContext::new(
+        claim.key.clone(),
+        claim.fingerprint,
+        retaken,
+    ));
     #[cfg(feature = "postgres")]
     let slot = store.postgres().map(|pg| {
         let slot = crate::store::TxSlot::new(pg.clone());
         request.extensions_mut().insert(slot.clone());
         (pg.clone(), slot)
     });
-    let lease = Lease::new(store, config.clone(), key, token);
+    let lease = Lease::new(store, config.clone(), claim.key, claim.lease);
     let answer = lease
         .hold(AssertUnwindSafe(inner.oneshot(request)).catch_unwind())
         .await;

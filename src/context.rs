@@ -7,6 +7,7 @@ use axum::response::Response;
 use http::request::Parts;
 use sha2::{Digest, Sha256};
 
+use crate::fingerprint::Fingerprint;
 use crate::problem::{ErrorKind, problem};
 use crate::record::RecordKey;
 
@@ -22,12 +23,17 @@ use crate::record::RecordKey;
 #[derive(Clone)]
 pub struct IdempotencyContext {
     scope: RecordKey,
+    fingerprint: Fingerprint,
     retake: bool,
 }
 
 impl IdempotencyContext {
-    pub(crate) fn new(scope: RecordKey, retake: bool) -> Self {
-        IdempotencyContext { scope, retake }
+    pub(crate) fn new(scope: RecordKey, fingerprint: Fingerprint, retake: bool) -> Self {
+        IdempotencyContext {
+            scope,
+            fingerprint,
+            retake,
+        }
     }
 
     /// The `Idempotency-Key` of the request, as validated (trimmed, unquoted).
@@ -53,13 +59,16 @@ impl IdempotencyContext {
     }
 
     /// A key for downstream providers: 64 lower-case hex characters, the same for every run of this
-    /// operation (same key, subject and endpoint), in every instance, retakes included; different
-    /// for every other operation. It is a SHA-256 of the scope under a fixed label, so it reveals
-    /// nothing of the key, subject or endpoint to whoever receives it.
+    /// operation (same key, subject, endpoint and request fingerprint), in every instance, retakes
+    /// included; different when any of them differs, so a key reused after retention for another
+    /// body is another operation downstream too. It is a SHA-256 of the scope and the fingerprint
+    /// under a fixed label: whoever receives it learns nothing of them, short of guessing the key,
+    /// subject, endpoint and body together.
     pub fn derived_key(&self) -> String {
         let mut hasher = Sha256::new();
         hasher.update(b"axum-idempotency derived key v1\0");
         hasher.update(self.scope.digest());
+        hasher.update(self.fingerprint.as_bytes());
         let mut hex = String::with_capacity(64);
         for b in hasher.finalize() {
             hex.push(char::from(HEX[usize::from(b >> 4)]));

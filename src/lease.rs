@@ -97,6 +97,13 @@ impl<St: IdempotencyStore> Lease<St> {
         tracing::info!(status, "recorded in the handler's transaction");
     }
 
+    /// The record was released by the store's own statement (after a failed commit).
+    #[cfg(feature = "postgres")]
+    pub(crate) fn released_elsewhere(mut self) {
+        self.done = true;
+        report(&self.config, Outcome::Released);
+    }
+
     /// The lease turned out to be lost: nothing of this run is recorded, nothing is released.
     #[cfg(feature = "postgres")]
     pub(crate) fn lost(mut self) {
@@ -269,27 +276,30 @@ impl<St: IdempotencyStore> Drop for Lease<St> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let lease = Lease {
-            store: self.store.clone(),
-            config: self.config.clone(),
-            key: self.key.clone(),
-            token: self.token,
-            done: false,
-            answered: None,
-            next_renewal: Mutex::new(Instant::now() + self.config.in_progress_ttl / 3),
-            renewals: AtomicU64::new(0),
-        };
-        match self.answered.take() {
-            Some(head) => {
-                tracing::error!(
-                    "the answer could not be read to the end; recording it without body"
-                );
-                runtime.spawn(lease.complete(Arc::new(head)).in_current_span());
+        let (store, config, key, token) = (
+            self.store.clone(),
+            self.config.clone(),
+            self.key.clone(),
+            self.token,
+        );
+        let answered = self.answered.take();
+        // The new lease is made inside the task: a task the runtime drops unpolled (it is shutting
+        // down) then owns no lease whose drop would spawn again.
+        runtime.spawn(
+            async move {
+                let lease = Lease::new(store, config, key, token);
+                match answered {
+                    Some(head) => {
+                        tracing::error!(
+                            "the answer could not be read to the end; recording it without body"
+                        );
+                        lease.complete(Arc::new(head)).await;
+                    }
+                    None => lease.release("the request was dropped").await,
+                }
             }
-            None => {
-                runtime.spawn(lease.release("the request was dropped").in_current_span());
-            }
-        }
+            .in_current_span(),
+        );
     }
 }
 

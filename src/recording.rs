@@ -375,9 +375,9 @@ pub(crate) struct Read {
 }
 
 #[cfg(feature = "postgres")]
-/// Reads `body` until it ends or is over `limit` (or has trailers, or fails); what is past the limit
-/// is left unread, to be streamed to the client afterwards.
-pub(crate) async fn read_up_to(mut body: Body, limit: usize) -> Read {
+/// Reads `body` until it ends or is over `limit` (or has trailers, fails, panics, or is still
+/// going at `deadline`); what is left is unread, to be streamed to the client afterwards.
+pub(crate) async fn read_up_to(mut body: Body, limit: usize, deadline: Instant) -> Read {
     let mut copy = Copy::new(limit);
     let mut frames = VecDeque::new();
     if http_body::Body::size_hint(&body).lower() > limit as u64 {
@@ -390,7 +390,16 @@ pub(crate) async fn read_up_to(mut body: Body, limit: usize) -> Read {
         };
     }
     loop {
-        match body.frame().await {
+        let Ok(next) = tokio::time::timeout_at(deadline, next_frame(&mut body)).await else {
+            // A body that does not end (events, a stall) is recorded without it.
+            return Read {
+                copy: None,
+                frames,
+                error: None,
+                rest: Some(body),
+            };
+        };
+        match next {
             None => break,
             Some(Ok(frame)) => {
                 copy.frame(&frame);

@@ -299,20 +299,27 @@ async fn failed_commit_is_503_and_leaves_the_record_retryable() {
     assert_eq!(s.effects().await, 1);
 }
 
+/// A statement of the handler's transaction failed and the handler answered anyway: a success
+/// cannot be recorded (its effect did not happen): 500 and released; a definitive failure is
+/// recorded on its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn aborted_transaction_records_the_answer_without_the_effect() {
+async fn aborted_transaction_is_never_a_recorded_success() {
     let s = Setup::new().await;
     let router = s.router();
     let first = send(&router, "k", &["x-abort"]).await;
-    assert_eq!(first.status, StatusCode::CREATED);
-    assert_eq!(
-        s.effects().await,
-        0,
-        "an aborted transaction commits nothing"
-    );
-    let replay = send(&router, "k", &[]).await;
+    assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(s.effects().await, 0, "an aborted transaction commits nothing");
+    let retry = send(&router, "k", &[]).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!replayed(&retry));
+    assert_eq!(s.effects().await, 1);
+    let declined = send(&router, "d", &["x-abort", "x-status=402"]).await;
+    assert_eq!(declined.status, StatusCode::PAYMENT_REQUIRED);
+    let replay = send(&router, "d", &[]).await;
+    assert_eq!(replay.status, StatusCode::PAYMENT_REQUIRED);
     assert!(replayed(&replay));
-    assert_eq!(s.runs(), 1);
+    assert_eq!(s.effects().await, 1);
+    assert_eq!(s.runs(), 3);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

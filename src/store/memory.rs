@@ -114,11 +114,11 @@ impl IdempotencyStore for MemoryStore {
         // Look up before inserting, so that replays and 409s never copy the key.
         if let Some(record) = shard.records.get_mut(&request.key) {
             if record.expires_at <= now {
+                // Past retention: the key is new again. An in-progress record that expired was
+                // abandoned by its holder: its effect may have started, so this is a retake.
+                let retaken = matches!(record.state, State::InProgress { .. });
                 *record = fresh();
-                return Ok(ClaimOutcome::Claimed {
-                    lease,
-                    retaken: false,
-                });
+                return Ok(ClaimOutcome::Claimed { lease, retaken });
             }
             if record.fingerprint != request.fingerprint {
                 return Ok(ClaimOutcome::FingerprintMismatch);

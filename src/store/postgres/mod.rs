@@ -41,6 +41,8 @@ const PURGE_BATCH: i64 = 10_000;
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: PgPool,
+    /// Where handlers' transactions come from, when not `pool`.
+    transactions: Option<PgPool>,
     sql: Arc<Statements>,
     timeout: Duration,
 }
@@ -183,6 +185,7 @@ impl PostgresStore {
     pub fn new(pool: PgPool) -> Self {
         PostgresStore {
             pool,
+            transactions: None,
             sql: Arc::new(Statements::new(DEFAULT_TABLE)),
             timeout: DEFAULT_OPERATION_TIMEOUT,
         }
@@ -209,6 +212,7 @@ impl PostgresStore {
         }
         Ok(PostgresStore {
             pool,
+            transactions: None,
             sql: Arc::new(Statements::new(table)),
             timeout: DEFAULT_OPERATION_TIMEOUT,
         })
@@ -237,6 +241,16 @@ impl PostgresStore {
                 self.timeout
             ))),
         }
+    }
+
+    /// Takes the handlers' transactions ([`IdempotentTx`]) from `pool` rather than from the store's
+    /// own pool, so that transactions held while handlers run can never use up the connections that
+    /// claims, heartbeats and completions need (with one pool, as many slow transactional requests
+    /// as the pool has connections stop every other request of the instance, and the heartbeats of
+    /// their own claims). Both pools must reach the same database.
+    pub fn with_transaction_pool(mut self, pool: PgPool) -> Self {
+        self.transactions = Some(pool);
+        self
     }
 
     /// The connection pool.
@@ -353,11 +367,12 @@ impl PostgresStore {
         let stale: bool = row.try_get("stale").map_err(get)?;
         let expired: bool = row.try_get("expired").map_err(get)?;
         if expired {
-            // Past retention: the key is new again, whatever was there.
+            // Past retention: the key is new again, whatever was there. An in-progress record
+            // that expired was abandoned by its holder, so taking it is a retake.
             return Ok(if self.retake(request, scope, old_lease, &status).await? {
                 ClaimOutcome::Claimed {
                     lease,
-                    retaken: false,
+                    retaken: status == "in_progress",
                 }
             } else {
                 ClaimOutcome::InProgress
@@ -442,8 +457,26 @@ impl PostgresStore {
     }
 
     /// Begins a transaction for a handler, within the operation timeout.
+    /// Begins a transaction for a handler, at READ COMMITTED whatever the database's default (the
+    /// completion must see the newest version of its record, which a heartbeat keeps updating).
+    ///
+    /// A `BEGIN` cut short by a timeout would leave its connection in the pool inside an open
+    /// transaction, so it is never cut short: it runs on a task of its own, and if it outlives the
+    /// timeout, the transaction it opens is dropped there, which rolls it back.
     async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
-        self.timed("begin", self.pool.begin()).await
+        let pool = self.transactions.as_ref().unwrap_or(&self.pool).clone();
+        let mut begun = tokio::spawn(async move {
+            pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+                .await
+        });
+        match tokio::time::timeout(self.timeout, &mut begun).await {
+            Ok(Ok(result)) => result.map_err(db("begin")),
+            Ok(Err(e)) => Err(StoreError::new("postgres begin: the task failed", e)),
+            Err(_) => Err(StoreError::msg(format!(
+                "postgres begin: no answer within {:?}",
+                self.timeout
+            ))),
+        }
     }
 
     /// Completes a record inside the handler's transaction (not committed here).
@@ -474,6 +507,28 @@ impl PostgresStore {
                 )),
             }),
         }
+    }
+
+    /// After a commit of the handler's transaction failed: releases the record if the commit did
+    /// not happen (`Ok(false)`), or finds it finished by `lease` if it did (`Ok(true)`).
+    async fn settle_failed_commit(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> Result<bool, StoreError> {
+        if self.release(key, lease).await? {
+            return Ok(false);
+        }
+        let (finished,): (bool,) = self
+            .timed(
+                "complete",
+                sqlx::query_as(sqlx::AssertSqlSafe(self.sql.finished_by.as_str()))
+                    .bind(&key.digest()[..])
+                    .bind(lease.0)
+                    .fetch_one(&self.pool),
+            )
+            .await?;
+        Ok(finished)
     }
 
     async fn commit(

@@ -226,8 +226,9 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
         &config.stored_headers,
         None,
     );
+    let deadline = tokio::time::Instant::now() + config.in_progress_ttl;
     let read = lease
-        .hold(recording::read_up_to(body, config.response_limit))
+        .hold(recording::read_up_to(body, config.response_limit, deadline))
         .await;
     let stored = Arc::new(StoredResponse {
         body_omitted: read.copy.is_none(),
@@ -258,12 +259,27 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
                 Some(config.retry_after_secs),
             );
         }
-        Err(e) if e.aborted_transaction => {
-            // The handler's own statement failed and it answered anyway: nothing of its effect can
-            // commit, so its answer is recorded on its own, as for a handler without a transaction.
+        Err(e) if e.aborted_transaction && outcome == Finished::Failed => {
+            // The handler's own statement failed and it answered with a definitive failure: nothing
+            // of its effect can commit, and its answer is recorded on its own.
             rollback(store, tx).await;
             lease.complete(stored).await;
             return Response::from_parts(parts, recording::body_of(read));
+        }
+        Err(e) if e.aborted_transaction => {
+            // A success whose effect cannot commit (one of its statements failed) must not be
+            // recorded nor shown: it did not happen.
+            rollback(store, tx).await;
+            tracing::error!(
+                "the handler answered a success, but a statement of its transaction had failed: \
+                 nothing was committed"
+            );
+            lease.release("the handler's transaction had failed").await;
+            return problem(
+                ErrorKind::InternalError,
+                "the request failed; it was not recorded and may be retried",
+                None,
+            );
         }
         Err(e) => {
             rollback(store, tx).await;
@@ -275,11 +291,28 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
         }
     }
     if let Err(e) = store.commit(tx).await {
-        tracing::error!(error = %e, "the handler's transaction did not commit");
-        // The effect did not happen (or, if the commit landed after all, the record is finished
-        // and this release changes nothing).
-        lease.release("the transaction did not commit").await;
-        return unavailable(config);
+        tracing::error!(error = %e, "the commit of the handler's transaction failed");
+        // Did it land? Releasing waits for the transaction's row lock, so it deletes the record
+        // only if the commit did not happen; if the record is finished by this lease instead, the
+        // commit landed and its answer was lost on the way.
+        match store.settle_failed_commit(lease.key(), lease.token()).await {
+            Ok(false) => {
+                lease.released_elsewhere();
+                return unavailable(config);
+            }
+            Ok(true) => {}
+            Err(e) => {
+                tracing::error!(error = %e, "whether the transaction committed is unknown");
+                lease.lost();
+                report(config, Outcome::StoreUnavailable);
+                return problem(
+                    ErrorKind::StoreUnavailable,
+                    "whether the operation happened is not known yet; retry with the same \
+                     Idempotency-Key for its answer",
+                    Some(config.retry_after_secs),
+                );
+            }
+        }
     }
     lease.recorded_in_transaction(stored.status);
     Response::from_parts(parts, recording::body_of(read))
