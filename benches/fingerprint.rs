@@ -125,7 +125,11 @@ fn bench(c: &mut Criterion) {
     }
     for (label, size) in [("1KiB", 1 << 10), ("64KiB", 64 << 10)] {
         let doc = unsorted_order_json(size);
-        assert_ne!(canonicalize(&doc).as_deref(), Some(&doc[..]), "not sorted already");
+        assert_ne!(
+            canonicalize(&doc).as_deref(),
+            Some(&doc[..]),
+            "not sorted already"
+        );
         group.throughput(Throughput::Bytes(doc.len() as u64));
         group.bench_with_input(
             BenchmarkId::new("canonical_fingerprint_unsorted", label),
