@@ -12,10 +12,19 @@
 //!   The caller then fingerprints the raw bytes, which is always safe: a byte-level difference can only
 //!   turn a retry into `422`, never replay another request's answer.
 //!
-//! The parser is recursive but bounded by [`MAX_DEPTH`], so no input can overflow the stack.
+//! The parser is recursive but bounded by [`MAX_DEPTH`], so no input can overflow the stack. Every
+//! output byte is written at most four times whatever the nesting (see [`Parser`]), not once more for
+//! each out-of-order object around it: beyond sorting each object's members, the work is linear in
+//! the input.
+
+use std::ops::Range;
 
 /// Deepest nesting of arrays and objects that is canonicalised; deeper documents are hashed as bytes.
 pub const MAX_DEPTH: usize = 128;
+
+/// Out-of-order objects up to this many canonical bytes, with nothing reordered inside, are put in
+/// order in place at once: for small objects that is cheaper than recording them.
+const SMALL: usize = 1024;
 
 /// Returns the canonical form of `input`, or `None` when `input` is not a JSON document this module
 /// canonicalises (see the module docs).
@@ -26,6 +35,9 @@ pub fn canonicalize(input: &[u8]) -> Option<Vec<u8>> {
         out: Vec::with_capacity(input.len()),
         keys: Vec::new(),
         members: Vec::new(),
+        reordered: Vec::new(),
+        sorted_members: Vec::new(),
+        unsorted: 0,
         scratch: Vec::new(),
     };
     parser.skip_ws();
@@ -34,7 +46,7 @@ pub fn canonicalize(input: &[u8]) -> Option<Vec<u8>> {
     if parser.pos != input.len() {
         return None;
     }
-    Some(parser.out)
+    Some(parser.assemble())
 }
 
 /// One object member as written in `out`: its decoded key in `keys`, and its canonical bytes.
@@ -46,6 +58,22 @@ struct Member {
     end: usize,
 }
 
+/// An object whose members came out of key order, left as it came in `out[start..end]` (braces
+/// included). Its canonical form lists the members `sorted_members[members]` in this order. The
+/// recorded objects nested in it come just before it in `reordered`, from `nested_start`.
+struct Reordered {
+    start: usize,
+    end: usize,
+    members: Range<usize>,
+    nested_start: usize,
+}
+
+/// One pass writes every value's canonical bytes to `out` in document order. An object whose
+/// members are out of order is either put in order in place at once, when it is [`SMALL`] and has
+/// nothing reordered inside (two copies of its bytes; such objects never hold one another, so no
+/// byte is copied this way twice), or only recorded in `reordered`. If any object is recorded,
+/// [`Parser::assemble`] then writes the document once more with every recorded object's members in
+/// order (one more copy of every byte). No byte is copied again for each object around it.
 struct Parser<'a> {
     input: &'a [u8],
     pos: usize,
@@ -54,7 +82,14 @@ struct Parser<'a> {
     keys: Vec<u8>,
     /// The members of the objects being parsed, innermost last: one allocation for the document.
     members: Vec<Member>,
-    /// Where an object's members are copied while they are written back in order.
+    /// The objects whose members are out of order, each after the ones nested in it, so in the
+    /// order of their ends.
+    reordered: Vec<Reordered>,
+    /// The members of the `reordered` objects (their bytes in `out`), each object's in key order.
+    sorted_members: Vec<Range<usize>>,
+    /// How many objects came out of key order so far, reordered in place or not.
+    unsorted: usize,
+    /// Where a small object's members are copied while they are written back in order.
     scratch: Vec<u8>,
 }
 
@@ -129,6 +164,8 @@ impl Parser<'_> {
         }
         self.pos += 1;
         let object_start = self.out.len();
+        let nested_start = self.reordered.len();
+        let unsorted_before = self.unsorted;
         let keys_start = self.keys.len();
         let members_start = self.members.len();
         self.out.push(b'{');
@@ -174,34 +211,127 @@ impl Parser<'_> {
                 _ => return None,
             }
         }
+        self.out.push(b'}');
         let keys = &self.keys;
-        let members = &mut self.members[members_start..];
         let key = |m: &Member| &keys[m.key_start..m.key_end];
-        let sorted = members
+        let sorted = self.members[members_start..]
             .windows(2)
             .all(|w| utf16_cmp(key(&w[0]), key(&w[1])).is_lt());
         if !sorted {
-            members.sort_unstable_by(|a, b| utf16_cmp(key(a), key(b)));
-            if members.windows(2).any(|w| key(&w[0]) == key(&w[1])) {
-                return None; // duplicate keys: not I-JSON
-            }
+            self.reorder(object_start, members_start, nested_start, unsorted_before)?;
+        }
+        self.keys.truncate(keys_start);
+        self.members.truncate(members_start);
+        Some(())
+    }
+
+    /// Puts in key order the members of the object just written at `object_start`, or returns
+    /// `None` when two have the same key (not I-JSON).
+    ///
+    /// A small object with nothing reordered inside is rewritten in place at once. Any other object
+    /// is only recorded, for [`Parser::assemble`] to write its members in order in its final pass.
+    #[inline(never)]
+    fn reorder(
+        &mut self,
+        object_start: usize,
+        members_start: usize,
+        nested_start: usize,
+        unsorted_before: usize,
+    ) -> Option<()> {
+        let keys = &self.keys;
+        let key = |m: &Member| &keys[m.key_start..m.key_end];
+        let members = &mut self.members[members_start..];
+        members.sort_unstable_by(|a, b| utf16_cmp(key(a), key(b)));
+        if members.windows(2).any(|w| key(&w[0]) == key(&w[1])) {
+            return None; // duplicate keys: not I-JSON
+        }
+        self.unsorted += 1;
+        let nothing_inside = self.unsorted == unsorted_before + 1;
+        if nothing_inside && self.out.len() - object_start <= SMALL {
+            let content = object_start + 1..self.out.len() - 1;
             self.scratch.clear();
-            self.scratch
-                .extend_from_slice(&self.out[object_start + 1..]);
-            self.out.truncate(object_start + 1);
+            self.scratch.extend_from_slice(&self.out[content.clone()]);
+            count_moved(content.len());
+            self.out.truncate(content.start);
             for (i, m) in members.iter().enumerate() {
                 if i > 0 {
                     self.out.push(b',');
                 }
-                let from = m.start - object_start - 1;
-                let to = m.end - object_start - 1;
-                self.out.extend_from_slice(&self.scratch[from..to]);
+                let member = m.start - content.start..m.end - content.start;
+                count_moved(member.len());
+                self.out.extend_from_slice(&self.scratch[member]);
             }
+            self.out.push(b'}');
+        } else {
+            let members_start = self.sorted_members.len();
+            self.sorted_members
+                .extend(members.iter().map(|m| m.start..m.end));
+            self.reordered.push(Reordered {
+                start: object_start,
+                end: self.out.len(),
+                members: members_start..self.sorted_members.len(),
+                nested_start,
+            });
         }
-        self.out.push(b'}');
-        self.keys.truncate(keys_start);
-        self.members.truncate(members_start);
         Some(())
+    }
+
+    /// The canonical form: `out` with the members of every recorded object in key order. It has the
+    /// length of `out` (the same bytes, in another order), and is written from its end, the order
+    /// in which `reordered` lists objects; each byte of `out` is copied once.
+    fn assemble(self) -> Vec<u8> {
+        if self.reordered.is_empty() {
+            return self.out; // every object is in order already
+        }
+        let mut doc = vec![0; self.out.len()];
+        let mut cursor = doc.len();
+        self.write_back(
+            &mut doc,
+            &mut cursor,
+            0..self.out.len(),
+            0..self.reordered.len(),
+        );
+        debug_assert_eq!(cursor, 0);
+        doc
+    }
+
+    /// Writes `out[bytes]`, with the recorded objects `reordered[nested]` in it put in order, to the
+    /// bytes of `doc` that end at `cursor`, and moves `cursor` to their start. It recurses once per
+    /// recorded object nested in another, so no deeper than [`MAX_DEPTH`].
+    fn write_back(
+        &self,
+        doc: &mut [u8],
+        cursor: &mut usize,
+        bytes: Range<usize>,
+        nested: Range<usize>,
+    ) {
+        let mut end = bytes.end;
+        // The outermost recorded objects in `bytes`, last first: each one comes after the objects
+        // nested in it in `reordered`.
+        let mut i = nested.end;
+        while i > nested.start {
+            let object = &self.reordered[i - 1];
+            put_back(doc, cursor, &self.out[object.end - 1..end]); // `}` and what follows
+            let inner = &self.reordered[object.nested_start..i - 1];
+            let members = &self.sorted_members[object.members.clone()];
+            for (n, member) in members.iter().enumerate().rev() {
+                if inner.is_empty() {
+                    put_back(doc, cursor, &self.out[member.clone()]);
+                } else {
+                    // The objects nested in this member: those that end inside it.
+                    let from = inner.partition_point(|o| o.end <= member.start);
+                    let to = from + inner[from..].partition_point(|o| o.end <= member.end);
+                    let base = object.nested_start;
+                    self.write_back(doc, cursor, member.clone(), base + from..base + to);
+                }
+                *cursor -= 1;
+                doc[*cursor] = if n > 0 { b',' } else { b'{' };
+                count_moved(1);
+            }
+            end = object.start;
+            i = object.nested_start;
+        }
+        put_back(doc, cursor, &self.out[bytes.start..end]);
     }
 
     /// Parses a string at `pos` and writes its canonical form. With `record_key`, the decoded
@@ -434,6 +564,23 @@ impl Parser<'_> {
     }
 }
 
+/// Writes `bytes` to `doc` just before `cursor`, and moves `cursor` to their start.
+fn put_back(doc: &mut [u8], cursor: &mut usize, bytes: &[u8]) {
+    doc[*cursor - bytes.len()..*cursor].copy_from_slice(bytes);
+    *cursor -= bytes.len();
+    count_moved(bytes.len());
+}
+
+#[cfg(test)]
+thread_local! {
+    static MOVED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+fn count_moved(_n: usize) {
+    #[cfg(test)]
+    MOVED.with(|m| m.set(m.get() + _n));
+}
+
 /// Orders two UTF-8 strings by their UTF-16 code units, as RFC 8785 sorts object keys.
 fn utf16_cmp(a: &[u8], b: &[u8]) -> std::cmp::Ordering {
     if a.is_ascii() && b.is_ascii() {
@@ -534,6 +681,30 @@ mod tests {
             assert!(canonicalize(bad.as_bytes()).is_none(), "{bad:?}");
         }
         assert!(canonicalize(b"\"\xff\"").is_none());
+    }
+
+    /// Canonicalises `input` and returns the bytes it copied again after writing them once.
+    fn moved(input: &[u8]) -> usize {
+        MOVED.with(|m| m.set(0));
+        assert!(canonicalize(input).is_some());
+        MOVED.with(|m| m.get())
+    }
+
+    #[test]
+    fn work_is_linear_in_the_input_whatever_the_nesting() {
+        // 100 nested objects, each with its members out of order, around about 10 KB: every object
+        // must be reordered, but no byte may be copied again for each object around it.
+        let large = format!("\"{}\"", "x".repeat(10_000));
+        let small = format!("[{}]", vec![r#"{"b":[1,2],"a":"xyz"}"#; 500].join(","));
+        for payload in [large, small] {
+            let doc = "{\"z\":0,\"a\":".repeat(100) + &payload + &"}".repeat(100);
+            let moved = moved(doc.as_bytes());
+            assert!(
+                moved <= 3 * doc.len(),
+                "{moved} bytes moved for {}",
+                doc.len()
+            );
+        }
     }
 
     #[test]
