@@ -315,14 +315,33 @@ const OMIT_BODY_AFTER: u32 = 3;
 /// committed it, or commit it later when the statement is finally delivered), releases the record
 /// by its token in the background, so that no retry waits a whole in-progress TTL for a claim nobody
 /// holds. Stops once the release deleted it, or after the TTL (the record is retakeable then).
+///
+/// At most [`MAX_ABANDONED`] such clean-ups run at once in a process: during a long outage every
+/// request fails its claim, and beyond that many the records are left to their TTL rather than
+/// piling up tasks that all call the store when it comes back.
 pub(crate) fn abandon<St: IdempotencyStore>(
     store: St,
     key: RecordKey,
     token: LeaseToken,
     ttl: Duration,
 ) {
-    tokio::spawn(keep_releasing(store, key, token, ttl, u32::MAX).in_current_span());
+    static RUNNING: AtomicU64 = AtomicU64::new(0);
+    if RUNNING.fetch_add(1, Ordering::Relaxed) >= MAX_ABANDONED {
+        RUNNING.fetch_sub(1, Ordering::Relaxed);
+        tracing::warn!("too many failed claims being cleaned up; this one waits for its TTL");
+        return;
+    }
+    tokio::spawn(
+        async move {
+            keep_releasing(store, key, token, ttl, u32::MAX).await;
+            RUNNING.fetch_sub(1, Ordering::Relaxed);
+        }
+        .in_current_span(),
+    );
 }
+
+/// Clean-ups of failed claims that may run at once in a process.
+const MAX_ABANDONED: u64 = 1024;
 
 /// Tries to release `token`'s record until it is deleted, `absent_answers` answers said nothing was
 /// held by it, or `ttl` has passed (at least one attempt is made).

@@ -308,7 +308,11 @@ async fn aborted_transaction_is_never_a_recorded_success() {
     let router = s.router();
     let first = send(&router, "k", &["x-abort"]).await;
     assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(s.effects().await, 0, "an aborted transaction commits nothing");
+    assert_eq!(
+        s.effects().await,
+        0,
+        "an aborted transaction commits nothing"
+    );
     let retry = send(&router, "k", &[]).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(!replayed(&retry));
