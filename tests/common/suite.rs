@@ -69,6 +69,24 @@ macro_rules! store_suite {
     };
 }
 
+/// Sends `req` until the answer is not `409` (every 20 ms, at most `tries` times), as a client that
+/// retries would, and returns the last answer.
+async fn until_not_in_progress(
+    router: &axum::Router,
+    req: impl Fn() -> super::Req,
+    tries: usize,
+) -> super::Answer {
+    let mut answer = send(router, req()).await;
+    for _ in 0..tries {
+        if answer.status != StatusCode::CONFLICT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        answer = send(router, req()).await;
+    }
+    answer
+}
+
 fn default_layer<S: IdempotencyStore>(store: S) -> IdempotencyLayer<S> {
     IdempotencyLayer::new(store)
 }
@@ -477,14 +495,7 @@ pub async fn disconnect_does_not_cancel_the_effect<S: IdempotencyStore>(store: S
     let c = counters.clone();
     eventually(move || c.finished() == 1).await;
     // The handler ran to the end and its answer was recorded: the retry gets the replay.
-    let mut retry = send(&router, slow()).await;
-    for _ in 0..100 {
-        if retry.status != StatusCode::CONFLICT {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        retry = send(&router, slow()).await;
-    }
+    let retry = until_not_in_progress(&router, slow, 100).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(retry.replayed());
     assert_eq!(retry.json()["attempt"], 1);
@@ -958,14 +969,7 @@ pub async fn disconnect_during_the_claim_still_runs_and_records<S: IdempotencySt
     assert!(client.await.expect_err("aborted").is_cancelled());
     let c = counters.clone();
     eventually(move || c.finished() == 1).await;
-    let mut retry = send(&router, req()).await;
-    for _ in 0..100 {
-        if retry.status != StatusCode::CONFLICT {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        retry = send(&router, req()).await;
-    }
+    let retry = until_not_in_progress(&router, req, 100).await;
     assert!(retry.replayed(), "{retry:?}");
     assert_eq!(retry.json()["attempt"], 1);
     assert_eq!(counters.started(), 1);
@@ -1013,14 +1017,7 @@ pub async fn claim_whose_answer_was_lost_is_released<S: IdempotencyStore>(store:
     assert_eq!(lost.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(lost.problem(), "idempotency_store_unavailable");
     assert_eq!(counters.started(), 0);
-    let mut retry = send(&router, req()).await;
-    for _ in 0..100 {
-        if retry.status != StatusCode::CONFLICT {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        retry = send(&router, req()).await;
-    }
+    let retry = until_not_in_progress(&router, req, 100).await;
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
     assert!(!retry.replayed());
     assert_eq!(counters.started(), 1);
@@ -1051,14 +1048,7 @@ pub async fn stalled_body_is_recorded_after_the_client_leaves<S: IdempotencyStor
     let first = body.frame().await.expect("a frame").expect("data");
     assert_eq!(first.into_data().expect("data"), "part1;");
     drop(body); // the client goes away; the handler's body never ends
-    let mut retry = send(&router, req()).await;
-    for _ in 0..150 {
-        if retry.status != StatusCode::CONFLICT {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        retry = send(&router, req()).await;
-    }
+    let retry = until_not_in_progress(&router, req, 150).await;
     assert_omitted_replay(&retry, StatusCode::CREATED);
     assert_eq!(counters.started(), 1);
 }
@@ -1087,14 +1077,7 @@ pub async fn panicking_body_is_recorded_without_its_body<S: IdempotencyStore>(st
             response.into_body().collect().await.is_err(),
             "{kind}: the client sees the body fail"
         );
-        let mut retry = send(&router, req()).await;
-        for _ in 0..100 {
-            if retry.status != StatusCode::CONFLICT {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            retry = send(&router, req()).await;
-        }
+        let retry = until_not_in_progress(&router, req, 100).await;
         assert_omitted_replay(&retry, StatusCode::CREATED);
         assert_eq!(counters.started(), i + 1, "{kind}: the handler ran once");
     }
