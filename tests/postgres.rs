@@ -425,3 +425,77 @@ async fn migrate_again_does_not_lock_the_table() {
         .expect("migrate");
     writer.rollback().await.expect("rollback");
 }
+
+/// A heartbeat that lands between a claim's read of a stale record and its compare-and-swap wins:
+/// the retake rechecks staleness against the newest row, so a live holder is not retaken. Made
+/// deterministic with the renewal held uncommitted while the retake waits on its row lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_renewal_between_read_and_retake_keeps_the_holder() {
+    let store = store().await;
+    let mut holder = claim_request("renewed", b"{}");
+    holder.in_progress_ttl = Duration::from_millis(300);
+    assert!(matches!(
+        store.claim(&holder).await.expect("claim"),
+        ClaimOutcome::Claimed { .. }
+    ));
+    tokio::time::sleep(Duration::from_millis(400)).await; // stale now
+    // The holder's renewal, begun but not committed: it holds the row.
+    let mut other = PgConnection::connect(&database_url())
+        .await
+        .expect("PostgreSQL");
+    let mut tx = other.begin().await.expect("begin");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE {} SET updated_at = now() WHERE scope = $1 AND lease_token = $2",
+        store.table()
+    )))
+    .bind(&holder.key.digest()[..])
+    .bind(holder.lease.0)
+    .execute(&mut *tx)
+    .await
+    .expect("renew");
+    let mut retaker = claim_request("renewed", b"{}");
+    retaker.in_progress_ttl = Duration::from_millis(300);
+    let claim = tokio::spawn({
+        let store = store.clone();
+        async move { store.claim(&retaker).await }
+    });
+    // The claim read the row as stale; its compare-and-swap now waits on the renewal's lock.
+    let watcher = pool(1).await;
+    let schema = store
+        .table()
+        .split('.')
+        .next()
+        .unwrap_or_default()
+        .to_owned();
+    let mut blocked = false;
+    for _ in 0..200 {
+        let (waiting,): (i64,) = sqlx::query_as(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND datname = current_database() AND position($1 IN query) > 0",
+        )
+        .bind(&schema)
+        .fetch_one(&watcher)
+        .await
+        .expect("pg_stat_activity");
+        if waiting > 0 {
+            blocked = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(blocked, "the retake never waited on the renewal");
+    tx.commit().await.expect("commit the renewal");
+    let outcome = claim.await.expect("task").expect("claim");
+    assert_eq!(
+        outcome,
+        ClaimOutcome::InProgress,
+        "a renewed holder must not be retaken"
+    );
+    assert!(
+        store
+            .renew(&holder.key, holder.lease, Duration::from_secs(60))
+            .await
+            .expect("renew"),
+        "the holder still holds its record"
+    );
+}
