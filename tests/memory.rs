@@ -331,3 +331,35 @@ async fn deeply_nested_json_is_handled_without_overflow() {
     assert!(again.replayed());
     assert_eq!(counters.started(), 1);
 }
+
+/// The runtime shuts down while a guarded request is in flight (a deploy's SIGTERM): the held
+/// claim's clean-up must not recurse (a lease dropped unpolled used to spawn another lease, whose
+/// drop spawned again, until the stack overflowed and the process aborted).
+#[test]
+fn runtime_shutdown_mid_request_does_not_crash() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (router, counters) = app(layer());
+    runtime.spawn(async move {
+        send(
+            &router,
+            post("/pay")
+                .key("k")
+                .user("alice")
+                .header("x-delay-ms", "5000"),
+        )
+        .await
+    });
+    for _ in 0..100 {
+        if counters.started() == 1 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(counters.started(), 1, "the handler is running");
+    drop(runtime); // shuts down with the request, its lease and its heartbeat in flight
+    assert_eq!(counters.finished(), 0);
+}
