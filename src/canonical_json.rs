@@ -263,6 +263,11 @@ impl Parser<'_> {
             }
             self.out.push(b'}');
         } else {
+            if self.reordered.is_empty() {
+                // Room for what a document of ordinary objects records, without regrowing.
+                self.reordered.reserve(self.input.len() / 128);
+                self.sorted_members.reserve(self.input.len() / 32);
+            }
             let members_start = self.sorted_members.len();
             self.sorted_members
                 .extend(members.iter().map(|m| m.start..m.end));
