@@ -53,22 +53,12 @@ pub(crate) async fn record<St: IdempotencyStore>(
     mut lease: Lease<St>,
     response: Response<Body>,
 ) -> Response<Body> {
-    let outcome = match (config.policy)(response.status()) {
-        Disposition::Complete => Finished::Completed,
-        Disposition::Fail => Finished::Failed,
-        Disposition::Release => {
-            lease.release("the response asks for a retry").await;
-            return response;
-        }
+    let Some(outcome) = recorded_as(config, &response) else {
+        lease.release("the response asks for a retry").await;
+        return response;
     };
     let (parts, mut body) = response.into_parts();
-    let head = replay::capture(
-        outcome,
-        parts.status,
-        &parts.headers,
-        &config.stored_headers,
-        None,
-    );
+    let head = head_of(config, outcome, &parts);
     // From here on the effect has happened: whatever goes wrong, the record is not released.
     lease.answered(&head);
     let mut copy = Copy::new(config.response_limit);
@@ -115,6 +105,26 @@ pub(crate) async fn record<St: IdempotencyStore>(
         };
     }
     stream(config, lease, parts, head, copy, ready, body)
+}
+
+/// How the policy records `response`: completed or failed, or `None` to release the record.
+pub(crate) fn recorded_as(config: &Config, response: &Response<Body>) -> Option<Finished> {
+    match (config.policy)(response.status()) {
+        Disposition::Complete => Some(Finished::Completed),
+        Disposition::Fail => Some(Finished::Failed),
+        Disposition::Release => None,
+    }
+}
+
+/// The record of a response's status and allowed headers, its body still to come.
+pub(crate) fn head_of(config: &Config, outcome: Finished, parts: &Parts) -> StoredResponse {
+    replay::capture(
+        outcome,
+        parts.status,
+        &parts.headers,
+        &config.stored_headers,
+        None,
+    )
 }
 
 /// The error a client sees when the handler's body panicked.
@@ -380,24 +390,20 @@ pub(crate) struct Read {
 pub(crate) async fn read_up_to(mut body: Body, limit: usize, deadline: Instant) -> Read {
     let mut copy = Copy::new(limit);
     let mut frames = VecDeque::new();
+    // What the client gets past a body left out of the record: what was read, then the rest.
+    let unfinished = |frames, body| Read {
+        copy: None,
+        frames,
+        error: None,
+        rest: Some(body),
+    };
     if http_body::Body::size_hint(&body).lower() > limit as u64 {
-        copy.omit();
-        return Read {
-            copy: None,
-            frames,
-            error: None,
-            rest: Some(body),
-        };
+        return unfinished(frames, body);
     }
     loop {
         let Ok(next) = tokio::time::timeout_at(deadline, next_frame(&mut body)).await else {
             // A body that does not end (events, a stall) is recorded without it.
-            return Read {
-                copy: None,
-                frames,
-                error: None,
-                rest: Some(body),
-            };
+            return unfinished(frames, body);
         };
         match next {
             None => break,
@@ -405,12 +411,7 @@ pub(crate) async fn read_up_to(mut body: Body, limit: usize, deadline: Instant) 
                 copy.frame(&frame);
                 frames.push_back(frame);
                 if copy.omitted {
-                    return Read {
-                        copy: None,
-                        frames,
-                        error: None,
-                        rest: Some(body),
-                    };
+                    return unfinished(frames, body);
                 }
             }
             Some(Err(e)) => {

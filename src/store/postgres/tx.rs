@@ -19,11 +19,9 @@ use super::PostgresStore;
 use crate::config::Config;
 use crate::lease::Lease;
 use crate::outcome::{Outcome, report};
-use crate::policy::Disposition;
 use crate::problem::{ErrorKind, problem};
 use crate::record::{Finished, StoredResponse};
 use crate::recording;
-use crate::replay;
 use crate::store::IdempotencyStore;
 
 /// The transaction of an idempotent request on a [`PostgresStore`]: write the handler's effects
@@ -209,23 +207,13 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
     mut tx: Transaction<'static, Postgres>,
     response: Response<Body>,
 ) -> Response<Body> {
-    let outcome = match (config.policy)(response.status()) {
-        Disposition::Complete => Finished::Completed,
-        Disposition::Fail => Finished::Failed,
-        Disposition::Release => {
-            rollback(store, tx).await;
-            lease.release("the response asks for a retry").await;
-            return response;
-        }
+    let Some(outcome) = recording::recorded_as(config, &response) else {
+        rollback(store, tx).await;
+        lease.release("the response asks for a retry").await;
+        return response;
     };
     let (parts, body) = response.into_parts();
-    let head = replay::capture(
-        outcome,
-        parts.status,
-        &parts.headers,
-        &config.stored_headers,
-        None,
-    );
+    let head = recording::head_of(config, outcome, &parts);
     let deadline = tokio::time::Instant::now() + config.in_progress_ttl;
     let read = lease
         .hold(recording::read_up_to(body, config.response_limit, deadline))
