@@ -136,8 +136,10 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
         }
     }
 
-    /// How long an `in_progress` record may stand before it is presumed abandoned (its worker died)
-    /// and may be retaken. Keep it above your gateway's request timeout. Default: 90 s.
+    /// How long an `in_progress` record may go without a heartbeat before it is presumed abandoned
+    /// (its worker died) and may be retaken. The holder renews it every third of this, so a live
+    /// handler, however slow, is never retaken; keep it well above the longest store outage you want
+    /// to ride out. From [`MIN_IN_PROGRESS_TTL`] to [`MAX_DURATION`]. Default: 90 s.
     pub fn in_progress_ttl(mut self, ttl: Duration) -> Self {
         self.config.in_progress_ttl = ttl;
         self
@@ -162,8 +164,9 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
         self
     }
 
-    /// The largest response body recorded, in bytes; a larger response is passed to the client and
-    /// the record released. Default: 1 MiB.
+    /// The largest response body recorded, in bytes, at most [`MAX_RESPONSE_LIMIT`]; a larger
+    /// response is passed to the client whole and recorded without its body (its replay has the
+    /// status and headers, an empty body and `Idempotency-Replay: omitted`). Default: 1 MiB.
     pub fn response_limit(mut self, bytes: usize) -> Self {
         self.config.response_limit = bytes;
         self
