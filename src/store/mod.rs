@@ -129,7 +129,7 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// The Postgres store behind this one, if any, whose transactions handlers can take as
-    /// [`IdempotentTx`](crate::IdempotentTx). A store that wraps a `PostgresStore` forwards it.
+    /// [`IdempotentTx`]. A store that wraps a `PostgresStore` forwards it.
     #[cfg(feature = "postgres")]
     fn postgres(&self) -> Option<&PostgresStore> {
         None
