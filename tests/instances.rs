@@ -3,6 +3,8 @@
 //! duplicates of one key spread across them still make exactly one charge.
 #![cfg(feature = "postgres")]
 
+mod common;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -11,6 +13,7 @@ use std::time::Duration;
 
 use axum::http::{Request, StatusCode};
 use bytes::Bytes;
+use common::example::{self, database_url};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use sqlx::PgPool;
@@ -28,11 +31,6 @@ const ROUNDS: usize = 5;
 const DUPLICATES: usize = 12;
 /// How long an instance may take to start listening, or a request to be answered.
 const PATIENCE: Duration = Duration::from_secs(30);
-
-fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
-}
 
 /// A fresh, empty schema: to an example whose `search_path` names it, a fresh database.
 async fn fresh_schema(admin: &PgPool, round: usize) -> String {
@@ -60,23 +58,8 @@ struct ExampleBinary(PathBuf);
 
 impl ExampleBinary {
     fn build() -> Self {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-        // The same features as this test binary, so the library is not built a second time.
-        let mut features = vec!["postgres"];
-        if cfg!(feature = "redis") {
-            features.push("redis");
-        }
-        let status = std::process::Command::new(cargo)
-            .args(["build", "--quiet", "--example", "checkout", "--features"])
-            .arg(features.join(","))
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("run cargo build");
-        assert!(status.success(), "building the example failed");
+        let built = example::binary();
         let exe = std::env::current_exe().expect("test binary");
-        // target/<profile>/deps/instances-<hash> -> target/<profile>/examples/checkout
-        let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
-        let built = dir.join("examples").join("checkout");
         let copy = exe.with_file_name(format!("checkout-instances-{}", std::process::id()));
         std::fs::copy(&built, &copy).expect("copy the example binary");
         ExampleBinary(copy)
