@@ -209,6 +209,7 @@ fn direct_sql(store: PostgresStore) -> Router {
             ],
             body: Bytes::from_static(br#"{"id":1,"status":"succeeded"}"#),
             body_omitted: false,
+            expires_in: None,
         };
         let retention = claim.retention;
         store

@@ -96,7 +96,7 @@ pub use replay::{IDEMPOTENCY_REPLAY, IDEMPOTENT_REPLAYED};
 pub use service::{IdempotencyService, ResponseFuture};
 #[cfg(feature = "redis")]
 pub use store::RedisStore;
-pub use store::{IdempotencyStore, MemoryStore, StoreError};
+pub use store::{CachedStore, IdempotencyStore, MemoryStore, StoreError};
 #[cfg(feature = "postgres")]
 pub use store::{IdempotentTx, PostgresStore, PostgresStoreError};
 pub use subject::{Subject, SubjectExtension, SubjectExtractor};

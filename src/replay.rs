@@ -35,6 +35,7 @@ pub(crate) fn capture(
         headers,
         body_omitted: body.is_none(),
         body: body.unwrap_or_default(),
+        expires_in: None,
     }
 }
 
@@ -111,6 +112,7 @@ mod tests {
             ],
             body: Bytes::new(),
             body_omitted: false,
+            expires_in: None,
         };
         let response = replay(&stored);
         assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);

@@ -15,6 +15,12 @@ use common::{app, post, send};
 
 store_suite!(async { MemoryStore::new() });
 
+/// The memory store does not say how long a record has left: a cache in front of it keeps nothing.
+#[tokio::test]
+async fn memory_records_are_not_cached() {
+    common::cache::records_without_an_expiry_are_not_cached(MemoryStore::new()).await;
+}
+
 fn layer() -> IdempotencyLayer<MemoryStore> {
     IdempotencyLayer::new(MemoryStore::new())
 }

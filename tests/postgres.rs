@@ -75,6 +75,7 @@ async fn store() -> PostgresStore {
 }
 
 store_suite!(store());
+cache_suite!(store(), purged = 5);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn migrate_is_safe_from_many_instances_at_once() {

@@ -29,7 +29,9 @@ if not rec[1] then
   return {'claimed'}
 end
 if rec[1] ~= ARGV[1] then return {'mismatch'} end
-if rec[2] ~= 'in_progress' then return {'finished', redis.call('HGET', KEYS[1], 'resp')} end
+if rec[2] ~= 'in_progress' then
+  return {'finished', redis.call('HGET', KEYS[1], 'resp'), redis.call('PTTL', KEYS[1])}
+end
 if now - tonumber(rec[3]) < tonumber(ARGV[3]) then return {'in_progress'} end
 redis.call('HSET', KEYS[1], 'lease', ARGV[2], 'ts', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
@@ -191,9 +193,16 @@ impl IdempotencyStore for RedisStore {
             b"mismatch" => ClaimOutcome::FingerprintMismatch,
             b"in_progress" => ClaimOutcome::InProgress,
             b"finished" => match reply.get(1) {
-                Some(Value::BulkString(blob)) => ClaimOutcome::Finished(Arc::new(
-                    decode(blob).ok_or_else(|| StoreError::msg("redis claim: corrupt response"))?,
-                )),
+                Some(Value::BulkString(blob)) => {
+                    let mut stored = decode(blob)
+                        .ok_or_else(|| StoreError::msg("redis claim: corrupt response"))?;
+                    // The key's remaining time to live (negative: none, which a record never lacks).
+                    stored.expires_in = match reply.get(2) {
+                        Some(Value::Int(ms)) if *ms > 0 => Some(Duration::from_millis(*ms as u64)),
+                        _ => None,
+                    };
+                    ClaimOutcome::Finished(Arc::new(stored))
+                }
                 _ => return Err(StoreError::msg("redis claim: finished without a response")),
             },
             _ => return Err(StoreError::msg("redis claim: unknown reply")),
@@ -310,6 +319,7 @@ fn decode(blob: &[u8]) -> Option<StoredResponse> {
         headers,
         body: Bytes::copy_from_slice(rest),
         body_omitted,
+        expires_in: None,
     })
 }
 
@@ -332,6 +342,7 @@ mod tests {
             ],
             body: Bytes::from_static(b"{\"error\":\"card_declined\"}"),
             body_omitted: false,
+            expires_in: None,
         };
         let blob = encode(&response);
         assert_eq!(decode(&blob), Some(response.clone()));

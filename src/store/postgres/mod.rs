@@ -114,13 +114,15 @@ impl Statements {
                  SELECT true AS inserted, NULL::text AS status, NULL::bigint AS lease_token, \
                         NULL::bool AS same_fp, NULL::bool AS stale, NULL::bool AS expired, \
                         NULL::smallint AS response_status, NULL::text[] AS header_names, \
-                        NULL::bytea[] AS header_values, NULL::bytea AS response_body \
+                        NULL::bytea[] AS header_values, NULL::bytea AS response_body, \
+                        NULL::float8 AS expires_in \
                  FROM ins \
                  UNION ALL \
                  SELECT false, status, lease_token, fingerprint = $5, \
                         updated_at <= now() - $8::float8 * interval '1 microsecond', \
                         expires_at <= now(), response_status, header_names, header_values, \
-                        CASE WHEN fingerprint = $5 THEN response_body END \
+                        CASE WHEN fingerprint = $5 THEN response_body END, \
+                        extract(epoch FROM expires_at - now())::float8 \
                  FROM {t} WHERE scope = $1 AND NOT EXISTS (SELECT 1 FROM ins)"
             ),
             // Compare-and-swap on the lease token and the state read: of concurrent retakers only one
@@ -400,12 +402,14 @@ impl PostgresStore {
         let names: Vec<String> = row.try_get("header_names").map_err(get)?;
         let values: Vec<Vec<u8>> = row.try_get("header_values").map_err(get)?;
         let body: Option<Vec<u8>> = row.try_get("response_body").map_err(get)?;
+        let expires_in: Option<f64> = row.try_get("expires_in").map_err(get)?;
         Ok(ClaimOutcome::Finished(Arc::new(StoredResponse {
             outcome,
             status: u16::try_from(status).unwrap_or(500),
             headers: parse_headers(names, values),
             body_omitted: body.is_none(),
             body: body.map(Bytes::from).unwrap_or_default(),
+            expires_in: expires_in.and_then(|s| Duration::try_from_secs_f64(s).ok()),
         })))
     }
 
