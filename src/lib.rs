@@ -67,6 +67,7 @@ mod claim;
 mod config;
 mod context;
 mod fingerprint;
+mod json_pointer;
 pub mod key;
 mod layer;
 mod lease;

@@ -369,3 +369,21 @@ fn runtime_shutdown_mid_request_does_not_crash() {
     drop(runtime); // shuts down with the request, its lease and its heartbeat in flight
     assert_eq!(counters.finished(), 0);
 }
+
+#[tokio::test]
+async fn replay_header_name_is_configurable() {
+    let layer = IdempotencyLayer::builder(MemoryStore::new())
+        .replay_header("X-Replayed")
+        .build()
+        .expect("layer");
+    let (router, counters) = app(layer);
+    let req = || post("/pay").key("k").user("alice").json("{}");
+    let first = send(&router, req()).await;
+    assert_eq!(first.header("x-replayed"), None);
+    let again = send(&router, req()).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.header("x-replayed"), Some("true"));
+    assert_eq!(again.header("idempotent-replayed"), None);
+    assert_eq!(counters.started(), 1);
+}
