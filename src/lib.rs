@@ -59,6 +59,7 @@
 //! tracing span of each request and to an optional hook; see [`OutcomeCounters`].
 
 #![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
 mod body;
