@@ -51,8 +51,8 @@
 //!
 //! Stores implement [`IdempotencyStore`]: [`MemoryStore`] (one process, the default for examples
 //! and tests), `PostgresStore` (feature `postgres`, on by default) and `RedisStore` (feature
-//! `redis`). While a request holds its claim, the layer renews it (a heartbeat), so only a claim
-//! whose holder died is retaken. On a `PostgresStore`, a handler that takes `IdempotentTx` writes
+//! `redis`; one server or a Redis Cluster). While a request holds its claim, the layer renews it
+//! (a heartbeat), so only a claim whose holder died is retaken. On a `PostgresStore`, a handler that takes `IdempotentTx` writes
 //! its effects in the same transaction as the record of its answer: they commit together or not at
 //! all. Every claimed request carries an [`IdempotencyContext`], whose derived key is meant for
 //! downstream providers. Outcomes (claimed, replayed, 409, 422, recorded, released, ...) are reported to the
