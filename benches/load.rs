@@ -707,8 +707,9 @@ async fn replays_by_store(schema: &str) {
 /// Twenty requests with one key released at once on their own connections, the first one's
 /// handler taking 300 ms: the other nineteen get `409`. The Postgres pool is warm (every connection
 /// open and its statements prepared). Run with the claim function, and without it (dropped: the
-/// claim's two statements sent one by one, as before the function existed), and on the memory
-/// store for what HTTP and the two cores cost alone.
+/// claim's two statements sent one by one, as before the function existed), through `CachedStore`
+/// (duplicates at one instance wait for the claim in flight instead of each sending their own),
+/// and on the memory store for what HTTP and the two cores cost alone.
 async fn burst_of_duplicates(schema: &str) {
     const RACERS: usize = 20;
     let rounds = scale(40).max(5);
@@ -762,6 +763,13 @@ async fn burst_of_duplicates(schema: &str) {
     let store = fresh_pg_store(schema, RACERS as u32 + 4).await;
     let with_function = bursts(serve(router(store.clone())).await, "function", rounds).await;
     let store = fresh_pg_store(schema, RACERS as u32 + 4).await;
+    let cached = bursts(
+        serve(router(CachedStore::new(store.clone()))).await,
+        "cached",
+        rounds,
+    )
+    .await;
+    let store = fresh_pg_store(schema, RACERS as u32 + 4).await;
     sqlx::raw_sql("DROP FUNCTION idempotency_records_claim_v1")
         .execute(store.pool())
         .await
@@ -777,6 +785,10 @@ async fn burst_of_duplicates(schema: &str) {
     for (name, stats) in [
         ("memory (HTTP and scheduling alone)", memory),
         ("Postgres, claim function (one round trip)", with_function),
+        (
+            "Postgres + `CachedStore` (one claim per burst; the rest wait for it)",
+            cached,
+        ),
         (
             "Postgres, two statements (the earlier claim)",
             two_statements,
