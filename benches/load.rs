@@ -60,12 +60,23 @@ fn scale(n: usize) -> usize {
     ((n as f64 * factor) as usize).max(50)
 }
 
+/// The request body: the 1 KiB JSON order, or, with `LOAD_BODY=small`, a 150-byte one.
+fn request_body() -> Bytes {
+    if std::env::var("LOAD_BODY").is_ok_and(|v| v == "small") {
+        let mut body = br#"{"amount":1999,"currency":"EUR","customer":{"email":"alice@example.com","id":42},"items":[{"price":1999,"qty":1,"sku":"SKU-0001"}],"note":"x"}"#.to_vec();
+        body.resize(150, b' ');
+        Bytes::from(body)
+    } else {
+        json_1k()
+    }
+}
+
 /// What one request of a load run looks like: path, subject, key.
 type MakeRequest = Arc<dyn Fn(usize) -> (String, String, String) + Send + Sync>;
 
 /// `requests` requests from `concurrency` keep-alive connections; request `i` is `make(i)`.
 async fn load(addr: SocketAddr, concurrency: usize, requests: usize, make: MakeRequest) -> Stats {
-    let body = json_1k();
+    let body = request_body();
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let mut workers = tokio::task::JoinSet::new();
@@ -810,7 +821,7 @@ async fn growth_all(schema: &str) {
     })
     .await;
     let store = fresh_pg_store(schema, 16).await;
-    growth("postgres", store, async |store: &PostgresStore| {
+    growth("postgres", store.clone(), async |store: &PostgresStore| {
         // Each fill row is claimed through the store, in parallel.
         let mut tasks = tokio::task::JoinSet::new();
         for chunk in 0..16 {
@@ -827,5 +838,47 @@ async fn growth_all(schema: &str) {
             .await
             .expect("analyze");
     })
+    .await;
+    // With the cache: 50 000 finished records, each read once so that the cache holds them all.
+    let store = CachedStore::new(fresh_pg_store(schema, 16).await);
+    growth(
+        "postgres + cache",
+        store,
+        async |store: &CachedStore<PostgresStore>| {
+            let mut tasks = tokio::task::JoinSet::new();
+            for chunk in 0..16 {
+                let store = store.clone();
+                tasks.spawn(async move {
+                    for i in (chunk..50_000).step_by(16) {
+                        let claim = filler_claim(i);
+                        let ClaimOutcome::Claimed { lease, .. } =
+                            store.claim(&claim).await.expect("fill")
+                        else {
+                            panic!("fresh fill key");
+                        };
+                        let response = Arc::new(StoredResponse {
+                            outcome: Finished::Completed,
+                            status: 201,
+                            headers: Vec::new(),
+                            body: Bytes::from_static(br#"{"id":1,"status":"succeeded"}"#),
+                            body_omitted: false,
+                            expires_in: None,
+                        });
+                        store
+                            .complete(&claim.key, lease, response, claim.retention)
+                            .await
+                            .expect("complete");
+                        store.claim(&claim).await.expect("read");
+                    }
+                });
+            }
+            while tasks.join_next().await.is_some() {}
+            assert_eq!(store.len(), 50_000, "every record is cached");
+            sqlx::raw_sql("ANALYZE idempotency_records")
+                .execute(store.inner().pool())
+                .await
+                .expect("analyze");
+        },
+    )
     .await;
 }

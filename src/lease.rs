@@ -93,6 +93,7 @@ impl<St: IdempotencyStore> Lease<St> {
     #[cfg(feature = "postgres")]
     pub(crate) fn recorded_in_transaction(mut self, status: u16) {
         self.done = true;
+        self.store.settled_elsewhere(&self.key, self.token);
         report(&self.config, Outcome::Recorded);
         tracing::info!(status, "recorded in the handler's transaction");
     }
@@ -101,6 +102,7 @@ impl<St: IdempotencyStore> Lease<St> {
     #[cfg(feature = "postgres")]
     pub(crate) fn released_elsewhere(mut self) {
         self.done = true;
+        self.store.settled_elsewhere(&self.key, self.token);
         report(&self.config, Outcome::Released);
     }
 
@@ -108,6 +110,7 @@ impl<St: IdempotencyStore> Lease<St> {
     #[cfg(feature = "postgres")]
     pub(crate) fn lost(mut self) {
         self.done = true;
+        self.store.settled_elsewhere(&self.key, self.token);
         report(&self.config, Outcome::LeaseLost);
     }
 

@@ -323,6 +323,11 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         self.inner.release(key, lease).await
     }
 
+    fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
+        self.local.let_go(&key.digest(), lease);
+        self.inner.settled_elsewhere(key, lease);
+    }
+
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.cache.sweep();
         self.local.sweep();

@@ -131,6 +131,15 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// Deletes every record whose retention has passed; returns how many.
     fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
+    /// Tells the store that `lease` no longer holds the record for a reason it did not see: the
+    /// record was completed in the handler's transaction (`IdempotentTx`), released by a statement
+    /// of the Postgres store's own, or found lost. Nothing to do for a store that keeps nothing about
+    /// its claims in this process; [`CachedStore`] forgets its hold on the key. A store that wraps
+    /// another forwards it.
+    fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
+        let _ = (key, lease);
+    }
+
     /// The Postgres store behind this one, if any, whose transactions handlers can take as
     /// [`IdempotentTx`]. A store that wraps a `PostgresStore` forwards it.
     #[cfg(feature = "postgres")]
