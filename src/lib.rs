@@ -70,6 +70,10 @@ mod fingerprint;
 pub mod key;
 mod layer;
 mod lease;
+#[cfg(feature = "metrics")]
+pub mod metrics;
+#[cfg(not(feature = "metrics"))]
+mod metrics;
 mod outcome;
 mod policy;
 mod problem;
