@@ -1,5 +1,6 @@
 //! What the layer did with each guarded request: reported to the tracing span and to an optional
-//! hook, and counted by [`OutcomeCounters`] for export to any metrics system.
+//! hook, and counted by [`OutcomeCounters`] for export to any metrics system; with the `metrics`
+//! feature, also counted by endpoint through the `metrics` facade.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
