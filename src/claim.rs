@@ -15,7 +15,6 @@ use tracing::Instrument;
 use crate::body::{self, RequestBodyError};
 use crate::config::Config;
 use crate::context::IdempotencyContext;
-use crate::fingerprint::Fingerprint;
 use crate::key;
 use crate::lease::{self, Lease};
 use crate::metrics::Label;
@@ -103,7 +102,7 @@ where
                 subject,
                 endpoint,
             },
-            fingerprint: Fingerprint::of(parts.uri.query(), &bytes),
+            fingerprint: config.fingerprint.of(&parts, &bytes),
             lease: LeaseToken::generate(),
             in_progress_ttl: config.in_progress_ttl,
             retention: config.retention,
@@ -147,7 +146,7 @@ where
             Ok(ClaimOutcome::Finished(stored)) => {
                 report(&config, &label, Outcome::Replayed);
                 tracing::info!(status = stored.status, "replayed");
-                Ok(replay::replay(&stored))
+                Ok(replay::replay(&stored, &config.replay_header))
             }
             Err(e) if config.fail_open => {
                 lease::abandon(store, claim.key, claim.lease, config.in_progress_ttl);

@@ -30,7 +30,9 @@
 //! transaction), `renew` (the heartbeat), `release` (also the background clean-ups) or `purge`
 //! (through [`spawn_purge`](crate::store::spawn_purge)); `result` is `ok` when the store answered,
 //! whatever it answered (a completion refused because the lease was lost is `ok`), and `error` when
-//! it failed, timed out, or the operation was given up before it finished.
+//! it failed, timed out, or the operation was given up before it finished. It times the store the
+//! layer was given: behind a [`CachedStore`](crate::store::CachedStore), a claim answered from the
+//! cache is a (fast) `claim` too.
 //!
 //! The layer describes both metrics (help text and unit) to the recorder installed when a layer is
 //! built; [`describe`] does it again for a recorder installed later.
