@@ -336,7 +336,8 @@ async fn memory_vs_bare() {
     load(layer_addr, CONCURRENCY, 2_000, fresh_keys("warm")).await;
 
     println!(
-        "\n### Layer + memory store vs the bare route (HTTP/1.1 loopback, {CONCURRENCY} connections, 1 KiB JSON, {n} requests a round, median of 3 rounds)\n"
+        "\n### Layer + memory store vs the bare route (HTTP/1.1 loopback, {CONCURRENCY} connections, {}-byte JSON, {n} requests a round, median of 3 rounds)\n",
+        request_body().len()
     );
     table("bare", "layer");
     let (b, s) = paired(
@@ -393,6 +394,7 @@ async fn postgres_vs_direct_sql(schema: &str) {
     )
     .await;
     row("fresh keys", b, s);
+    store.pool().close().await;
 }
 
 /// The duplicate of a request in progress: the layer's 409 against one `SELECT 1` round trip, and
@@ -713,6 +715,7 @@ async fn replays_by_store(schema: &str) {
     )
     .await;
     row("Postgres + CachedStore", b, s);
+    store.pool().close().await;
 }
 
 /// Twenty requests with one key released at once on their own connections, the first one's
@@ -771,21 +774,21 @@ async fn burst_of_duplicates(schema: &str) {
     }
 
     let memory = bursts(serve(router(MemoryStore::new())).await, "memory", rounds).await;
+    // One pool for the three Postgres runs (the database allows only so many connections).
     let store = fresh_pg_store(schema, RACERS as u32 + 4).await;
     let with_function = bursts(serve(router(store.clone())).await, "function", rounds).await;
-    let store = fresh_pg_store(schema, RACERS as u32 + 4).await;
     let cached = bursts(
         serve(router(CachedStore::new(store.clone()))).await,
         "cached",
         rounds,
     )
     .await;
-    let store = fresh_pg_store(schema, RACERS as u32 + 4).await;
     sqlx::raw_sql("DROP FUNCTION idempotency_records_claim_v1")
         .execute(store.pool())
         .await
         .expect("drop the claim function");
-    let two_statements = bursts(serve(router(store)).await, "direct", rounds).await;
+    let two_statements = bursts(serve(router(store.clone())).await, "direct", rounds).await;
+    store.pool().close().await;
 
     println!(
         "\n### {RACERS} simultaneous duplicates, warm Postgres pool ({rounds} bursts, {} `409`s each)\n",

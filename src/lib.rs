@@ -56,7 +56,10 @@
 //! its effects in the same transaction as the record of its answer: they commit together or not at
 //! all. Every claimed request carries an [`IdempotencyContext`], whose derived key is meant for
 //! downstream providers. Outcomes (claimed, replayed, 409, 422, recorded, released, ...) are reported to the
-//! tracing span of each request and to an optional hook; see [`OutcomeCounters`].
+//! tracing span of each request and to an optional hook; see [`OutcomeCounters`]. With the
+//! `metrics` feature, they are also counted by route, and every store operation timed, through
+//! the `metrics` facade: see the `metrics` module (`idempotency_requests_total{outcome,endpoint}`
+//! and `idempotency_store_duration_seconds{operation,result}`).
 
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -72,6 +75,10 @@ mod json_pointer;
 pub mod key;
 mod layer;
 mod lease;
+#[cfg(feature = "metrics")]
+pub mod metrics;
+#[cfg(not(feature = "metrics"))]
+mod metrics;
 mod outcome;
 mod policy;
 mod problem;

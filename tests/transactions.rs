@@ -161,11 +161,12 @@ impl Setup {
 
     /// The same instance behind a `CachedStore`.
     fn cached_router(&self) -> Router {
-        let layer = IdempotencyLayer::builder(axum_idempotency::CachedStore::new(self.store.clone()))
-            .in_progress_ttl(Duration::from_secs(30))
-            .on_outcome(self.outcomes.hook())
-            .build()
-            .expect("layer");
+        let layer =
+            IdempotencyLayer::builder(axum_idempotency::CachedStore::new(self.store.clone()))
+                .in_progress_ttl(Duration::from_secs(30))
+                .on_outcome(self.outcomes.hook())
+                .build()
+                .expect("layer");
         Router::new()
             .route("/charge", post(charge))
             .route_layer(layer)

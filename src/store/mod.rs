@@ -154,6 +154,7 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
 pub fn spawn_purge<S: IdempotencyStore>(store: S, every: Duration) -> tokio::task::JoinHandle<()> {
     // A zero period would make the interval panic; purging more than once a second is pointless.
     let every = every.max(Duration::from_secs(1));
+    let store = crate::metrics::store(store);
     tokio::spawn(async move {
         let mut ticks = tokio::time::interval(every);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
