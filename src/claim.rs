@@ -145,7 +145,9 @@ where
                 tracing::info!(status = stored.status, "replayed");
                 Ok(replay::replay(&stored))
             }
-            Err(e) if config.fail_open => {
+            // A record that exists but cannot be read (it does not decrypt) records an operation
+            // that happened: running the handler unguarded would repeat it.
+            Err(e) if config.fail_open && !e.is_unreadable_record() => {
                 lease::abandon(store, claim.key, claim.lease, config.in_progress_ttl);
                 report(&config, Outcome::FailedOpen);
                 tracing::warn!(error = %e, "idempotency store failed; running unguarded");

@@ -96,6 +96,8 @@ pub use replay::{IDEMPOTENCY_REPLAY, IDEMPOTENT_REPLAYED};
 pub use service::{IdempotencyService, ResponseFuture};
 #[cfg(feature = "redis")]
 pub use store::RedisStore;
+#[cfg(feature = "encryption")]
+pub use store::{EncryptedStore, EncryptionKeys, EncryptionKeysError, KeyId};
 pub use store::{IdempotencyStore, MemoryStore, StoreError};
 #[cfg(feature = "postgres")]
 pub use store::{IdempotentTx, PostgresStore, PostgresStoreError};
