@@ -154,7 +154,11 @@ where
                 pass_through(inner, request).await
             }
             Err(e) => {
-                lease::abandon(store, claim.key, claim.lease, config.in_progress_ttl);
+                // An unreadable record was read whole: the store answered, and made no claim that
+                // could need cleaning up.
+                if !e.is_unreadable_record() {
+                    lease::abandon(store, claim.key, claim.lease, config.in_progress_ttl);
+                }
                 report(&config, Outcome::StoreUnavailable);
                 tracing::error!(error = %e, "idempotency store failed; refusing the request");
                 Ok(problem(
