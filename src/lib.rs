@@ -55,7 +55,8 @@
 //! whose holder died is retaken. On a `PostgresStore`, a handler that takes `IdempotentTx` writes
 //! its effects in the same transaction as the record of its answer: they commit together or not at
 //! all. Every claimed request carries an [`IdempotencyContext`], whose derived key is meant for
-//! downstream providers. Outcomes (claimed, replayed, 409, 422, recorded, released, ...) are reported to the
+//! downstream providers. With the feature `encryption`, `EncryptedStore` wraps any store and
+//! encrypts the recorded headers and bodies at rest (AES-256-GCM). Outcomes (claimed, replayed, 409, 422, recorded, released, ...) are reported to the
 //! tracing span of each request and to an optional hook; see [`OutcomeCounters`].
 
 #![forbid(unsafe_code)]

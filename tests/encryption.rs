@@ -17,8 +17,7 @@ use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::post;
 use axum_idempotency::{
-    EncryptedStore, EncryptionKeys, IdempotencyLayer, IdempotencyStore, KeyId, MemoryStore,
-    Subject,
+    EncryptedStore, EncryptionKeys, IdempotencyLayer, IdempotencyStore, KeyId, MemoryStore, Subject,
 };
 use common::{Answer, send};
 
@@ -45,10 +44,12 @@ fn marker() -> String {
     )
 }
 
+#[cfg(any(feature = "postgres", feature = "redis"))]
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
     haystack.windows(needle.len()).any(|w| w == needle)
 }
 
+#[cfg(feature = "postgres")]
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -156,7 +157,10 @@ mod memory {
     async fn replays_what_was_sealed_and_a_missing_key_is_503_even_failing_open() {
         let records = MemoryStore::new();
         let world = World::default();
-        let old = router(layer(EncryptedStore::new(records.clone(), keys(&[1]))), &world);
+        let old = router(
+            layer(EncryptedStore::new(records.clone(), keys(&[1]))),
+            &world,
+        );
         let marker = marker();
         assert_carries(&pay_with(&old, "/pay", "k", &marker).await, &marker);
         let replay = pay_with(&old, "/pay", "k", &marker).await;
@@ -221,9 +225,7 @@ mod postgres {
         (store, schema)
     }
 
-    store_suite!(async {
-        EncryptedStore::new(plain_store(34).await.0, keys(&[1]))
-    });
+    store_suite!(async { EncryptedStore::new(plain_store(34).await.0, keys(&[1])) });
 
     /// One record as it lies in the table.
     struct RawRow {
@@ -238,13 +240,21 @@ mod postgres {
 
     async fn raw_row(store: &PostgresStore, key: &str) -> RawRow {
         let (status, response_status, header_names, header_values, response_body, text) =
-            sqlx::query_as::<_, (String, Option<i16>, Option<Vec<String>>, Option<Vec<Vec<u8>>>, Option<Vec<u8>>, String)>(
-                sqlx::AssertSqlSafe(format!(
-                    "SELECT status, response_status, header_names, header_values, response_body, \
+            sqlx::query_as::<
+                _,
+                (
+                    String,
+                    Option<i16>,
+                    Option<Vec<String>>,
+                    Option<Vec<Vec<u8>>>,
+                    Option<Vec<u8>>,
+                    String,
+                ),
+            >(sqlx::AssertSqlSafe(format!(
+                "SELECT status, response_status, header_names, header_values, response_body, \
                             t::text FROM {} t WHERE idempotency_key = $1",
-                    store.table()
-                )),
-            )
+                store.table()
+            )))
             .bind(key)
             .fetch_one(store.pool())
             .await
@@ -263,8 +273,16 @@ mod postgres {
     fn assert_sealed(row: &RawRow, marker: &str) {
         assert_eq!(row.status, "completed");
         assert_eq!(row.response_status, Some(201));
-        assert_eq!(row.header_names.as_deref(), Some(&[][..]), "no header in clear");
-        assert_eq!(row.header_values.as_deref(), Some(&[][..]), "no header in clear");
+        assert_eq!(
+            row.header_names.as_deref(),
+            Some(&[][..]),
+            "no header in clear"
+        );
+        assert_eq!(
+            row.header_values.as_deref(),
+            Some(&[][..]),
+            "no header in clear"
+        );
         let body = row.response_body.as_deref().expect("the sealed response");
         assert_eq!(body[0], 1, "format byte");
         assert!(!contains(body, marker.as_bytes()));
@@ -272,7 +290,11 @@ mod postgres {
         assert!(!contains(body, b"application/json"));
         assert!(!row.text.contains(marker), "{}", row.text);
         assert!(!row.text.contains(&hex(marker.as_bytes())), "{}", row.text);
-        assert!(!row.text.contains(&hex(b"application/json")), "{}", row.text);
+        assert!(
+            !row.text.contains(&hex(b"application/json")),
+            "{}",
+            row.text
+        );
     }
 
     fn key_id_of(row: &RawRow) -> KeyId {
@@ -308,7 +330,11 @@ mod postgres {
         assert_carries(&pay_with(&app, "/pay", "big", &marker).await, &marker);
         let row = raw_row(&plain, "big").await;
         assert_sealed(&row, &marker);
-        assert_eq!(row.response_body.as_deref().map(|b| b[1]), Some(1), "omitted flag");
+        assert_eq!(
+            row.response_body.as_deref().map(|b| b[1]),
+            Some(1),
+            "omitted flag"
+        );
         let replay = pay_with(&app, "/pay", "big", &marker).await;
         assert!(replay.replayed());
         assert_eq!(replay.header("idempotency-replay"), Some("omitted"));
@@ -325,7 +351,10 @@ mod postgres {
             schema: schema.clone(),
             ..World::default()
         };
-        let app = router(layer(EncryptedStore::new(plain.clone(), keys(&[1]))), &world);
+        let app = router(
+            layer(EncryptedStore::new(plain.clone(), keys(&[1]))),
+            &world,
+        );
         let marker = marker();
         assert_carries(&pay_with(&app, "/pay-tx", "k", &marker).await, &marker);
         let (effects,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
@@ -349,7 +378,10 @@ mod postgres {
             schema,
             ..World::default()
         };
-        let before = router(layer(EncryptedStore::new(plain.clone(), keys(&[1]))), &world);
+        let before = router(
+            layer(EncryptedStore::new(plain.clone(), keys(&[1]))),
+            &world,
+        );
         let old = marker();
         assert_carries(&pay_with(&before, "/pay", "old", &old).await, &old);
         assert_eq!(key_id_of(&raw_row(&plain, "old").await), 1);
@@ -390,7 +422,10 @@ mod postgres {
             schema,
             ..World::default()
         };
-        let app = router(layer(EncryptedStore::new(plain.clone(), keys(&[1]))), &world);
+        let app = router(
+            layer(EncryptedStore::new(plain.clone(), keys(&[1]))),
+            &world,
+        );
         let markers: Vec<String> = (0..4).map(|_| marker()).collect();
         for (i, marker) in markers.iter().enumerate() {
             let key = format!("k{i}");
@@ -441,7 +476,10 @@ mod postgres {
         // A record written without encryption is unreadable too, never replayed as it is.
         let unencrypted = router(layer(plain.clone()), &world);
         let marker = marker();
-        assert_carries(&pay_with(&unencrypted, "/pay", "plain", &marker).await, &marker);
+        assert_carries(
+            &pay_with(&unencrypted, "/pay", "plain", &marker).await,
+            &marker,
+        );
         assert_unavailable(&pay_with(&app, "/pay", "plain", &marker).await);
         assert_eq!(world.runs(), 5);
     }
@@ -473,7 +511,9 @@ mod redis_store {
     }
 
     fn plain_store(prefix: &str) -> RedisStore {
-        RedisStore::new(client()).expect("store").with_prefix(prefix)
+        RedisStore::new(client())
+            .expect("store")
+            .with_prefix(prefix)
     }
 
     store_suite!(
@@ -507,7 +547,10 @@ mod redis_store {
             .query_async(&mut connection)
             .await
             .expect("the record's hash");
-        assert!(fields.iter().any(|f| f.as_slice() == b"resp"), "a recorded answer");
+        assert!(
+            fields.iter().any(|f| f.as_slice() == b"resp"),
+            "a recorded answer"
+        );
         for field in &fields {
             assert!(!contains(field, marker.as_bytes()));
             assert!(!contains(field, b"/receipts/"));

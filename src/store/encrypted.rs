@@ -189,10 +189,9 @@ impl std::error::Error for EncryptionKeysError {}
 /// written before encryption was turned on are unreadable in the same way: turn it on with a new
 /// table (or key prefix), or accept `503` for those keys until they expire.
 ///
-/// **Transactions.** [`postgres`](IdempotencyStore::postgres) is forwarded, so handlers keep their
-/// [`IdempotentTx`](crate::IdempotentTx) over an encrypted Postgres store: the record written in the
-/// handler's transaction is sealed the same way
-/// ([`prepare_response`](IdempotencyStore::prepare_response)).
+/// **Transactions** (feature `postgres`). `IdempotencyStore::postgres` is forwarded, so handlers
+/// keep their `IdempotentTx` over an encrypted Postgres store: the record written in the handler's
+/// transaction is sealed the same way (`IdempotencyStore::prepare_response`).
 #[derive(Clone)]
 pub struct EncryptedStore<S> {
     inner: S,
@@ -220,7 +219,11 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
 
     /// `response` as written to the inner store: status and outcome in clear, no headers, the
     /// envelope as body.
-    fn seal(&self, key: &RecordKey, response: &StoredResponse) -> Result<StoredResponse, StoreError> {
+    fn seal(
+        &self,
+        key: &RecordKey,
+        response: &StoredResponse,
+    ) -> Result<StoredResponse, StoreError> {
         let (key_id, cipher) = self.keys.sealing();
         let too_large = || StoreError::msg("encrypt: the response is too large to seal");
         let mut out = Vec::with_capacity(
@@ -275,7 +278,10 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
     fn open(&self, key: &RecordKey, stored: &StoredResponse) -> Result<StoredResponse, Unreadable> {
         let fail = |key_id, reason| Unreadable { key_id, reason };
         if stored.body_omitted || !stored.headers.is_empty() {
-            return Err(fail(None, "it holds no sealed response (written without encryption?)"));
+            return Err(fail(
+                None,
+                "it holds no sealed response (written without encryption?)",
+            ));
         }
         let envelope = &stored.body[..];
         if envelope.len() < HEAD_LEN + TAG_LEN {
@@ -360,10 +366,7 @@ impl Unreadable {
                     "an idempotency record cannot be decrypted; answering 503, the handler is not \
                      run again"
                 );
-                StoreError::unreadable_record(format!(
-                    "the record cannot be read: {}",
-                    self.reason
-                ))
+                StoreError::unreadable_record(format!("the record cannot be read: {}", self.reason))
             }
         }
     }
@@ -383,9 +386,12 @@ fn associated_data(head: &[u8], key: &RecordKey, status: u16, outcome: Finished)
     aad
 }
 
+/// Recorded headers, repeated ones in order.
+type Headers = Vec<(HeaderName, HeaderValue)>;
+
 /// Headers and body from an opened plaintext. Invalid or denied headers are dropped, as from any
 /// store; `None` when the lengths do not add up.
-fn parse_plaintext(plain: &[u8]) -> Option<(Vec<(HeaderName, HeaderValue)>, &[u8])> {
+fn parse_plaintext(plain: &[u8]) -> Option<(Headers, &[u8])> {
     let mut rest = plain;
     let mut take = |n: usize| -> Option<&[u8]> {
         let (head, tail) = rest.split_at_checked(n)?;
@@ -563,7 +569,11 @@ mod tests {
         for at in [1, HEAD_LEN - 1, HEAD_LEN, sealed.body.len() - 1] {
             // Byte 1 is the flags: set the omitted flag there, flip a bit anywhere else.
             let mut bytes = sealed.body.to_vec();
-            bytes[at] = if at == 1 { FLAG_BODY_OMITTED } else { bytes[at] ^ 1 };
+            bytes[at] = if at == 1 {
+                FLAG_BODY_OMITTED
+            } else {
+                bytes[at] ^ 1
+            };
             let flipped = StoredResponse {
                 body: Bytes::from(bytes),
                 ..sealed.clone()
@@ -591,7 +601,9 @@ mod tests {
         let new = rotated.seal(&key("k"), &response(false)).expect("seal");
         assert_eq!(&new.body[2..6], &2u32.to_be_bytes());
         let only_new = store(&[(2, [2; 32])]);
-        let unreadable = only_new.open(&key("k"), &sealed).err().expect("unreadable");
+        let Err(unreadable) = only_new.open(&key("k"), &sealed) else {
+            panic!("opened without its key");
+        };
         assert_eq!(unreadable.key_id, Some(1));
         assert!(unreadable.reason.contains("not configured"));
         let error = unreadable.into_store_error();
