@@ -22,8 +22,8 @@ use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::post;
 use axum_idempotency::{
-    ClaimOutcome, ClaimRequest, Fingerprint, Finished, IdempotencyLayer, IdempotencyStore,
-    LeaseToken, MemoryStore, PostgresStore, RecordKey, StoredResponse, Subject,
+    CachedStore, ClaimOutcome, ClaimRequest, Fingerprint, Finished, IdempotencyLayer,
+    IdempotencyStore, LeaseToken, MemoryStore, PostgresStore, RecordKey, StoredResponse, Subject,
 };
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
@@ -209,6 +209,7 @@ fn direct_sql(store: PostgresStore) -> Router {
             ],
             body: Bytes::from_static(br#"{"id":1,"status":"succeeded"}"#),
             body_omitted: false,
+            expires_in: None,
         };
         let retention = claim.retention;
         store
@@ -604,7 +605,14 @@ async fn main() {
     );
     // `cargo bench --bench load -- memory growth`: only the named parts (memory, postgres,
     // duplicate, growth); all of them by default.
-    let parts = ["memory", "postgres", "duplicate", "growth"];
+    let parts = [
+        "memory",
+        "postgres",
+        "replays",
+        "burst",
+        "duplicate",
+        "growth",
+    ];
     let chosen: Vec<String> = std::env::args()
         .filter(|a| parts.contains(&a.as_str()))
         .collect();
@@ -612,7 +620,10 @@ async fn main() {
     if run("memory") {
         memory_vs_bare().await;
     }
-    if !(run("postgres") || run("duplicate") || run("growth")) {
+    if !["postgres", "replays", "burst", "duplicate", "growth"]
+        .iter()
+        .any(|p| run(p))
+    {
         return;
     }
     let admin = PgPool::connect(&database_url())
@@ -628,6 +639,12 @@ async fn main() {
     if run("postgres") {
         postgres_vs_direct_sql(&schema).await;
     }
+    if run("replays") {
+        replays_by_store(&schema).await;
+    }
+    if run("burst") {
+        burst_of_duplicates(&schema).await;
+    }
     if run("duplicate") {
         duplicate_in_progress(&schema).await;
     }
@@ -640,6 +657,133 @@ async fn main() {
     .execute(&admin)
     .await
     .expect("drop schema");
+}
+
+/// Replays through the Postgres store, with and without the cache of finished records, against
+/// replays through the memory store. Every key is recorded first, then replayed over and over.
+async fn replays_by_store(schema: &str) {
+    const CONCURRENCY: usize = 16;
+    let n = scale(10_000);
+    let recorded = 2_000.min(n);
+    let replays: MakeRequest = Arc::new(move |i| {
+        let k = i % recorded;
+        (
+            "/checkout".into(),
+            format!("user-{}", k % 1000),
+            format!("rec-{k}"),
+        )
+    });
+    let memory_addr = serve(guarded(MemoryStore::new())).await;
+    let store = fresh_pg_store(schema, CONCURRENCY as u32).await;
+    let pg_addr = serve(guarded(store.clone())).await;
+    let cached_addr = serve(guarded(CachedStore::new(store.clone()))).await;
+    // Record every key once in each store (the Postgres table is shared by both Postgres servers).
+    load(memory_addr, CONCURRENCY, recorded, fresh_keys("rec")).await;
+    load(pg_addr, CONCURRENCY, recorded, fresh_keys("rec")).await;
+    // Warm-up: the cache fills on a record's first replay.
+    load(cached_addr, CONCURRENCY, recorded, replays.clone()).await;
+    load(pg_addr, CONCURRENCY, recorded, replays.clone()).await;
+
+    println!(
+        "\n### Replays: Postgres store, with and without `CachedStore`, vs the memory store ({CONCURRENCY} connections, {recorded} recorded keys, {n} replays a round, median of 3 rounds)\n"
+    );
+    table("memory", "subject");
+    let (b, s) = paired(
+        3,
+        |_| load(memory_addr, CONCURRENCY, n, replays.clone()),
+        |_| load(pg_addr, CONCURRENCY, n, replays.clone()),
+    )
+    .await;
+    row("Postgres, no cache", b, s);
+    let (b, s) = paired(
+        3,
+        |_| load(memory_addr, CONCURRENCY, n, replays.clone()),
+        |_| load(cached_addr, CONCURRENCY, n, replays.clone()),
+    )
+    .await;
+    row("Postgres + CachedStore", b, s);
+}
+
+/// Twenty requests with one key released at once on their own connections, the first one's
+/// handler taking 300 ms: the other nineteen get `409`. The Postgres pool is warm (every connection
+/// open and its statements prepared). Run with the claim function, and without it (dropped: the
+/// claim's two statements sent one by one, as before the function existed), and on the memory
+/// store for what HTTP and the two cores cost alone.
+async fn burst_of_duplicates(schema: &str) {
+    const RACERS: usize = 20;
+    let rounds = scale(40).max(5);
+    async fn slow(_body: Bytes) -> Response {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        created(Bytes::new()).await
+    }
+    fn router<S: IdempotencyStore>(store: S) -> Router {
+        Router::new()
+            .route("/checkout", post(slow))
+            .route_layer(IdempotencyLayer::new(store))
+            .layer(middleware::from_fn(auth))
+    }
+    async fn bursts(addr: SocketAddr, label: &str, rounds: usize) -> Stats {
+        let mut clients = Vec::new();
+        for _ in 0..RACERS {
+            clients.push(Client::connect(addr).await);
+        }
+        let mut conflicts = Vec::new();
+        // Round 0 warms up every connection and is not counted.
+        for round in 0..=rounds {
+            let key = format!("burst-{label}-{round}");
+            let barrier = Arc::new(tokio::sync::Barrier::new(RACERS));
+            let mut tasks = tokio::task::JoinSet::new();
+            for mut client in clients.drain(..) {
+                let (barrier, key) = (barrier.clone(), key.clone());
+                tasks.spawn(async move {
+                    barrier.wait().await;
+                    let t = Instant::now();
+                    let status = client.post("/checkout", "alice", &key, Bytes::new()).await;
+                    (client, status, t.elapsed())
+                });
+            }
+            let mut created = 0;
+            while let Some(done) = tasks.join_next().await {
+                let (client, status, took) = done.expect("racer");
+                clients.push(client);
+                match status {
+                    StatusCode::CREATED => created += 1,
+                    StatusCode::CONFLICT if round > 0 => conflicts.push(took),
+                    StatusCode::CONFLICT => {}
+                    other => panic!("unexpected {other}"),
+                }
+            }
+            assert_eq!(created, 1, "one racer runs the handler");
+        }
+        Stats::of(conflicts, Duration::from_secs(1))
+    }
+
+    let memory = bursts(serve(router(MemoryStore::new())).await, "memory", rounds).await;
+    let store = fresh_pg_store(schema, RACERS as u32 + 4).await;
+    let with_function = bursts(serve(router(store.clone())).await, "function", rounds).await;
+    let store = fresh_pg_store(schema, RACERS as u32 + 4).await;
+    sqlx::raw_sql("DROP FUNCTION idempotency_records_claim_v1")
+        .execute(store.pool())
+        .await
+        .expect("drop the claim function");
+    let two_statements = bursts(serve(router(store)).await, "direct", rounds).await;
+
+    println!(
+        "\n### {RACERS} simultaneous duplicates, warm Postgres pool ({rounds} bursts, {} `409`s each)\n",
+        RACERS - 1
+    );
+    println!("| store | 409 p50 | 409 p99 |");
+    println!("|---|---|---|");
+    for (name, stats) in [
+        ("memory (HTTP and scheduling alone)", memory),
+        ("Postgres, claim function (one round trip)", with_function),
+        (
+            "Postgres, two statements (the earlier claim)",
+            two_statements,
+        ),
+    ] {
+        println!("| {name} | {} | {} |", ms(stats.p50), ms(stats.p99));
+    }
 }
 
 async fn growth_all(schema: &str) {

@@ -13,6 +13,11 @@
 //! charge in the layer's transaction so it commits with its record; default 1, 0 to write it on its
 //! own as a handler without `IdempotentTx` would).
 //!
+//! `REDIS_URL` (feature `redis`) puts the idempotency records in that Redis, whatever
+//! `DATABASE_URL` says; the charges stay in Postgres when `DATABASE_URL` is set, in memory
+//! otherwise. Redis has no transaction to share with a handler: `IdempotentTx` is `None` there,
+//! and the charge is written on its own.
+//!
 //! The simulated payment provider deduplicates by the `Idempotency-Key` it is given, as real ones
 //! do; the checkout gives it `IdempotencyContext::derived_key()`, so a retake that runs the handler
 //! again (its process died) does not charge the card twice at the provider either.
@@ -316,7 +321,8 @@ async fn demo_auth(mut request: Request, next: Next) -> Response {
     }
 }
 
-/// `POST /checkout`. `IdempotentTx` is `None` on the memory store, where there is no transaction.
+/// `POST /checkout`. `IdempotentTx` is `None` on the memory and Redis stores, where there is no
+/// transaction.
 async fn checkout(
     State(state): State<AppState>,
     Extension(subject): Extension<Subject>,
@@ -433,8 +439,12 @@ fn error(status: StatusCode, code: &str) -> Response {
     (status, Json(json!({"error": code}))).into_response()
 }
 
-/// The router on the store `DATABASE_URL` names: Postgres (migrated on start) or memory.
+/// The router on the store `REDIS_URL` or `DATABASE_URL` names: Redis, Postgres (migrated on start)
+/// or memory.
 pub async fn router_from_env(settings: Settings) -> Result<Router, Box<dyn Error>> {
+    if let Ok(url) = std::env::var("REDIS_URL") {
+        return redis_router(&url, settings).await;
+    }
     match std::env::var("DATABASE_URL") {
         Ok(url) => {
             // Three pools, so none can starve another: the layer's own statements (claims,
@@ -470,6 +480,34 @@ pub async fn router_from_env(settings: Settings) -> Result<Router, Box<dyn Error
             app(MemoryStore::new(), Ledger::memory(), settings)
         }
     }
+}
+
+/// Idempotency records in the Redis at `url`; charges in Postgres (`DATABASE_URL`) or memory. The
+/// layer has no transaction to give on Redis: `Option<IdempotentTx>` is `None`, and the charge is
+/// written on its own, as with `CHECKOUT_TRANSACTIONAL=0` on Postgres.
+#[cfg(feature = "redis")]
+async fn redis_router(url: &str, settings: Settings) -> Result<Router, Box<dyn Error>> {
+    let store = axum_idempotency::RedisStore::new(redis::Client::open(url)?)?;
+    let ledger = match std::env::var("DATABASE_URL") {
+        Ok(db) => {
+            let pool = PgPoolOptions::new()
+                .max_connections(10)
+                .connect(&db)
+                .await?;
+            tracing::info!("idempotency records in Redis, charges in PostgreSQL");
+            Ledger::postgres(pool).await?
+        }
+        Err(_) => {
+            tracing::info!("idempotency records in Redis, charges in memory");
+            Ledger::memory()
+        }
+    };
+    app(store, ledger, settings)
+}
+
+#[cfg(not(feature = "redis"))]
+async fn redis_router(_: &str, _: Settings) -> Result<Router, Box<dyn Error>> {
+    Err("REDIS_URL is set, but the example was built without the `redis` feature".into())
 }
 
 #[tokio::main]

@@ -15,7 +15,6 @@ use tracing::Instrument;
 use crate::body::{self, RequestBodyError};
 use crate::config::Config;
 use crate::context::IdempotencyContext;
-use crate::fingerprint::Fingerprint;
 use crate::key;
 use crate::lease::{self, Lease};
 use crate::outcome::{Outcome, report};
@@ -100,7 +99,7 @@ where
                 subject,
                 endpoint,
             },
-            fingerprint: Fingerprint::of(parts.uri.query(), &bytes),
+            fingerprint: config.fingerprint.of(&parts, &bytes),
             lease: LeaseToken::generate(),
             in_progress_ttl: config.in_progress_ttl,
             retention: config.retention,
@@ -143,7 +142,7 @@ where
             Ok(ClaimOutcome::Finished(stored)) => {
                 report(&config, Outcome::Replayed);
                 tracing::info!(status = stored.status, "replayed");
-                Ok(replay::replay(&stored))
+                Ok(replay::replay(&stored, &config.replay_header))
             }
             // A record that exists but cannot be read (it does not decrypt) records an operation
             // that happened: running the handler unguarded would repeat it.

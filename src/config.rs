@@ -7,6 +7,8 @@ use std::time::Duration;
 use http::request::Parts;
 use http::{HeaderName, Method, StatusCode};
 
+use crate::fingerprint::Fingerprint;
+use crate::json_pointer::Pointer;
 use crate::layer::IdempotencyLayer;
 use crate::outcome::Outcome;
 use crate::policy::{Disposition, default_policy};
@@ -67,6 +69,27 @@ impl std::error::Error for ConfigError {}
 pub(crate) type PolicyFn = dyn Fn(StatusCode) -> Disposition + Send + Sync;
 pub(crate) type EndpointFn = dyn Fn(&Parts) -> String + Send + Sync;
 pub(crate) type OutcomeFn = dyn Fn(Outcome) + Send + Sync;
+pub(crate) type FingerprintFn = dyn Fn(&Parts, &[u8]) -> Fingerprint + Send + Sync;
+
+/// How a request's fingerprint is computed.
+#[derive(Clone)]
+pub(crate) enum FingerprintRule {
+    /// The whole canonical body and the query, less the fields these pointers name.
+    Canonical(Arc<[Pointer]>),
+    /// The application's own function.
+    Custom(Arc<FingerprintFn>),
+}
+
+impl FingerprintRule {
+    pub(crate) fn of(&self, parts: &Parts, body: &[u8]) -> Fingerprint {
+        match self {
+            FingerprintRule::Canonical(ignored) => {
+                Fingerprint::of_selected(parts.uri.query(), body, ignored)
+            }
+            FingerprintRule::Custom(f) => f(parts, body),
+        }
+    }
+}
 
 /// The validated settings of one layer.
 pub(crate) struct Config {
@@ -84,6 +107,8 @@ pub(crate) struct Config {
     pub endpoint: Arc<EndpointFn>,
     pub fail_open: bool,
     pub on_outcome: Option<Arc<OutcomeFn>>,
+    pub replay_header: HeaderName,
+    pub fingerprint: FingerprintRule,
 }
 
 impl Default for Config {
@@ -106,6 +131,8 @@ impl Default for Config {
             endpoint: Arc::new(default_endpoint),
             fail_open: false,
             on_outcome: None,
+            replay_header: HeaderName::from_static(crate::replay::IDEMPOTENT_REPLAYED),
+            fingerprint: FingerprintRule::Canonical(Arc::new([])),
         }
     }
 }
@@ -125,6 +152,8 @@ pub struct IdempotencyLayerBuilder<S> {
     store: S,
     config: Config,
     extra_headers: Vec<String>,
+    replay_header_name: Option<String>,
+    ignored_fields: Vec<String>,
 }
 
 impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
@@ -133,6 +162,8 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
             store,
             config: Config::default(),
             extra_headers: Vec::new(),
+            replay_header_name: None,
+            ignored_fields: Vec::new(),
         }
     }
 
@@ -237,6 +268,42 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
         self
     }
 
+    /// Leaves fields of a JSON body out of the fingerprint, named by JSON pointers (RFC 6901), such as
+    /// `/client_timestamp` or `/metadata/request_id` (`~1` stands for `/` in a name, `~0` for `~`; a
+    /// number names an array element). A retry that differs only in those fields, or lacks them, is
+    /// the same request; any other difference still gets `422`. The query and bodies that are not
+    /// JSON are fingerprinted whole. Default: none, the whole canonical body and query.
+    pub fn fingerprint_ignore(
+        mut self,
+        pointers: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self {
+        self.ignored_fields
+            .extend(pointers.into_iter().map(Into::into));
+        self
+    }
+
+    /// Computes fingerprints with `f` instead, from the request's head and its whole body (at most
+    /// `body_limit` bytes); build the result with [`Fingerprint::of`] (on a body you transformed)
+    /// or [`Fingerprint::of_material`]. Two requests with one key and different fingerprints get
+    /// `422`; equal fingerprints replay each other's answers, so leave out only what does not change
+    /// the operation. Not together with [`fingerprint_ignore`](Self::fingerprint_ignore).
+    pub fn fingerprint_fn(
+        mut self,
+        f: impl Fn(&Parts, &[u8]) -> Fingerprint + Send + Sync + 'static,
+    ) -> Self {
+        self.config.fingerprint = FingerprintRule::Custom(Arc::new(f));
+        self
+    }
+
+    /// The response header, set to `true`, that marks a replay. Default: `Idempotent-Replayed`
+    /// ([`IDEMPOTENT_REPLAYED`](crate::IDEMPOTENT_REPLAYED), as Stripe names it). It is never
+    /// recorded from a handler's answer, so a replay carries it once. [`build`](Self::build)
+    /// refuses a name on [`DENIED_HEADERS`] (but the default) or one the layer records.
+    pub fn replay_header(mut self, name: impl Into<String>) -> Self {
+        self.replay_header_name = Some(name.into());
+        self
+    }
+
     /// Checks the settings and builds the layer.
     pub fn build(self) -> Result<IdempotencyLayer<S>, ConfigError> {
         let mut config = self.config;
@@ -278,6 +345,36 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
             if !config.stored_headers.contains(&header) {
                 config.stored_headers.push(header);
             }
+        }
+        if let Some(name) = self.replay_header_name {
+            let header = HeaderName::try_from(name.as_str())
+                .map_err(|_| ConfigError(format!("{name:?} is not a valid header name")))?;
+            if header != crate::replay::IDEMPOTENT_REPLAYED
+                && DENIED_HEADERS.contains(&header.as_str())
+            {
+                return Err(ConfigError(format!(
+                    "{header} cannot mark replays: the layer or HTTP gives it another meaning"
+                )));
+            }
+            config.replay_header = header;
+        }
+        if !self.ignored_fields.is_empty() {
+            if matches!(config.fingerprint, FingerprintRule::Custom(_)) {
+                return err("fingerprint_ignore and fingerprint_fn cannot be used together");
+            }
+            let pointers = self
+                .ignored_fields
+                .iter()
+                .map(|p| Pointer::parse(p))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(ConfigError)?;
+            config.fingerprint = FingerprintRule::Canonical(pointers.into());
+        }
+        if config.stored_headers.contains(&config.replay_header) {
+            return Err(ConfigError(format!(
+                "{} cannot both mark replays and be recorded",
+                config.replay_header
+            )));
         }
         Ok(IdempotencyLayer::from_parts(self.store, config))
     }
@@ -324,5 +421,38 @@ mod tests {
         assert!(refused(builder().store_header("set-cookie")).contains("never stored"));
         assert!(refused(builder().store_header("Authorization")).contains("never stored"));
         assert!(refused(builder().store_header("bad header")).contains("not a valid header"));
+        assert!(refused(builder().replay_header("bad header")).contains("not a valid header"));
+        assert!(refused(builder().replay_header("Set-Cookie")).contains("another meaning"));
+        assert!(refused(builder().replay_header("idempotency-key")).contains("another meaning"));
+        assert!(refused(builder().replay_header("location")).contains("be recorded"));
+        let both = builder()
+            .store_header("x-replayed")
+            .replay_header("X-Replayed");
+        assert!(refused(both).contains("be recorded"));
+        assert!(
+            builder()
+                .replay_header("Idempotent-Replayed")
+                .build()
+                .is_ok()
+        );
+        assert!(
+            builder()
+                .replay_header("x-idempotent-replay")
+                .build()
+                .is_ok()
+        );
+        assert!(refused(builder().fingerprint_ignore(["ts"])).contains("start with '/'"));
+        assert!(refused(builder().fingerprint_ignore(["/a~2"])).contains("'~'"));
+        assert!(refused(builder().fingerprint_ignore([""])).contains("start with '/'"));
+        let both = builder()
+            .fingerprint_fn(|_, body| Fingerprint::of_material(body))
+            .fingerprint_ignore(["/ts"]);
+        assert!(refused(both).contains("together"));
+        assert!(
+            builder()
+                .fingerprint_ignore(["/ts", "/a/0/b"])
+                .build()
+                .is_ok()
+        );
     }
 }

@@ -4,6 +4,7 @@ use sha2::{Digest, Sha256};
 use std::fmt;
 
 use crate::canonical_json;
+use crate::json_pointer::{self, Pointer};
 
 /// SHA-256 of a request's query string and body, canonicalised when the body is JSON.
 ///
@@ -20,6 +21,12 @@ impl Fingerprint {
     /// (duplicate keys, unpaired surrogates, nesting deeper than 128), is hashed as raw bytes. The two
     /// kinds are domain-separated, so a raw body never collides with a canonical one.
     pub fn of(query: Option<&str>, body: &[u8]) -> Self {
+        Self::of_selected(query, body, &[])
+    }
+
+    /// [`Fingerprint::of`], leaving out of a JSON body the fields `ignored` names (a body without
+    /// those fields has the same fingerprint under both).
+    pub(crate) fn of_selected(query: Option<&str>, body: &[u8], ignored: &[Pointer]) -> Self {
         let mut hasher = Sha256::new();
         // Length-prefixed fields: no two (query, body) pairs share an input.
         match query {
@@ -33,13 +40,29 @@ impl Fingerprint {
         match canonical_json::canonicalize(body) {
             Some(canonical) => {
                 hasher.update(b"json");
-                hasher.update(&canonical);
+                match ignored {
+                    [] => hasher.update(&canonical),
+                    _ => match json_pointer::without(&canonical, ignored) {
+                        Some(selected) => hasher.update(&selected),
+                        None => hasher.update(&canonical),
+                    },
+                }
             }
             None => {
                 hasher.update(b"raw_");
                 hasher.update(body);
             }
         }
+        Fingerprint(hasher.finalize().into())
+    }
+
+    /// The fingerprint of what a custom fingerprint function chose to identify a request by (see
+    /// [`IdempotencyLayerBuilder::fingerprint_fn`](crate::IdempotencyLayerBuilder::fingerprint_fn)):
+    /// SHA-256 of `material`, domain-separated from [`Fingerprint::of`].
+    pub fn of_material(material: &[u8]) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(b"custom");
+        hasher.update(material);
         Fingerprint(hasher.finalize().into())
     }
 
@@ -113,6 +136,23 @@ mod tests {
         // A body that is JSON is canonical; the same text with a change in raw spacing is not JSON-equal
         // unless it is JSON.
         assert_ne!(fp("a b"), fp("a  b"));
+    }
+
+    #[test]
+    fn ignored_fields_do_not_count_and_the_rest_does() {
+        let ignored = [Pointer::parse("/ts").expect("pointer")];
+        let sel = |body: &str| Fingerprint::of_selected(None, body.as_bytes(), &ignored);
+        assert_eq!(sel(r#"{"a":1,"ts":1}"#), sel(r#"{"ts":2,"a":1}"#));
+        assert_eq!(
+            sel(r#"{"a":1,"ts":1}"#),
+            fp(r#"{"a":1}"#),
+            "same as a body without it"
+        );
+        assert_ne!(sel(r#"{"a":1,"ts":1}"#), sel(r#"{"a":2,"ts":1}"#));
+        assert_ne!(fp(r#"{"a":1,"ts":1}"#), fp(r#"{"a":1,"ts":2}"#));
+        // Raw bodies are hashed whole.
+        assert_ne!(sel("ts=1"), sel("ts=2"));
+        assert_ne!(Fingerprint::of_material(b"x"), fp("x"));
     }
 
     #[test]

@@ -51,8 +51,8 @@
 //!
 //! Stores implement [`IdempotencyStore`]: [`MemoryStore`] (one process, the default for examples
 //! and tests), `PostgresStore` (feature `postgres`, on by default) and `RedisStore` (feature
-//! `redis`). While a request holds its claim, the layer renews it (a heartbeat), so only a claim
-//! whose holder died is retaken. On a `PostgresStore`, a handler that takes `IdempotentTx` writes
+//! `redis`; one server or a Redis Cluster). While a request holds its claim, the layer renews it
+//! (a heartbeat), so only a claim whose holder died is retaken. On a `PostgresStore`, a handler that takes `IdempotentTx` writes
 //! its effects in the same transaction as the record of its answer: they commit together or not at
 //! all. Every claimed request carries an [`IdempotencyContext`], whose derived key is meant for
 //! downstream providers. With the feature `encryption`, `EncryptedStore` wraps any store and
@@ -60,6 +60,7 @@
 //! tracing span of each request and to an optional hook; see [`OutcomeCounters`].
 
 #![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
 mod body;
@@ -68,6 +69,7 @@ mod claim;
 mod config;
 mod context;
 mod fingerprint;
+mod json_pointer;
 pub mod key;
 mod layer;
 mod lease;
@@ -97,9 +99,9 @@ pub use replay::{IDEMPOTENCY_REPLAY, IDEMPOTENT_REPLAYED};
 pub use service::{IdempotencyService, ResponseFuture};
 #[cfg(feature = "redis")]
 pub use store::RedisStore;
+pub use store::{CachedStore, IdempotencyStore, MemoryStore, StoreError};
 #[cfg(feature = "encryption")]
 pub use store::{EncryptedStore, EncryptionKeys, EncryptionKeysError, KeyId};
-pub use store::{IdempotencyStore, MemoryStore, StoreError};
 #[cfg(feature = "postgres")]
 pub use store::{IdempotentTx, PostgresStore, PostgresStoreError};
 pub use subject::{Subject, SubjectExtension, SubjectExtractor};

@@ -92,6 +92,11 @@ pub struct StoredResponse {
     /// stream failed after the handler answered): a replay sends the status and headers with an empty
     /// body and `Idempotency-Replay: omitted`.
     pub body_omitted: bool,
+    /// How long the record had left when its store read it for a claim, if the store tells
+    /// (the Postgres and Redis stores do; [`MemoryStore`](crate::MemoryStore) answers `None`). A
+    /// [`CachedStore`](crate::store::CachedStore) keeps a record no longer than this. Ignored by
+    /// [`complete`](crate::IdempotencyStore::complete): retention decides there.
+    pub expires_in: Option<Duration>,
 }
 
 /// A claim to make: the record's scope and fingerprint, and the layer's time limits.

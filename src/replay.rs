@@ -35,24 +35,26 @@ pub(crate) fn capture(
         headers,
         body_omitted: body.is_none(),
         body: body.unwrap_or_default(),
+        expires_in: None,
     }
 }
 
-/// The response a replay sends: the stored status, headers and body, and `Idempotent-Replayed: true`.
-/// A stored status that is not a valid HTTP status (a store the layer does not own may hold anything)
-/// becomes 500; denied headers are never sent back.
-pub(crate) fn replay(stored: &StoredResponse) -> Response<Body> {
+/// The response a replay sends: the stored status, headers and body, and `marker: true` (by default
+/// `Idempotent-Replayed`). A stored status that is not a valid HTTP status (a store the layer does not
+/// own may hold anything) becomes 500; denied headers and the marker are never sent back from the
+/// record.
+pub(crate) fn replay(stored: &StoredResponse, marker: &HeaderName) -> Response<Body> {
     let mut response = Response::new(Body::from(stored.body.clone()));
     *response.status_mut() =
         StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let headers = response.headers_mut();
     headers.reserve(stored.headers.len() + 1);
     for (name, value) in &stored.headers {
-        if !DENIED_HEADERS.contains(&name.as_str()) {
+        if !DENIED_HEADERS.contains(&name.as_str()) && name != marker {
             headers.append(name.clone(), value.clone());
         }
     }
-    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    headers.insert(marker.clone(), HeaderValue::from_static("true"));
     if stored.body_omitted {
         headers.insert(IDEMPOTENCY_REPLAY, HeaderValue::from_static("omitted"));
     }
@@ -92,7 +94,7 @@ mod tests {
             .collect();
         assert_eq!(links, [b"<a>", b"<b>", b"<c>"]);
 
-        let response = replay(&stored);
+        let response = replay(&stored, &HeaderName::from_static(IDEMPOTENT_REPLAYED));
         assert_eq!(response.status(), StatusCode::CREATED);
         let replayed: Vec<_> = response.headers().get_all(header::LINK).iter().collect();
         assert_eq!(replayed, ["<a>", "<b>", "<c>"]);
@@ -111,8 +113,9 @@ mod tests {
             ],
             body: Bytes::new(),
             body_omitted: false,
+            expires_in: None,
         };
-        let response = replay(&stored);
+        let response = replay(&stored, &HeaderName::from_static(IDEMPOTENT_REPLAYED));
         assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
         assert_eq!(response.headers().len(), 2); // etag and idempotent-replayed
         assert_eq!(response.headers()["etag"], "\"1\"");
@@ -130,7 +133,7 @@ mod tests {
                 headers.append(names[*n].clone(), HeaderValue::from_str(value).expect("value"));
             }
             let stored = capture(Finished::Completed, StatusCode::OK, &headers, &allowed, Some(Bytes::new()));
-            let response = replay(&stored);
+            let response = replay(&stored, &HeaderName::from_static(IDEMPOTENT_REPLAYED));
             for (n, name) in names.iter().enumerate() {
                 let expected: Vec<&str> = if n < 2 {
                     sent.iter().filter(|(i, _)| *i == n).map(|(_, v)| v.as_str()).collect()

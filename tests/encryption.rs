@@ -182,7 +182,7 @@ mod postgres {
 
     use std::time::Duration;
 
-    use axum_idempotency::PostgresStore;
+    use axum_idempotency::{CachedStore, PostgresStore};
     use sqlx::postgres::{PgPool, PgPoolOptions};
 
     fn database_url() -> String {
@@ -344,17 +344,17 @@ mod postgres {
         assert_eq!(world.runs(), 2);
     }
 
-    #[tokio::test]
-    async fn the_transactional_path_stores_no_plaintext() {
+    /// A transactional answer through the store `wrap` makes of the plain one: the effect commits
+    /// with a sealed record, and the replay carries the answer.
+    async fn transactional_path_stores_no_plaintext<S: IdempotencyStore>(
+        wrap: impl FnOnce(PostgresStore) -> S,
+    ) {
         let (plain, schema) = plain_store(8).await;
         let world = World {
             schema: schema.clone(),
             ..World::default()
         };
-        let app = router(
-            layer(EncryptedStore::new(plain.clone(), keys(&[1]))),
-            &world,
-        );
+        let app = router(layer(wrap(plain.clone())), &world);
         let marker = marker();
         assert_carries(&pay_with(&app, "/pay-tx", "k", &marker).await, &marker);
         let (effects,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
@@ -369,6 +369,27 @@ mod postgres {
         assert!(replay.replayed());
         assert_carries(&replay, &marker);
         assert_eq!(world.runs(), 1);
+    }
+
+    #[tokio::test]
+    async fn the_transactional_path_stores_no_plaintext() {
+        transactional_path_stores_no_plaintext(|pg| EncryptedStore::new(pg, keys(&[1]))).await;
+    }
+
+    #[tokio::test]
+    async fn the_transactional_path_stores_no_plaintext_behind_a_cache() {
+        transactional_path_stores_no_plaintext(|pg| {
+            CachedStore::new(EncryptedStore::new(pg, keys(&[1])))
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn the_transactional_path_stores_no_plaintext_over_a_cache() {
+        transactional_path_stores_no_plaintext(|pg| {
+            EncryptedStore::new(CachedStore::new(pg), keys(&[1]))
+        })
+        .await;
     }
 
     #[tokio::test]

@@ -75,6 +75,7 @@ async fn store() -> PostgresStore {
 }
 
 store_suite!(store());
+cache_suite!(store(), purged = 5);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn migrate_is_safe_from_many_instances_at_once() {
@@ -498,4 +499,37 @@ async fn a_renewal_between_read_and_retake_keeps_the_holder() {
             .expect("renew"),
         "the holder still holds its record"
     );
+}
+
+/// A table made before the claim function existed: claims still work (two statements when they
+/// race), and `migrate()` adds the function without touching the records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn claims_work_without_the_claim_function_until_migrate_adds_it() {
+    let store = store().await;
+    let table = store.table().to_owned();
+    let (schema, _) = table.split_once('.').expect("qualified");
+    let function = format!("{schema}.idempotency_records_claim_v1");
+    let exists = |pool: PgPool, function: String| async move {
+        let (present,): (bool,) = sqlx::query_as("SELECT to_regproc($1) IS NOT NULL")
+            .bind(function)
+            .fetch_one(&pool)
+            .await
+            .expect("look up");
+        present
+    };
+    assert!(exists(store.pool().clone(), function.clone()).await);
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP FUNCTION {function}")))
+        .execute(store.pool())
+        .await
+        .expect("drop");
+    let (router, counters) = app(IdempotencyLayer::new(store.clone()));
+    let req = || post("/pay").key("k").user("alice").json("{}");
+    assert_eq!(send(&router, req()).await.status, StatusCode::CREATED);
+    assert!(send(&router, req()).await.replayed());
+    store.migrate().await.expect("migrate");
+    assert!(exists(store.pool().clone(), function).await);
+    assert!(send(&router, req()).await.replayed());
+    let other = send(&router, post("/pay").key("k2").user("alice").json("{}")).await;
+    assert_eq!(other.status, StatusCode::CREATED);
+    assert_eq!(counters.started(), 2);
 }

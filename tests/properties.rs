@@ -651,3 +651,123 @@ fn huge_numbers_and_duplicate_keys_have_defined_answers() {
     assert!(canonicalize(b"{\"a\":1,\"a\":2}").is_none());
     assert_ne!(fp("{\"a\":1,\"a\":2}"), fp("{\"a\":2}"));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Fingerprint selection: fields named by JSON pointers are left out, and nothing else is.
+
+/// The JSON pointer to the `n`-th value of the tree in pre-order (the root is `""`).
+fn pointer_to(value: &Json, n: usize) -> Option<String> {
+    fn walk(value: &Json, n: &mut usize, path: &mut Vec<String>) -> bool {
+        if *n == 0 {
+            return true;
+        }
+        *n -= 1;
+        let children: Vec<(String, &Json)> = match value {
+            Json::Arr(items) => items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| (i.to_string(), v))
+                .collect(),
+            Json::Obj(members) => members.iter().map(|(k, v)| (k.clone(), v)).collect(),
+            _ => Vec::new(),
+        };
+        for (token, child) in children {
+            path.push(token);
+            if walk(child, n, path) {
+                return true;
+            }
+            path.pop();
+        }
+        false
+    }
+    let mut path = Vec::new();
+    let mut n = n;
+    walk(value, &mut n, &mut path).then(|| {
+        path.iter()
+            .map(|t| format!("/{}", t.replace('~', "~0").replace('/', "~1")))
+            .collect()
+    })
+}
+
+/// Whether one of two pointers is the other or lies under it.
+fn overlap(a: &str, b: &str) -> bool {
+    let under = |x: &str, y: &str| x == y || x.starts_with(&format!("{y}/"));
+    under(a, b) || under(b, a)
+}
+
+/// Sends `body` with key `k` through a layer that ignores `ignored`; the handler counts its runs.
+fn through_layer(ignored: &str, bodies: &[String]) -> Vec<(u16, bool)> {
+    use axum::{Router, body::Body, routing::post};
+    use axum_idempotency::{IdempotencyLayer, MemoryStore};
+    use tower::ServiceExt;
+    let layer = IdempotencyLayer::builder(MemoryStore::new())
+        .allow_anonymous(true)
+        .fingerprint_ignore([ignored])
+        .build()
+        .expect("valid pointer");
+    let router = Router::new()
+        .route(
+            "/pay",
+            post(|| async { (axum::http::StatusCode::CREATED, "charged") }),
+        )
+        .route_layer(layer);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let mut answers = Vec::new();
+        for body in bodies {
+            let request = axum::http::Request::post("/pay")
+                .header("idempotency-key", "k")
+                .header("content-type", "application/json")
+                .body(Body::from(body.clone()))
+                .expect("request");
+            let response = router.clone().oneshot(request).await.expect("infallible");
+            let replayed = response.headers().contains_key("idempotent-replayed");
+            answers.push((response.status().as_u16(), replayed));
+        }
+        answers
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(
+        std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256)
+    ))]
+
+    /// Changing or removing an ignored field replays; changing anything outside it is `422`.
+    #[test]
+    fn ignored_fields_never_count_and_every_other_change_does(
+        value in document(),
+        at in any::<usize>(),
+        other in any::<usize>(),
+        choice in any::<usize>(),
+        seeds in prop::array::uniform3(any::<u64>()),
+    ) {
+        let nodes = count(&value);
+        prop_assume!(nodes >= 2);
+        let i = 1 + at % (nodes - 1);
+        let ignored = pointer_to(&value, i).expect("node");
+
+        let mut changed = value.clone();
+        *nth_mut(&mut changed, &mut i.clone()).expect("node") = Json::Str("\u{1}changed".into());
+        let mut bodies = vec![write(&value, seeds[0]), write(&changed, seeds[1])];
+
+        // A node outside the ignored field, changed in any way that applies to it.
+        let outside = (0..nodes)
+            .map(|k| (other + k) % nodes)
+            .find(|&j| pointer_to(&value, j).is_some_and(|p| !overlap(&p, &ignored)));
+        if let Some(j) = outside {
+            let mut different = value.clone();
+            change(nth_mut(&mut different, &mut j.clone()).expect("node"), choice);
+            bodies.push(write(&different, seeds[2]));
+        }
+        let answers = through_layer(&ignored, &bodies);
+        prop_assert_eq!(answers[0], (201, false), "the first request runs");
+        prop_assert_eq!(answers[1], (201, true), "ignoring {}: {} replays {}", ignored, bodies[1], bodies[0]);
+        if outside.is_some() {
+            prop_assert_eq!(answers[2].0, 422, "ignoring {}: {} is another request than {}", ignored, bodies[2], bodies[0]);
+        }
+    }
+}

@@ -33,6 +33,7 @@ async fn store() -> RedisStore {
 
 // Redis expires records itself: purge_expired has nothing left to delete.
 store_suite!(store(), purged = 0);
+cache_suite!(store(), purged = 0);
 
 #[tokio::test]
 async fn unreachable_redis_is_503_and_runs_nothing() {

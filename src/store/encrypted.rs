@@ -505,6 +505,8 @@ mod tests {
                 Bytes::from_static(b"{\"card\":\"4242\"}")
             },
             body_omitted,
+            // As a store fills it on a read: kept through sealing and opening.
+            expires_in: Some(Duration::from_secs(60)),
         }
     }
 

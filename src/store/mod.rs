@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
 
+mod cached;
 mod memory;
+pub use cached::{CachedStore, DEFAULT_CACHE_BYTES, DEFAULT_CACHE_MAX_AGE};
 pub use memory::MemoryStore;
 
 #[cfg(feature = "postgres")]

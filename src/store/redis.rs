@@ -1,4 +1,5 @@
-//! The Redis store: records as Redis hashes, changed only by Lua scripts, expired by Redis itself.
+//! The Redis store: records as Redis hashes, changed only by Lua scripts, expired by Redis itself;
+//! on one server or on a Redis Cluster.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -7,7 +8,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Script, Value};
+use redis::cluster::{ClusterClient, ClusterConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, ErrorKind, FromRedisValue, RedisFuture, Script, ServerErrorKind, Value};
 
 use super::{IdempotencyStore, StoreError};
 use crate::config::DENIED_HEADERS;
@@ -29,7 +32,9 @@ if not rec[1] then
   return {'claimed'}
 end
 if rec[1] ~= ARGV[1] then return {'mismatch'} end
-if rec[2] ~= 'in_progress' then return {'finished', redis.call('HGET', KEYS[1], 'resp')} end
+if rec[2] ~= 'in_progress' then
+  return {'finished', redis.call('HGET', KEYS[1], 'resp'), redis.call('PTTL', KEYS[1])}
+end
 if now - tonumber(rec[3]) < tonumber(ARGV[3]) then return {'in_progress'} end
 redis.call('HSET', KEYS[1], 'lease', ARGV[2], 'ts', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
@@ -66,34 +71,105 @@ redis.call('DEL', KEYS[1])
 return 1
 ";
 
-/// Records in Redis, shared by every instance connected to the same server.
+/// Records in Redis, shared by every instance connected to the same server or cluster.
 ///
 /// Each record is one hash under `<prefix><sha256 of key, subject and endpoint>`, so client input
-/// never shapes Redis key names and every key is 64 hex characters long. Claim, complete and release
-/// are Lua scripts, atomic on the server; retention is the key's expiry, so Redis removes expired
-/// records itself and [`IdempotencyStore::purge_expired`] has nothing to do. The connection is made
-/// lazily and re-made after failures; while Redis is unreachable every operation fails (and the
-/// layer answers `503`).
+/// never shapes Redis key names and every key is 64 hex characters long. Claim, complete, renew and
+/// release are Lua scripts, atomic on the server; retention is the key's expiry, so Redis removes
+/// expired records itself and [`IdempotencyStore::purge_expired`] has nothing to do. The connection
+/// is made lazily and re-made after failures; while Redis is unreachable every operation fails (and
+/// the layer answers `503`).
+///
+/// # One server or a cluster
+///
+/// [`RedisStore::new`] talks to one server (or whatever a [`redis::Client`] reaches: a primary
+/// behind a proxy, say); [`RedisStore::cluster`] talks to a Redis Cluster. Every script reads and
+/// writes exactly one key, its `KEYS[1]` (the record's hash), and nothing else, so on a cluster each
+/// operation runs whole on the master that owns that key's slot: no cross-slot access, no hash tags
+/// needed, and records spread over the masters by their digest. A prefix given to
+/// [`RedisStore::with_prefix`] should not contain a hash tag (`{...}`): it would put every record
+/// in one slot, on one master.
+///
+/// Scripts are called by their SHA1 (`EVALSHA`). A server that does not have a script (`NOSCRIPT`:
+/// restarted, failed over to a replica, `SCRIPT FLUSH`) gets it whole with `EVAL`, sent like
+/// `EVALSHA` to the node owning `KEYS[1]`, which runs it and caches it for the next call. That needs
+/// only the node that owns the record (not a `SCRIPT LOAD` to every node of the cluster, which fails
+/// while any one of them is unreachable), and leaves no window between loading and running.
+///
+/// Every operation, with the cluster's redirects and retries and that fallback, is bounded by
+/// [`RedisStore::with_timeout`] on both kinds of connection.
 ///
 /// Without persistence (no AOF or RDB), a Redis restart forgets every record: a retry after the
 /// restart runs the handler again. Use the Postgres store where that is not acceptable.
 #[derive(Clone)]
 pub struct RedisStore {
-    connection: ConnectionManager,
+    connection: Connection,
     prefix: Arc<str>,
     timeout: Duration,
     scripts: Arc<Scripts>,
 }
 
+/// The connection the scripts run on: one server through a connection manager (re-connects after
+/// failures), or a cluster connection (routes each command by its key, follows `MOVED`/`ASK`,
+/// refreshes the slot map and re-connects nodes). Both are cheap handles to shared connections.
+#[derive(Clone)]
+enum Connection {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl redis::aio::ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Connection::Single(c) => c.req_packed_command(cmd),
+            Connection::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Connection::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Connection::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Connection::Single(c) => c.get_db(),
+            Connection::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// A Lua script: its source, for `EVAL`, and its SHA1, for `EVALSHA`.
+struct Lua {
+    code: &'static str,
+    sha1: String,
+}
+
+impl Lua {
+    fn new(code: &'static str) -> Self {
+        Lua {
+            code,
+            sha1: Script::new(code).get_hash().to_owned(),
+        }
+    }
+}
+
 struct Scripts {
-    claim: Script,
-    complete: Script,
-    renew: Script,
-    release: Script,
+    claim: Lua,
+    complete: Lua,
+    renew: Lua,
+    release: Lua,
 }
 
 impl RedisStore {
-    /// A store on `client` with keys under `idempotency:`; connects on first use.
+    /// A store on one Redis server, `client`, with keys under `idempotency:`; connects on first use.
     pub fn new(client: redis::Client) -> Result<Self, StoreError> {
         // Responses are bounded by `timeout` around each operation (see `with_timeout`), so the
         // manager sets no response timeout of its own that would cut a longer one short.
@@ -103,20 +179,76 @@ impl RedisStore {
             .set_response_timeout(None);
         let connection = ConnectionManager::new_lazy_with_config(client, config)
             .map_err(|e| StoreError::new("redis: connection manager", e))?;
-        Ok(RedisStore {
+        Ok(Self::on(Connection::Single(connection)))
+    }
+
+    /// A store on the Redis Cluster that `client` reaches, with keys under `idempotency:`.
+    ///
+    /// Lazy, like [`RedisStore::new`]: this returns at once, without contacting the cluster; the
+    /// connection to the initial nodes, the slot map and the connections to every master are made
+    /// in the background, and re-made as the cluster changes (failover, resharding) or after
+    /// failures. While the cluster cannot be reached, operations fail (`503` from the layer) and
+    /// the next ones try again. To fail at start-up instead, send a request of your own (`PING`)
+    /// through a connection of `client` first.
+    ///
+    /// Each record is one key and every script touches only that key, so each operation runs on
+    /// the master owning the record's slot (see [`RedisStore`]). The connection settings of
+    /// `client` (connection timeout, retries, TLS, credentials) are kept, except its per-request
+    /// response timeout: as on one server, each operation is bounded by
+    /// [`RedisStore::with_timeout`] instead, including the cluster's redirects and retries.
+    ///
+    /// The cluster client resends a command whose connection dropped before its answer came.
+    /// Complete, renew and release may run twice harmlessly (a completion the same lease already
+    /// made counts as done). A claim resent that way finds its own claim: that request gets `409`
+    /// without running the handler, and the key is retaken after the in-progress TTL, as when a
+    /// process dies holding a claim; the handler never runs twice because of it.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use axum_idempotency::{IdempotencyLayer, RedisStore};
+    ///
+    /// let client = redis::cluster::ClusterClient::new(vec![
+    ///     "redis://127.0.0.1:7000",
+    ///     "redis://127.0.0.1:7001",
+    ///     "redis://127.0.0.1:7002",
+    /// ])?;
+    /// let store = RedisStore::cluster(client)?.with_prefix("shop:idem:");
+    /// let layer = IdempotencyLayer::new(store);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// When called outside a Tokio runtime: the cluster connection is driven by a task spawned
+    /// here.
+    pub fn cluster(client: ClusterClient) -> Result<Self, StoreError> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(StoreError::msg(
+                "redis cluster: RedisStore::cluster must be called within a Tokio runtime",
+            ));
+        }
+        // The cluster keeps the client's connection timeout; the response timeout is cleared, and
+        // `timed` bounds each whole operation instead.
+        let connection = client.get_pending_async_connection_with_config(ClusterConfig::new());
+        Ok(Self::on(Connection::Cluster(connection)))
+    }
+
+    fn on(connection: Connection) -> Self {
+        RedisStore {
             connection,
             prefix: Arc::from("idempotency:"),
             timeout: DEFAULT_REDIS_TIMEOUT,
             scripts: Arc::new(Scripts {
-                claim: Script::new(CLAIM),
-                complete: Script::new(COMPLETE),
-                renew: Script::new(RENEW),
-                release: Script::new(RELEASE),
+                claim: Lua::new(CLAIM),
+                complete: Lua::new(COMPLETE),
+                renew: Lua::new(RENEW),
+                release: Lua::new(RELEASE),
             }),
-        })
+        }
     }
 
-    /// Puts this store's keys under another prefix (to share one Redis between applications).
+    /// Puts this store's keys under another prefix (to share one Redis between applications). On a
+    /// cluster, keep hash tags (`{...}`) out of it, or every record lands in one slot.
     pub fn with_prefix(mut self, prefix: &str) -> Self {
         self.prefix = Arc::from(prefix);
         self
@@ -138,6 +270,39 @@ impl RedisStore {
             name.push(char::from(HEX[usize::from(b & 15)]));
         }
         name
+    }
+
+    /// Runs `script` on the record `key` (its only key, `KEYS[1]`) with the arguments `args` adds,
+    /// within the timeout: by SHA1, and whole when the server does not have it (see [`RedisStore`]).
+    async fn eval<T: FromRedisValue>(
+        &self,
+        what: &'static str,
+        script: &Lua,
+        key: &RecordKey,
+        args: impl Fn(&mut Cmd),
+    ) -> Result<T, StoreError> {
+        let key = self.redis_key(key);
+        let command = |name: &str, script: &str| {
+            let mut cmd = redis::cmd(name);
+            cmd.arg(script).arg(1).arg(&key);
+            args(&mut cmd);
+            cmd
+        };
+        let mut connection = self.connection.clone();
+        let run = async move {
+            match command("EVALSHA", &script.sha1)
+                .query_async(&mut connection)
+                .await
+            {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    command("EVAL", script.code)
+                        .query_async(&mut connection)
+                        .await
+                }
+                answer => answer,
+            }
+        };
+        self.timed(what, run).await
     }
 
     async fn timed<T>(
@@ -164,15 +329,13 @@ fn millis(d: Duration) -> u64 {
 impl IdempotencyStore for RedisStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let lease = request.lease;
-        let mut connection = self.connection.clone();
-        let mut invocation = self.scripts.claim.key(self.redis_key(&request.key));
-        invocation
-            .arg(&request.fingerprint.as_bytes()[..])
-            .arg(lease.0)
-            .arg(millis(request.in_progress_ttl))
-            .arg(millis(request.in_progress_ttl + request.retention));
         let reply: Vec<Value> = self
-            .timed("claim", invocation.invoke_async(&mut connection))
+            .eval("claim", &self.scripts.claim, &request.key, |cmd| {
+                cmd.arg(&request.fingerprint.as_bytes()[..])
+                    .arg(lease.0)
+                    .arg(millis(request.in_progress_ttl))
+                    .arg(millis(request.in_progress_ttl + request.retention));
+            })
             .await?;
         let tag = match reply.first() {
             Some(Value::BulkString(tag)) => tag.as_slice(),
@@ -191,9 +354,16 @@ impl IdempotencyStore for RedisStore {
             b"mismatch" => ClaimOutcome::FingerprintMismatch,
             b"in_progress" => ClaimOutcome::InProgress,
             b"finished" => match reply.get(1) {
-                Some(Value::BulkString(blob)) => ClaimOutcome::Finished(Arc::new(
-                    decode(blob).ok_or_else(|| StoreError::msg("redis claim: corrupt response"))?,
-                )),
+                Some(Value::BulkString(blob)) => {
+                    let mut stored = decode(blob)
+                        .ok_or_else(|| StoreError::msg("redis claim: corrupt response"))?;
+                    // The key's remaining time to live (negative: none, which a record never lacks).
+                    stored.expires_in = match reply.get(2) {
+                        Some(Value::Int(ms)) if *ms > 0 => Some(Duration::from_millis(*ms as u64)),
+                        _ => None,
+                    };
+                    ClaimOutcome::Finished(Arc::new(stored))
+                }
                 _ => return Err(StoreError::msg("redis claim: finished without a response")),
             },
             _ => return Err(StoreError::msg("redis claim: unknown reply")),
@@ -207,15 +377,14 @@ impl IdempotencyStore for RedisStore {
         response: Arc<StoredResponse>,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let mut connection = self.connection.clone();
-        let mut invocation = self.scripts.complete.key(self.redis_key(key));
-        invocation
-            .arg(lease.0)
-            .arg(response.outcome.as_str())
-            .arg(encode(&response))
-            .arg(millis(retention));
+        let blob = encode(&response);
         let done: i64 = self
-            .timed("complete", invocation.invoke_async(&mut connection))
+            .eval("complete", &self.scripts.complete, key, |cmd| {
+                cmd.arg(lease.0)
+                    .arg(response.outcome.as_str())
+                    .arg(&blob[..])
+                    .arg(millis(retention));
+            })
             .await?;
         Ok(done == 1)
     }
@@ -226,21 +395,19 @@ impl IdempotencyStore for RedisStore {
         lease: LeaseToken,
         lifetime: Duration,
     ) -> Result<bool, StoreError> {
-        let mut connection = self.connection.clone();
-        let mut invocation = self.scripts.renew.key(self.redis_key(key));
-        invocation.arg(lease.0).arg(millis(lifetime));
         let done: i64 = self
-            .timed("renew", invocation.invoke_async(&mut connection))
+            .eval("renew", &self.scripts.renew, key, |cmd| {
+                cmd.arg(lease.0).arg(millis(lifetime));
+            })
             .await?;
         Ok(done == 1)
     }
 
     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
-        let mut connection = self.connection.clone();
-        let mut invocation = self.scripts.release.key(self.redis_key(key));
-        invocation.arg(lease.0);
         let done: i64 = self
-            .timed("release", invocation.invoke_async(&mut connection))
+            .eval("release", &self.scripts.release, key, |cmd| {
+                cmd.arg(lease.0);
+            })
             .await?;
         Ok(done == 1)
     }
@@ -310,6 +477,7 @@ fn decode(blob: &[u8]) -> Option<StoredResponse> {
         headers,
         body: Bytes::copy_from_slice(rest),
         body_omitted,
+        expires_in: None,
     })
 }
 
@@ -332,6 +500,7 @@ mod tests {
             ],
             body: Bytes::from_static(b"{\"error\":\"card_declined\"}"),
             body_omitted: false,
+            expires_in: None,
         };
         let blob = encode(&response);
         assert_eq!(decode(&blob), Some(response.clone()));

@@ -46,12 +46,15 @@ pub fn binary() -> std::path::PathBuf {
         .clone()
 }
 
-/// Starts the example on Postgres in `schema` with `env`, and returns it with its address.
+/// Starts the example on Postgres in `schema` with `env`, and returns it with its address. Its
+/// records are in Redis only when `env` sets `REDIS_URL` (one inherited from the environment, as
+/// `.ci/run` exports it for the Redis tests, is not passed on).
 pub async fn start(schema: &str, env: &[(&str, String)]) -> (Child, SocketAddr) {
     let url = format!("{}?options[search_path]={schema}", database_url());
     let mut command = Command::new(binary());
     command
         .env("DATABASE_URL", url)
+        .env_remove("REDIS_URL")
         .env("BIND", "127.0.0.1:0")
         .env("NO_COLOR", "1")
         .env("RUST_LOG", "warn,checkout=info,axum_idempotency=warn")

@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests: a test app with a counting handler, and request builders.
 #![allow(dead_code)]
 
+pub mod cache;
 #[cfg(feature = "postgres")]
 pub mod example;
 pub mod proxy;

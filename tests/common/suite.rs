@@ -119,6 +119,7 @@ fn stored(body: &'static str) -> Arc<StoredResponse> {
         )],
         body: Bytes::from_static(body.as_bytes()),
         body_omitted: false,
+        expires_in: None,
     })
 }
 

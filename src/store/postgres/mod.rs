@@ -21,7 +21,11 @@ use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey,
 
 /// The migration, with `idempotency_records` as the table name.
 const MIGRATION: &str = include_str!("../../../migrations/0001_idempotency_records.sql");
+/// The claim function, with `idempotency_records` as the table name.
+const CLAIM_FUNCTION: &str = include_str!("../../../migrations/0002_idempotency_claim.sql");
 const DEFAULT_TABLE: &str = "idempotency_records";
+/// The claim function's name for the default table; for another table, `<table>_claim_v1`.
+const DEFAULT_FUNCTION: &str = "idempotency_records_claim_v1";
 /// Serialises concurrent `migrate()` calls across instances (`pg_advisory_xact_lock` key).
 const MIGRATE_LOCK: i64 = 0x6178_6964_656d_0001; // "axidem" + 1
 /// The shortest time `migrate()` may take (it may wait for another instance's migration).
@@ -33,9 +37,11 @@ const PURGE_BATCH: i64 = 10_000;
 ///
 /// Every statement runs in its own implicit transaction and commits before it returns, so a claim is
 /// visible to every other connection before the handler starts, and no lock or transaction is held
-/// while the handler runs. Round trips per claim: one for a fresh key, a replay, a `409` and a `422`;
-/// two when a stale or expired record is retaken, or when the claim races a concurrent insert of the
-/// same key that its snapshot cannot see yet.
+/// while the handler runs. A claim is one call of a function that [`migrate`](Self::migrate)
+/// creates (`migrations/0002_idempotency_claim.sql`): one round trip for a fresh key, a replay, a
+/// `409` and a `422`, also when many requests with one key arrive at once; two when a stale or
+/// expired record is retaken. Without the function (a table made by an earlier version, before
+/// `migrate()` runs again), a claim that races a concurrent insert of its key takes two.
 ///
 /// Times are the database's `now()`, so the clocks of application machines do not matter.
 #[derive(Clone)]
@@ -73,7 +79,15 @@ struct Statements {
     index: String,
     /// The expiry index's name, quoted and qualified like the table.
     qualified_index: String,
+    /// The claim function's name, quoted and qualified like the table.
+    function: String,
+    /// Set when the claim function is missing (the table was made by an earlier version and
+    /// `migrate()` has not run since): claims then send its two queries one by one.
+    function_missing: std::sync::atomic::AtomicBool,
+    /// The claim: one call of the claim function.
     claim: String,
+    /// The claim function's first query, sent on its own when the function is missing.
+    claim_direct: String,
     retake: String,
     renew: String,
     complete: String,
@@ -99,11 +113,24 @@ impl Statements {
                 Some((schema, _)) => format!("\"{schema}\".\"{unqualified}_expires_at_idx\""),
                 None => format!("\"{unqualified}_expires_at_idx\""),
             },
-            // One round trip: insert, or read the record that is there. `same_fp` and the response
-            // columns let the caller answer 409, 422 or a replay without another query; the body is
-            // only sent back when it can be replayed. $1 scope, $2 key, $3 subject, $4 endpoint,
-            // $5 fingerprint, $6 lease, $7 lifetime (µs), $8 in-progress TTL (µs).
+            function: match table.rsplit_once('.') {
+                Some((schema, _)) => format!("\"{schema}\".\"{unqualified}_claim_v1\""),
+                None => format!("\"{unqualified}_claim_v1\""),
+            },
+            function_missing: std::sync::atomic::AtomicBool::new(false),
             claim: format!(
+                "SELECT * FROM {}($1, $2, $3, $4, $5, $6, $7, $8)",
+                match table.rsplit_once('.') {
+                    Some((schema, _)) => format!("\"{schema}\".\"{unqualified}_claim_v1\""),
+                    None => format!("\"{unqualified}_claim_v1\""),
+                }
+            ),
+            // The claim function's first query (migrations/0002): insert, or read the record that
+            // is there. `same_fp` and the response columns let the caller answer 409, 422 or a
+            // replay without another query; the body is only sent back when it can be replayed.
+            // $1 scope, $2 key, $3 subject, $4 endpoint, $5 fingerprint, $6 lease, $7 lifetime
+            // (µs), $8 in-progress TTL (µs).
+            claim_direct: format!(
                 "WITH ins AS ( \
                    INSERT INTO {t} (scope, idempotency_key, subject, endpoint, fingerprint, status, \
                                     lease_token, expires_at) \
@@ -114,13 +141,15 @@ impl Statements {
                  SELECT true AS inserted, NULL::text AS status, NULL::bigint AS lease_token, \
                         NULL::bool AS same_fp, NULL::bool AS stale, NULL::bool AS expired, \
                         NULL::smallint AS response_status, NULL::text[] AS header_names, \
-                        NULL::bytea[] AS header_values, NULL::bytea AS response_body \
+                        NULL::bytea[] AS header_values, NULL::bytea AS response_body, \
+                        NULL::float8 AS expires_in \
                  FROM ins \
                  UNION ALL \
                  SELECT false, status, lease_token, fingerprint = $5, \
                         updated_at <= now() - $8::float8 * interval '1 microsecond', \
                         expires_at <= now(), response_status, header_names, header_values, \
-                        CASE WHEN fingerprint = $5 THEN response_body END \
+                        CASE WHEN fingerprint = $5 THEN response_body END, \
+                        extract(epoch FROM expires_at - now())::float8 \
                  FROM {t} WHERE scope = $1 AND NOT EXISTS (SELECT 1 FROM ins)"
             ),
             // Compare-and-swap on the lease token and the state read: of concurrent retakers only one
@@ -263,7 +292,7 @@ impl PostgresStore {
         &self.sql.table
     }
 
-    /// Creates the table and its index if they do not exist (`migrations/`). Safe to call from many
+    /// Creates the table, its index and the claim function if they do not exist (`migrations/`). Safe to call from many
     /// instances at once: an advisory lock serialises them. It touches no migration bookkeeping of
     /// the application's (no `_sqlx_migrations` rows). It fails, rather than waiting forever, after
     /// the operation timeout or [`MIN_MIGRATE_TIMEOUT`], whichever is longer; and it fails with a
@@ -273,6 +302,14 @@ impl PostgresStore {
             .replace("idempotency_records_expires_at_idx", "\u{0}")
             .replace(DEFAULT_TABLE, &self.sql.quoted)
             .replace('\u{0}', &self.sql.index);
+        let function_sql = CLAIM_FUNCTION
+            .replace(DEFAULT_FUNCTION, "\u{0}")
+            .replace(DEFAULT_TABLE, &self.sql.quoted)
+            .replace('\u{0}', &self.sql.function);
+        let signature = format!(
+            "{}(bytea,text,text,text,bytea,bigint,double precision,double precision)",
+            self.sql.function
+        );
         let limit = self.timeout.max(MIN_MIGRATE_TIMEOUT);
         let migration = async {
             let mut tx = self.pool.begin().await.map_err(db("migrate: begin"))?;
@@ -311,7 +348,22 @@ impl PostgresStore {
                         e,
                     )
                 })?;
-            tx.commit().await.map_err(db("migrate: commit"))
+            let (function,): (bool,) = sqlx::query_as("SELECT to_regprocedure($1) IS NOT NULL")
+                .bind(&signature)
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(db("migrate: look up the claim function"))?;
+            if !function {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(function_sql))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db("migrate: create the claim function"))?;
+            }
+            tx.commit().await.map_err(db("migrate: commit"))?;
+            self.sql
+                .function_missing
+                .store(false, std::sync::atomic::Ordering::Relaxed);
+            Ok(())
         };
         match tokio::time::timeout(limit, migration).await {
             Ok(result) => result,
@@ -400,35 +452,80 @@ impl PostgresStore {
         let names: Vec<String> = row.try_get("header_names").map_err(get)?;
         let values: Vec<Vec<u8>> = row.try_get("header_values").map_err(get)?;
         let body: Option<Vec<u8>> = row.try_get("response_body").map_err(get)?;
+        let expires_in: Option<f64> = row.try_get("expires_in").map_err(get)?;
         Ok(ClaimOutcome::Finished(Arc::new(StoredResponse {
             outcome,
             status: u16::try_from(status).unwrap_or(500),
             headers: parse_headers(names, values),
             body_omitted: body.is_none(),
             body: body.map(Bytes::from).unwrap_or_default(),
+            expires_in: expires_in.and_then(|s| Duration::try_from_secs_f64(s).ok()),
         })))
     }
 
-    async fn claim_once(
+    /// The claim: one call of the claim function, or, while it is missing, its queries one by one.
+    /// `None`: the record was there a moment ago and is gone again (released); the caller answers
+    /// `409` and the client's retry settles it.
+    async fn claim_row(
         &self,
         request: &ClaimRequest,
         scope: &[u8; 32],
     ) -> Result<Option<PgRow>, StoreError> {
+        let missing = &self.sql.function_missing;
+        if !missing.load(std::sync::atomic::Ordering::Relaxed) {
+            let call = self.claim_statement(&self.sql.claim, request, scope);
+            match tokio::time::timeout(self.timeout, call.fetch_optional(&self.pool)).await {
+                Ok(Err(sqlx::Error::Database(e))) if e.code().as_deref() == Some("42883") => {
+                    tracing::warn!(
+                        table = %self.sql.table,
+                        "the claim function is missing (run PostgresStore::migrate): a claim \
+                         that races another takes two round trips until it is there"
+                    );
+                    missing.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                Ok(result) => return result.map_err(db("claim")),
+                Err(_) => {
+                    return Err(StoreError::msg(format!(
+                        "postgres claim: no answer within {:?}",
+                        self.timeout
+                    )));
+                }
+            }
+        }
+        let direct = || {
+            self.timed(
+                "claim",
+                self.claim_statement(&self.sql.claim_direct, request, scope)
+                    .fetch_optional(&self.pool),
+            )
+        };
+        if let Some(row) = direct().await? {
+            return Ok(Some(row));
+        }
+        // The insert met a row committed after this statement's snapshot was taken, so the read
+        // half could not see it. A second statement sees it; that row was inserted a moment ago and
+        // cannot be stale. If it needs a retake after all, answer 409 rather than spend a third
+        // round trip: the client's retry settles it.
+        Ok(direct().await?.filter(|row| !needs_retake(row)))
+    }
+
+    /// A claim statement (the function's call or its first query), bound.
+    fn claim_statement<'q>(
+        &self,
+        sql: &'q str,
+        request: &'q ClaimRequest,
+        scope: &'q [u8; 32],
+    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
         let key = &request.key;
-        self.timed(
-            "claim",
-            sqlx::query(sqlx::AssertSqlSafe(self.sql.claim.as_str()))
-                .bind(&scope[..])
-                .bind(&key.key)
-                .bind(printable(&key.subject))
-                .bind(printable(&key.endpoint))
-                .bind(&request.fingerprint.as_bytes()[..])
-                .bind(request.lease.0)
-                .bind(micros(request.in_progress_ttl + request.retention))
-                .bind(micros(request.in_progress_ttl))
-                .fetch_optional(&self.pool),
-        )
-        .await
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(&scope[..])
+            .bind(&key.key)
+            .bind(printable(&key.subject))
+            .bind(printable(&key.endpoint))
+            .bind(&request.fingerprint.as_bytes()[..])
+            .bind(request.lease.0)
+            .bind(micros(request.in_progress_ttl + request.retention))
+            .bind(micros(request.in_progress_ttl))
     }
 
     /// The completion statement, bound: see [`IdempotencyStore::complete`].
@@ -561,15 +658,7 @@ impl PostgresStore {
 impl IdempotencyStore for PostgresStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let scope = request.key.digest();
-        if let Some(row) = self.claim_once(request, &scope).await? {
-            return self.decide(request, &scope, &row).await;
-        }
-        // The insert met a row committed after this statement's snapshot was taken, so the read
-        // half could not see it. A second statement sees it; that row was inserted a moment ago and
-        // cannot be stale. If it is gone again (released), or needs a retake after all, answer 409
-        // rather than spend a third round trip: the client's retry settles it.
-        match self.claim_once(request, &scope).await? {
-            Some(row) if needs_retake(&row) => Ok(ClaimOutcome::InProgress),
+        match self.claim_row(request, &scope).await? {
             Some(row) => self.decide(request, &scope, &row).await,
             None => Ok(ClaimOutcome::InProgress),
         }

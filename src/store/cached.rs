@@ -1,0 +1,448 @@
+//! A local cache of finished records in front of any store, so that replays skip the round trip.
+
+use std::collections::hash_map::RandomState;
+use std::collections::{HashMap, VecDeque};
+use std::hash::BuildHasher;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::{IdempotencyStore, StoreError};
+use crate::Fingerprint;
+use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
+
+/// The default bound on the bytes a [`CachedStore`] keeps: 32 MiB.
+pub const DEFAULT_CACHE_BYTES: usize = 32 << 20;
+
+/// The default longest time a [`CachedStore`] keeps a record: 5 minutes.
+pub const DEFAULT_CACHE_MAX_AGE: Duration = Duration::from_secs(300);
+
+const SHARDS: usize = 16;
+
+/// What an entry costs beyond its body and headers: the map slot, the queue slot, the `Arc`.
+const ENTRY_OVERHEAD: usize = 160;
+
+/// A store wrapper that keeps finished records in this process's memory, so a replay is answered
+/// without a round trip to the store behind it.
+///
+/// - **Only finished records** are cached (`completed` or `failed`, which never change until
+///   they expire). `in_progress` records, claims, completions, renewals and releases always go to
+///   the store.
+/// - **Filled by reads.** An entry is made when a claim reads a finished record from the store
+///   and the store says how long the record has left ([`StoredResponse::expires_in`]; the Postgres
+///   and Redis stores do). So the first replay of a record on each instance reads the store, and the
+///   next ones do not.
+/// - **Never outlives its record.** An entry expires when its record does (counted from before the
+///   read, so never later), or after `max_age` ([`DEFAULT_CACHE_MAX_AGE`]), whichever is first. The
+///   age bound limits how long a record deleted by hand (to let a key run again) is still replayed
+///   here.
+/// - **Fingerprint checked.** A cached record answers a request with another body `422`, exactly as
+///   the store would.
+/// - **Bounded by bytes** (bodies, headers and a fixed overhead per entry; [`DEFAULT_CACHE_BYTES`]),
+///   in 16 independently locked shards, each evicting its oldest entries first. A record larger than
+///   a sixteenth of a shard's share is not cached.
+///
+/// ```no_run
+/// # #[cfg(feature = "postgres")]
+/// # async fn demo(pool: sqlx::PgPool) {
+/// use axum_idempotency::{IdempotencyLayer, PostgresStore, store::CachedStore};
+///
+/// let store = CachedStore::new(PostgresStore::new(pool)).with_capacity(64 << 20);
+/// let layer = IdempotencyLayer::new(store);
+/// # let _ = layer;
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct CachedStore<S> {
+    inner: S,
+    cache: Arc<Cache>,
+}
+
+struct Cache {
+    hasher: RandomState,
+    shards: [Mutex<Shard>; SHARDS],
+    shard_bytes: usize,
+    max_age: Duration,
+}
+
+#[derive(Default)]
+struct Shard {
+    entries: HashMap<[u8; 32], Entry>,
+    /// Scopes in the order they were cached, with the entry's number to tell a replaced entry from
+    /// the one queued.
+    order: VecDeque<([u8; 32], u64)>,
+    bytes: usize,
+    next: u64,
+}
+
+struct Entry {
+    fingerprint: Fingerprint,
+    response: Arc<StoredResponse>,
+    deadline: Instant,
+    size: usize,
+    number: u64,
+}
+
+impl<S: IdempotencyStore> CachedStore<S> {
+    /// A cache of [`DEFAULT_CACHE_BYTES`] in front of `inner`.
+    pub fn new(inner: S) -> Self {
+        Self::build(inner, DEFAULT_CACHE_BYTES, DEFAULT_CACHE_MAX_AGE)
+    }
+
+    /// Bounds the bytes cached (0 turns the cache off).
+    pub fn with_capacity(self, bytes: usize) -> Self {
+        Self::build(self.inner, bytes, self.cache.max_age)
+    }
+
+    /// Bounds how long an entry is kept, whatever its record's retention.
+    pub fn with_max_age(self, max_age: Duration) -> Self {
+        Self::build(self.inner, self.cache.shard_bytes * SHARDS, max_age)
+    }
+
+    fn build(inner: S, bytes: usize, max_age: Duration) -> Self {
+        CachedStore {
+            inner,
+            cache: Arc::new(Cache {
+                hasher: RandomState::new(),
+                shards: Default::default(),
+                shard_bytes: bytes / SHARDS,
+                max_age,
+            }),
+        }
+    }
+
+    /// The store behind the cache.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    /// How many records are cached (expired ones not yet dropped included).
+    pub fn len(&self) -> usize {
+        self.cache
+            .shards
+            .iter()
+            .map(|s| lock(s).entries.len())
+            .sum()
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes the cached records count for.
+    pub fn bytes(&self) -> usize {
+        self.cache.shards.iter().map(|s| lock(s).bytes).sum()
+    }
+}
+
+fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    // Every change to a shard is completed before its lock is let go or cannot panic half-way, so a
+    // poisoned lock is safe to keep using.
+    shard
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Cache {
+    fn shard(&self, scope: &[u8; 32]) -> MutexGuard<'_, Shard> {
+        lock(&self.shards[self.hasher.hash_one(scope) as usize % SHARDS])
+    }
+
+    /// The cached answer to a claim, if any: the replay, or a mismatch.
+    fn answer(&self, scope: &[u8; 32], fingerprint: &Fingerprint) -> Option<ClaimOutcome> {
+        let mut shard = self.shard(scope);
+        let entry = shard.entries.get(scope)?;
+        if entry.deadline <= Instant::now() {
+            let size = entry.size;
+            shard.entries.remove(scope);
+            shard.bytes -= size;
+            return None;
+        }
+        Some(if entry.fingerprint == *fingerprint {
+            ClaimOutcome::Finished(entry.response.clone())
+        } else {
+            ClaimOutcome::FingerprintMismatch
+        })
+    }
+
+    fn insert(
+        &self,
+        scope: [u8; 32],
+        fingerprint: Fingerprint,
+        response: Arc<StoredResponse>,
+        read_at: Instant,
+    ) {
+        let Some(left) = response.expires_in else {
+            return;
+        };
+        let size = ENTRY_OVERHEAD
+            + response.body.len()
+            + response
+                .headers
+                .iter()
+                .map(|(n, v)| n.as_str().len() + v.len() + 16)
+                .sum::<usize>();
+        if size > self.shard_bytes / 16 {
+            return;
+        }
+        let deadline = read_at + left.min(self.max_age);
+        let mut shard = self.shard(&scope);
+        let shard = &mut *shard;
+        shard.next += 1;
+        let number = shard.next;
+        let entry = Entry {
+            fingerprint,
+            response,
+            deadline,
+            size,
+            number,
+        };
+        if let Some(old) = shard.entries.insert(scope, entry) {
+            shard.bytes -= old.size;
+        }
+        shard.bytes += size;
+        shard.order.push_back((scope, number));
+        while shard.bytes > self.shard_bytes {
+            let Some((oldest, number)) = shard.order.pop_front() else {
+                break;
+            };
+            if shard
+                .entries
+                .get(&oldest)
+                .is_some_and(|e| e.number == number)
+                && let Some(evicted) = shard.entries.remove(&oldest)
+            {
+                shard.bytes -= evicted.size;
+            }
+        }
+        // Replaced and expired entries leave stale numbers in the queue; keep it from growing past
+        // twice the entries by rebuilding it when it does.
+        if shard.order.len() > 2 * shard.entries.len() + 64 {
+            let entries = &shard.entries;
+            shard
+                .order
+                .retain(|(scope, number)| entries.get(scope).is_some_and(|e| e.number == *number));
+        }
+    }
+
+    fn sweep(&self) {
+        let now = Instant::now();
+        for shard in &self.shards {
+            let mut shard = lock(shard);
+            let shard = &mut *shard;
+            let mut freed = 0;
+            shard.entries.retain(|_, e| {
+                let keep = e.deadline > now;
+                if !keep {
+                    freed += e.size;
+                }
+                keep
+            });
+            shard.bytes -= freed;
+            let entries = &shard.entries;
+            shard
+                .order
+                .retain(|(scope, number)| entries.get(scope).is_some_and(|e| e.number == *number));
+        }
+    }
+}
+
+impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
+    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        if self.cache.shard_bytes == 0 {
+            return self.inner.claim(request).await;
+        }
+        let scope = request.key.digest();
+        if let Some(answer) = self.cache.answer(&scope, &request.fingerprint) {
+            return Ok(answer);
+        }
+        // Taken before the read: the record's time left is counted from no later than the store
+        // read it, so the entry cannot outlive the record.
+        let read_at = Instant::now();
+        let outcome = self.inner.claim(request).await?;
+        if let ClaimOutcome::Finished(response) = &outcome {
+            self.cache
+                .insert(scope, request.fingerprint, response.clone(), read_at);
+        }
+        Ok(outcome)
+    }
+
+    fn complete(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        response: Arc<StoredResponse>,
+        retention: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        self.inner.complete(key, lease, response, retention)
+    }
+
+    fn renew(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        lifetime: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        self.inner.renew(key, lease, lifetime)
+    }
+
+    fn release(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        self.inner.release(key, lease)
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        self.cache.sweep();
+        self.inner.purge_expired().await
+    }
+
+    #[cfg(feature = "postgres")]
+    fn postgres(&self) -> Option<&super::PostgresStore> {
+        self.inner.postgres()
+    }
+
+    /// Forwarded, so that a record written in a handler's transaction is what the inner store's
+    /// `complete` would write (sealed, over an `EncryptedStore`).
+    #[cfg(feature = "postgres")]
+    fn prepare_response(
+        &self,
+        key: &RecordKey,
+        response: Arc<StoredResponse>,
+    ) -> Result<Arc<StoredResponse>, StoreError> {
+        self.inner.prepare_response(key, response)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::Finished;
+    use bytes::Bytes;
+
+    fn response(body: &'static str, left: Option<Duration>) -> Arc<StoredResponse> {
+        Arc::new(StoredResponse {
+            outcome: Finished::Completed,
+            status: 201,
+            headers: Vec::new(),
+            body: Bytes::from_static(body.as_bytes()),
+            body_omitted: false,
+            expires_in: left,
+        })
+    }
+
+    fn cache(bytes: usize, max_age: Duration) -> Cache {
+        Cache {
+            hasher: RandomState::new(),
+            shards: Default::default(),
+            shard_bytes: bytes / SHARDS,
+            max_age,
+        }
+    }
+
+    fn fp(byte: u8) -> Fingerprint {
+        Fingerprint::of(None, &[byte])
+    }
+
+    #[test]
+    fn answers_with_the_record_and_checks_the_fingerprint() {
+        let cache = cache(1 << 20, Duration::from_secs(60));
+        let now = Instant::now();
+        cache.insert(
+            [1; 32],
+            fp(1),
+            response("a", Some(Duration::from_secs(10))),
+            now,
+        );
+        assert!(matches!(
+            cache.answer(&[1; 32], &fp(1)),
+            Some(ClaimOutcome::Finished(r)) if r.body == "a"
+        ));
+        assert_eq!(
+            cache.answer(&[1; 32], &fp(2)),
+            Some(ClaimOutcome::FingerprintMismatch)
+        );
+        assert_eq!(cache.answer(&[2; 32], &fp(1)), None);
+    }
+
+    #[test]
+    fn entries_expire_with_their_record_or_their_age() {
+        let cache = cache(1 << 20, Duration::from_secs(60));
+        let long_ago = Instant::now() - Duration::from_secs(5);
+        // The record had 4 s left when read 5 s ago: gone.
+        cache.insert(
+            [1; 32],
+            fp(1),
+            response("a", Some(Duration::from_secs(4))),
+            long_ago,
+        );
+        assert_eq!(cache.answer(&[1; 32], &fp(1)), None);
+        // A record with no known expiry is not cached.
+        cache.insert([2; 32], fp(1), response("b", None), Instant::now());
+        assert_eq!(cache.answer(&[2; 32], &fp(1)), None);
+        // The age bound wins over a long retention.
+        let short = self::cache(1 << 20, Duration::from_secs(4));
+        short.insert(
+            [3; 32],
+            fp(1),
+            response("c", Some(Duration::from_secs(3600))),
+            long_ago,
+        );
+        assert_eq!(short.answer(&[3; 32], &fp(1)), None);
+        let total: usize = cache.shards.iter().map(|s| lock(s).bytes).sum();
+        assert_eq!(total, 0, "expired entries give their bytes back");
+    }
+
+    #[test]
+    fn bytes_stay_under_the_bound() {
+        let bound = 64 * 1024;
+        let cache = cache(bound, Duration::from_secs(60));
+        let left = Some(Duration::from_secs(60));
+        for i in 0..20_000u32 {
+            let mut scope = [0; 32];
+            scope[..4].copy_from_slice(&i.to_be_bytes());
+            cache.insert(scope, fp(1), response("0123456789", left), Instant::now());
+            // Replace some, so that the queue holds stale numbers too.
+            if i % 3 == 0 {
+                cache.insert(scope, fp(1), response("x", left), Instant::now());
+            }
+        }
+        let (entries, bytes, queued) = cache.shards.iter().fold((0, 0, 0), |acc, s| {
+            let s = lock(s);
+            let counted: usize = s.entries.values().map(|e| e.size).sum();
+            assert_eq!(counted, s.bytes, "a shard's count matches its entries");
+            assert!(s.bytes <= bound / SHARDS);
+            assert!(s.order.len() <= 2 * s.entries.len() + 64);
+            (
+                acc.0 + s.entries.len(),
+                acc.1 + s.bytes,
+                acc.2 + s.order.len(),
+            )
+        });
+        assert!(bytes <= bound);
+        assert!(entries > 200, "the cache holds what fits: {entries}");
+        assert!(queued >= entries);
+        // The newest entries are the ones kept.
+        let mut newest = [0; 32];
+        newest[..4].copy_from_slice(&19_999u32.to_be_bytes());
+        assert!(cache.answer(&newest, &fp(1)).is_some());
+        let mut oldest = [0; 32];
+        oldest[..4].copy_from_slice(&0u32.to_be_bytes());
+        assert_eq!(cache.answer(&oldest, &fp(1)), None);
+    }
+
+    #[test]
+    fn records_too_large_for_a_shard_are_not_cached() {
+        let cache = cache(16 * 1024, Duration::from_secs(60));
+        let big: &'static str = Box::leak("x".repeat(2000).into_boxed_str());
+        cache.insert(
+            [1; 32],
+            fp(1),
+            response(big, Some(Duration::from_secs(60))),
+            Instant::now(),
+        );
+        assert_eq!(cache.answer(&[1; 32], &fp(1)), None);
+    }
+}
