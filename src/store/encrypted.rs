@@ -22,8 +22,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aes_gcm::aead::rand_core::RngCore;
-use aes_gcm::aead::{AeadInPlace, KeyInit, OsRng};
+use aes_gcm::aead::{AeadInPlace, KeyInit};
 use aes_gcm::{Aes256Gcm, Nonce, Tag};
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
@@ -245,8 +244,7 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
         });
         out.extend_from_slice(&key_id.to_be_bytes());
         let mut nonce = [0u8; NONCE_LEN];
-        OsRng
-            .try_fill_bytes(&mut nonce)
+        getrandom::fill(&mut nonce)
             .map_err(|e| StoreError::msg(format!("encrypt: no randomness for the nonce: {e}")))?;
         out.extend_from_slice(&nonce);
         let count = u32::try_from(response.headers.len()).map_err(|_| too_large())?;
