@@ -70,9 +70,13 @@ impl World {
 
 /// The answer of a payment: the request body (the marker) in a stored header and in the body.
 fn receipt(run: usize, marker: &[u8]) -> Response {
+    receipt_with(StatusCode::CREATED, run, marker)
+}
+
+fn receipt_with(status: StatusCode, run: usize, marker: &[u8]) -> Response {
     let marker = String::from_utf8_lossy(marker);
     Response::builder()
-        .status(StatusCode::CREATED)
+        .status(status)
         .header(header::CONTENT_TYPE, "application/json")
         .header(header::LOCATION, format!("/receipts/{marker}"))
         .body(Body::from(
@@ -86,11 +90,13 @@ async fn pay(State(world): State<World>, body: Bytes) -> Response {
     receipt(run, &body)
 }
 
-/// Writes an effect through the layer's transaction, then answers like [`pay`].
+/// Writes an effect through the layer's transaction, then answers like [`pay`]; with `x-abort`, a
+/// statement of the transaction fails afterwards and it answers `402`, a definitive failure.
 #[cfg(feature = "postgres")]
 async fn pay_in_transaction(
     State(world): State<World>,
     mut tx: axum_idempotency::IdempotentTx,
+    headers: axum::http::HeaderMap,
     body: Bytes,
 ) -> Response {
     let run = world.runs.fetch_add(1, Ordering::SeqCst) + 1;
@@ -102,6 +108,11 @@ async fn pay_in_transaction(
     .execute(&mut *tx)
     .await
     .expect("the effect is written");
+    if headers.contains_key("x-abort") {
+        let failed = sqlx::query("SELECT 1 / 0").execute(&mut *tx).await;
+        assert!(failed.is_err());
+        return receipt_with(StatusCode::PAYMENT_REQUIRED, run, &body);
+    }
     receipt(run, &body)
 }
 
@@ -137,7 +148,11 @@ async fn pay_with(router: &Router, path: &str, key: &str, marker: &str) -> Answe
 
 /// The answer carries the marker in its stored header and its body.
 fn assert_carries(answer: &Answer, marker: &str) {
-    assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
+    assert_carries_as(answer, marker, StatusCode::CREATED);
+}
+
+fn assert_carries_as(answer: &Answer, marker: &str, status: StatusCode) {
+    assert_eq!(answer.status, status, "{answer:?}");
     let location = format!("/receipts/{marker}");
     assert_eq!(answer.header("location"), Some(location.as_str()));
     assert_eq!(answer.json()["receipt"], marker);
@@ -271,8 +286,12 @@ mod postgres {
 
     /// The marker is nowhere in the row: not in a column's bytes, not in the row's text.
     fn assert_sealed(row: &RawRow, marker: &str) {
-        assert_eq!(row.status, "completed");
-        assert_eq!(row.response_status, Some(201));
+        assert_sealed_as(row, marker, "completed", 201);
+    }
+
+    fn assert_sealed_as(row: &RawRow, marker: &str, status: &str, code: i16) {
+        assert_eq!(row.status, status);
+        assert_eq!(row.response_status, Some(code));
         assert_eq!(
             row.header_names.as_deref(),
             Some(&[][..]),
@@ -390,6 +409,43 @@ mod postgres {
             EncryptedStore::new(CachedStore::new(pg), keys(&[1]))
         })
         .await;
+    }
+
+    /// A handler whose transaction failed and that answered a definitive failure: nothing of the
+    /// transaction commits, and its answer is recorded on its own, sealed too.
+    #[tokio::test]
+    async fn a_failure_recorded_outside_its_failed_transaction_is_sealed() {
+        let (plain, schema) = plain_store(8).await;
+        let world = World {
+            schema,
+            ..World::default()
+        };
+        let app = router(
+            layer(EncryptedStore::new(plain.clone(), keys(&[1]))),
+            &world,
+        );
+        let marker = marker();
+        let pay = || {
+            common::post("/pay-tx")
+                .key("k")
+                .header("x-abort", "1")
+                .body(Body::from(marker.clone()))
+        };
+        let answer = send(&app, pay()).await;
+        assert_carries_as(&answer, &marker, StatusCode::PAYMENT_REQUIRED);
+        let mut row = raw_row(&plain, "k").await;
+        for _ in 0..100 {
+            if row.status != "in_progress" {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            row = raw_row(&plain, "k").await;
+        }
+        assert_sealed_as(&row, &marker, "failed", 402);
+        let replay = send(&app, pay()).await;
+        assert!(replay.replayed());
+        assert_carries_as(&replay, &marker, StatusCode::PAYMENT_REQUIRED);
+        assert_eq!(world.runs(), 1);
     }
 
     #[tokio::test]

@@ -314,14 +314,15 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
                 )
             })?;
         let body_omitted = flags & FLAG_BODY_OMITTED != 0;
-        let (headers, body) = parse_plaintext(&plain)
+        let (headers, body_at) = parse_plaintext(&plain)
             .ok_or_else(|| fail(Some(key_id), "its plaintext is malformed"))?;
-        if body_omitted && !body.is_empty() {
+        if body_omitted && body_at != plain.len() {
             return Err(fail(Some(key_id), "its plaintext is malformed"));
         }
         Ok(StoredResponse {
             headers,
-            body: Bytes::copy_from_slice(body),
+            // The body is the plaintext's tail: no second copy.
+            body: Bytes::from(plain).slice(body_at..),
             body_omitted,
             ..stored.clone()
         })
@@ -387,9 +388,9 @@ fn associated_data(head: &[u8], key: &RecordKey, status: u16, outcome: Finished)
 /// Recorded headers, repeated ones in order.
 type Headers = Vec<(HeaderName, HeaderValue)>;
 
-/// Headers and body from an opened plaintext. Invalid or denied headers are dropped, as from any
-/// store; `None` when the lengths do not add up.
-fn parse_plaintext(plain: &[u8]) -> Option<(Headers, &[u8])> {
+/// The headers of an opened plaintext, and where its body starts. Invalid or denied headers are
+/// dropped, as from any store; `None` when the lengths do not add up.
+fn parse_plaintext(plain: &[u8]) -> Option<(Headers, usize)> {
     let mut rest = plain;
     let mut take = |n: usize| -> Option<&[u8]> {
         let (head, tail) = rest.split_at_checked(n)?;
@@ -410,7 +411,7 @@ fn parse_plaintext(plain: &[u8]) -> Option<(Headers, &[u8])> {
             headers.push((name, value));
         }
     }
-    Some((headers, rest))
+    Some((headers, plain.len() - rest.len()))
 }
 
 impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
