@@ -60,12 +60,23 @@ fn scale(n: usize) -> usize {
     ((n as f64 * factor) as usize).max(50)
 }
 
+/// The request body: the 1 KiB JSON order, or, with `LOAD_BODY=small`, a 150-byte one.
+fn request_body() -> Bytes {
+    if std::env::var("LOAD_BODY").is_ok_and(|v| v == "small") {
+        let mut body = br#"{"amount":1999,"currency":"EUR","customer":{"email":"alice@example.com","id":42},"items":[{"price":1999,"qty":1,"sku":"SKU-0001"}],"note":"x"}"#.to_vec();
+        body.resize(150, b' ');
+        Bytes::from(body)
+    } else {
+        json_1k()
+    }
+}
+
 /// What one request of a load run looks like: path, subject, key.
 type MakeRequest = Arc<dyn Fn(usize) -> (String, String, String) + Send + Sync>;
 
 /// `requests` requests from `concurrency` keep-alive connections; request `i` is `make(i)`.
 async fn load(addr: SocketAddr, concurrency: usize, requests: usize, make: MakeRequest) -> Stats {
-    let body = json_1k();
+    let body = request_body();
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let mut workers = tokio::task::JoinSet::new();
@@ -325,7 +336,8 @@ async fn memory_vs_bare() {
     load(layer_addr, CONCURRENCY, 2_000, fresh_keys("warm")).await;
 
     println!(
-        "\n### Layer + memory store vs the bare route (HTTP/1.1 loopback, {CONCURRENCY} connections, 1 KiB JSON, {n} requests a round, median of 3 rounds)\n"
+        "\n### Layer + memory store vs the bare route (HTTP/1.1 loopback, {CONCURRENCY} connections, {}-byte JSON, {n} requests a round, median of 3 rounds)\n",
+        request_body().len()
     );
     table("bare", "layer");
     let (b, s) = paired(
@@ -382,6 +394,7 @@ async fn postgres_vs_direct_sql(schema: &str) {
     )
     .await;
     row("fresh keys", b, s);
+    store.pool().close().await;
 }
 
 /// The duplicate of a request in progress: the layer's 409 against one `SELECT 1` round trip, and
@@ -702,13 +715,15 @@ async fn replays_by_store(schema: &str) {
     )
     .await;
     row("Postgres + CachedStore", b, s);
+    store.pool().close().await;
 }
 
 /// Twenty requests with one key released at once on their own connections, the first one's
 /// handler taking 300 ms: the other nineteen get `409`. The Postgres pool is warm (every connection
 /// open and its statements prepared). Run with the claim function, and without it (dropped: the
-/// claim's two statements sent one by one, as before the function existed), and on the memory
-/// store for what HTTP and the two cores cost alone.
+/// claim's two statements sent one by one, as before the function existed), through `CachedStore`
+/// (duplicates at one instance wait for the claim in flight instead of each sending their own),
+/// and on the memory store for what HTTP and the two cores cost alone.
 async fn burst_of_duplicates(schema: &str) {
     const RACERS: usize = 20;
     let rounds = scale(40).max(5);
@@ -759,14 +774,21 @@ async fn burst_of_duplicates(schema: &str) {
     }
 
     let memory = bursts(serve(router(MemoryStore::new())).await, "memory", rounds).await;
+    // One pool for the three Postgres runs (the database allows only so many connections).
     let store = fresh_pg_store(schema, RACERS as u32 + 4).await;
     let with_function = bursts(serve(router(store.clone())).await, "function", rounds).await;
-    let store = fresh_pg_store(schema, RACERS as u32 + 4).await;
+    let cached = bursts(
+        serve(router(CachedStore::new(store.clone()))).await,
+        "cached",
+        rounds,
+    )
+    .await;
     sqlx::raw_sql("DROP FUNCTION idempotency_records_claim_v1")
         .execute(store.pool())
         .await
         .expect("drop the claim function");
-    let two_statements = bursts(serve(router(store)).await, "direct", rounds).await;
+    let two_statements = bursts(serve(router(store.clone())).await, "direct", rounds).await;
+    store.pool().close().await;
 
     println!(
         "\n### {RACERS} simultaneous duplicates, warm Postgres pool ({rounds} bursts, {} `409`s each)\n",
@@ -777,6 +799,10 @@ async fn burst_of_duplicates(schema: &str) {
     for (name, stats) in [
         ("memory (HTTP and scheduling alone)", memory),
         ("Postgres, claim function (one round trip)", with_function),
+        (
+            "Postgres + `CachedStore` (one claim per burst; the rest wait for it)",
+            cached,
+        ),
         (
             "Postgres, two statements (the earlier claim)",
             two_statements,
@@ -798,7 +824,7 @@ async fn growth_all(schema: &str) {
     })
     .await;
     let store = fresh_pg_store(schema, 16).await;
-    growth("postgres", store, async |store: &PostgresStore| {
+    growth("postgres", store.clone(), async |store: &PostgresStore| {
         // Each fill row is claimed through the store, in parallel.
         let mut tasks = tokio::task::JoinSet::new();
         for chunk in 0..16 {
@@ -815,5 +841,47 @@ async fn growth_all(schema: &str) {
             .await
             .expect("analyze");
     })
+    .await;
+    // With the cache: 50 000 finished records, each read once so that the cache holds them all.
+    let store = CachedStore::new(fresh_pg_store(schema, 16).await);
+    growth(
+        "postgres + cache",
+        store,
+        async |store: &CachedStore<PostgresStore>| {
+            let mut tasks = tokio::task::JoinSet::new();
+            for chunk in 0..16 {
+                let store = store.clone();
+                tasks.spawn(async move {
+                    for i in (chunk..50_000).step_by(16) {
+                        let claim = filler_claim(i);
+                        let ClaimOutcome::Claimed { lease, .. } =
+                            store.claim(&claim).await.expect("fill")
+                        else {
+                            panic!("fresh fill key");
+                        };
+                        let response = Arc::new(StoredResponse {
+                            outcome: Finished::Completed,
+                            status: 201,
+                            headers: Vec::new(),
+                            body: Bytes::from_static(br#"{"id":1,"status":"succeeded"}"#),
+                            body_omitted: false,
+                            expires_in: None,
+                        });
+                        store
+                            .complete(&claim.key, lease, response, claim.retention)
+                            .await
+                            .expect("complete");
+                        store.claim(&claim).await.expect("read");
+                    }
+                });
+            }
+            while tasks.join_next().await.is_some() {}
+            assert_eq!(store.len(), 50_000, "every record is cached");
+            sqlx::raw_sql("ANALYZE idempotency_records")
+                .execute(store.inner().pool())
+                .await
+                .expect("analyze");
+        },
+    )
     .await;
 }

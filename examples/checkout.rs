@@ -21,6 +21,9 @@
 //! The simulated payment provider deduplicates by the `Idempotency-Key` it is given, as real ones
 //! do; the checkout gives it `IdempotencyContext::derived_key()`, so a retake that runs the handler
 //! again (its process died) does not charge the card twice at the provider either.
+//!
+//! With the `metrics` feature, `GET /metrics` (no auth) serves the layer's metrics in Prometheus'
+//! text format.
 
 use std::collections::HashMap;
 use std::error::Error;
@@ -40,6 +43,10 @@ use axum_idempotency::{
 use serde_json::{Value, json};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool};
+
+#[cfg(feature = "metrics")]
+#[path = "support/prometheus.rs"]
+mod prometheus;
 
 /// What the example is configured with.
 #[derive(Clone, Copy)]
@@ -291,11 +298,15 @@ pub fn app<S: IdempotencyStore>(
             .route("/checkout", post(checkout_separately))
             .route("/refund", post(refund_separately))
     };
-    Ok(routes
+    let router = routes
         .route_layer(idempotency)
         .route("/charges", get(charges))
         .layer(middleware::from_fn(demo_auth))
-        .with_state(AppState { ledger, settings }))
+        .with_state(AppState { ledger, settings });
+    // Added after the auth layer, so a scraper needs no token.
+    #[cfg(feature = "metrics")]
+    let router = router.route("/metrics", get(prometheus::scrape));
+    Ok(router)
 }
 
 /// Demo auth: `Authorization: Bearer <subject>` makes `<subject>` the subject.
@@ -518,6 +529,8 @@ async fn main() -> Result<(), Box<dyn Error>> {
                 .unwrap_or_else(|_| "info,sqlx=warn".into()),
         )
         .init();
+    #[cfg(feature = "metrics")]
+    prometheus::install()?;
     let settings = Settings::from_env()?;
     let router = router_from_env(settings).await?;
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());

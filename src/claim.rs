@@ -17,6 +17,7 @@ use crate::config::Config;
 use crate::context::IdempotencyContext;
 use crate::key;
 use crate::lease::{self, Lease};
+use crate::metrics::Label;
 use crate::outcome::{Outcome, report};
 use crate::problem::{ErrorKind, problem};
 use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey};
@@ -43,7 +44,7 @@ where
     let key = match key::from_headers(&parts.headers) {
         Ok(Some(key)) => key,
         Ok(None) if config.require_key => {
-            report(&config, Outcome::Rejected);
+            report(&config, &Label::of(&config, &parts), Outcome::Rejected);
             return Ok(problem(
                 ErrorKind::MissingIdempotencyKey,
                 "this endpoint requires an Idempotency-Key header",
@@ -52,15 +53,17 @@ where
         }
         Ok(None) => return pass_through(inner, Request::from_parts(parts, body)).await,
         Err(e) => {
-            report(&config, Outcome::Rejected);
+            report(&config, &Label::of(&config, &parts), Outcome::Rejected);
             return Ok(problem(ErrorKind::InvalidIdempotencyKey, e.detail(), None));
         }
     };
+    // The endpoint label of this request's metrics (nothing without the `metrics` feature).
+    let label = Label::of(&config, &parts);
     let subject = match config.subject.subject(&parts).filter(|s| !s.is_empty()) {
         Some(subject) => subject,
         None if config.allow_anonymous => String::new(),
         None => {
-            report(&config, Outcome::Rejected);
+            report(&config, &label, Outcome::Rejected);
             return Ok(problem(
                 ErrorKind::MissingSubject,
                 "an idempotent request must come from an authenticated subject",
@@ -80,7 +83,7 @@ where
         let bytes = match body::read_request(&parts.headers, body, config.body_limit).await {
             Ok(bytes) => bytes,
             Err(RequestBodyError::TooLarge) => {
-                report(&config, Outcome::Rejected);
+                report(&config, &label, Outcome::Rejected);
                 let detail = format!(
                     "the request body is over the limit of {} bytes",
                     config.body_limit
@@ -88,7 +91,7 @@ where
                 return Ok(problem(ErrorKind::RequestTooLarge, &detail, None));
             }
             Err(RequestBodyError::Unreadable(reason)) => {
-                report(&config, Outcome::Rejected);
+                report(&config, &label, Outcome::Rejected);
                 let detail = format!("the request body could not be read: {reason}");
                 return Ok(problem(ErrorKind::UnreadableBody, &detail, None));
             }
@@ -111,6 +114,7 @@ where
             Ok(ClaimOutcome::Claimed { lease, retaken }) => {
                 report(
                     &config,
+                    &label,
                     if retaken {
                         Outcome::Retaken
                     } else {
@@ -119,10 +123,10 @@ where
                 );
                 tracing::info!(retaken, "claimed; running the handler");
                 let claim = ClaimRequest { lease, ..claim };
-                run(config, store, inner, request, claim, retaken).await
+                run(config, label, store, inner, request, claim, retaken).await
             }
             Ok(ClaimOutcome::FingerprintMismatch) => {
-                report(&config, Outcome::KeyReuse);
+                report(&config, &label, Outcome::KeyReuse);
                 tracing::info!("key reused for a different request");
                 Ok(problem(
                     ErrorKind::IdempotencyKeyReuse,
@@ -131,7 +135,7 @@ where
                 ))
             }
             Ok(ClaimOutcome::InProgress) => {
-                report(&config, Outcome::InProgress);
+                report(&config, &label, Outcome::InProgress);
                 tracing::info!("duplicate while in progress");
                 Ok(problem(
                     ErrorKind::InProgress,
@@ -140,7 +144,7 @@ where
                 ))
             }
             Ok(ClaimOutcome::Finished(stored)) => {
-                report(&config, Outcome::Replayed);
+                report(&config, &label, Outcome::Replayed);
                 tracing::info!(status = stored.status, "replayed");
                 Ok(replay::replay(&stored, &config.replay_header))
             }
@@ -148,7 +152,7 @@ where
             // that happened: running the handler unguarded would repeat it.
             Err(e) if config.fail_open && !e.is_unreadable_record() => {
                 lease::abandon(store, claim.key, claim.lease, config.in_progress_ttl);
-                report(&config, Outcome::FailedOpen);
+                report(&config, &label, Outcome::FailedOpen);
                 tracing::warn!(error = %e, "idempotency store failed; running unguarded");
                 pass_through(inner, request).await
             }
@@ -158,7 +162,7 @@ where
                 if !e.is_unreadable_record() {
                     lease::abandon(store, claim.key, claim.lease, config.in_progress_ttl);
                 }
-                report(&config, Outcome::StoreUnavailable);
+                report(&config, &label, Outcome::StoreUnavailable);
                 tracing::error!(error = %e, "idempotency store failed; refusing the request");
                 Ok(problem(
                     ErrorKind::StoreUnavailable,
@@ -190,6 +194,7 @@ where
 /// neither the effect nor its recording.
 async fn run<S, St, ResBody>(
     config: Arc<Config>,
+    label: Label,
     store: St,
     inner: S,
     mut request: Request<Body>,
@@ -215,7 +220,7 @@ where
         request.extensions_mut().insert(slot.clone());
         (pg.clone(), slot)
     });
-    let lease = Lease::new(store, config.clone(), claim.key, claim.lease);
+    let lease = Lease::new(store, config.clone(), label, claim.key, claim.lease);
     let answer = lease
         .hold(AssertUnwindSafe(inner.oneshot(request)).catch_unwind())
         .await;

@@ -29,6 +29,8 @@ impl<S: IdempotencyStore> IdempotencyLayer<S> {
     }
 
     pub(crate) fn from_parts(store: S, config: Config) -> Self {
+        #[cfg(feature = "metrics")]
+        crate::metrics::describe();
         IdempotencyLayer {
             store,
             config: Arc::new(config),

@@ -30,6 +30,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::config::Config;
+use crate::metrics::Label;
 use crate::outcome::{Outcome, report};
 use crate::record::{LeaseToken, RecordKey, StoredResponse};
 use crate::store::{IdempotencyStore, StoreError};
@@ -41,6 +42,8 @@ use crate::store::{IdempotencyStore, StoreError};
 pub(crate) struct Lease<St: IdempotencyStore> {
     store: St,
     config: Arc<Config>,
+    /// The endpoint label of the outcomes this lease reports.
+    label: Label,
     key: RecordKey,
     token: LeaseToken,
     done: bool,
@@ -53,11 +56,18 @@ pub(crate) struct Lease<St: IdempotencyStore> {
 }
 
 impl<St: IdempotencyStore> Lease<St> {
-    pub(crate) fn new(store: St, config: Arc<Config>, key: RecordKey, token: LeaseToken) -> Self {
+    pub(crate) fn new(
+        store: St,
+        config: Arc<Config>,
+        label: Label,
+        key: RecordKey,
+        token: LeaseToken,
+    ) -> Self {
         let first = Instant::now() + config.in_progress_ttl / 3;
         Lease {
             store,
             config,
+            label,
             key,
             token,
             done: false,
@@ -75,6 +85,12 @@ impl<St: IdempotencyStore> Lease<St> {
             body_omitted: true,
             ..head.clone()
         });
+    }
+
+    /// The endpoint label of the request's outcomes.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn label(&self) -> &Label {
+        &self.label
     }
 
     /// The record's scope.
@@ -99,7 +115,8 @@ impl<St: IdempotencyStore> Lease<St> {
     #[cfg(feature = "postgres")]
     pub(crate) fn recorded_in_transaction(mut self, status: u16) {
         self.done = true;
-        report(&self.config, Outcome::Recorded);
+        self.store.settled_elsewhere(&self.key, self.token);
+        report(&self.config, &self.label, Outcome::Recorded);
         tracing::info!(status, "recorded in the handler's transaction");
     }
 
@@ -107,14 +124,16 @@ impl<St: IdempotencyStore> Lease<St> {
     #[cfg(feature = "postgres")]
     pub(crate) fn released_elsewhere(mut self) {
         self.done = true;
-        report(&self.config, Outcome::Released);
+        self.store.settled_elsewhere(&self.key, self.token);
+        report(&self.config, &self.label, Outcome::Released);
     }
 
     /// The lease turned out to be lost: nothing of this run is recorded, nothing is released.
     #[cfg(feature = "postgres")]
     pub(crate) fn lost(mut self) {
         self.done = true;
-        report(&self.config, Outcome::LeaseLost);
+        self.store.settled_elsewhere(&self.key, self.token);
+        report(&self.config, &self.label, Outcome::LeaseLost);
     }
 
     /// Runs `work` while renewing the lease every third of the in-progress TTL. Work that finishes
@@ -182,7 +201,7 @@ impl<St: IdempotencyStore> Lease<St> {
         if self.settled(first, stored.status) {
             return;
         }
-        report(&self.config, Outcome::RecordDeferred);
+        report(&self.config, &self.label, Outcome::RecordDeferred);
         tokio::spawn(async move { self.keep_completing(stored).await }.in_current_span());
     }
 
@@ -236,12 +255,12 @@ impl<St: IdempotencyStore> Lease<St> {
     fn settled(&self, attempt: Result<bool, StoreError>, status: u16) -> bool {
         match attempt {
             Ok(true) => {
-                report(&self.config, Outcome::Recorded);
+                report(&self.config, &self.label, Outcome::Recorded);
                 tracing::info!(status, "recorded");
                 true
             }
             Ok(false) => {
-                report(&self.config, Outcome::LeaseLost);
+                report(&self.config, &self.label, Outcome::LeaseLost);
                 tracing::warn!(
                     "the lease was lost (the record was retaken after a TTL without heartbeat); \
                      this late result was not recorded"
@@ -259,7 +278,7 @@ impl<St: IdempotencyStore> Lease<St> {
     /// in the background for up to the in-progress TTL.
     pub(crate) async fn release(mut self, why: &str) {
         self.done = true;
-        report(&self.config, Outcome::Released);
+        report(&self.config, &self.label, Outcome::Released);
         tracing::info!(reason = why, "releasing the record");
         match self.store.release(&self.key, self.token).await {
             Ok(true) => {}
@@ -282,9 +301,10 @@ impl<St: IdempotencyStore> Drop for Lease<St> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (store, config, key, token) = (
+        let (store, config, label, key, token) = (
             self.store.clone(),
             self.config.clone(),
+            self.label.clone(),
             self.key.clone(),
             self.token,
         );
@@ -293,7 +313,7 @@ impl<St: IdempotencyStore> Drop for Lease<St> {
         // down) then owns no lease whose drop would spawn again.
         runtime.spawn(
             async move {
-                let lease = Lease::new(store, config, key, token);
+                let lease = Lease::new(store, config, label, key, token);
                 match answered {
                     Some(head) => {
                         tracing::error!(

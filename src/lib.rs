@@ -57,7 +57,10 @@
 //! all. Every claimed request carries an [`IdempotencyContext`], whose derived key is meant for
 //! downstream providers. With the feature `encryption`, `EncryptedStore` wraps any store and
 //! encrypts the recorded headers and bodies at rest (AES-256-GCM). Outcomes (claimed, replayed, 409, 422, recorded, released, ...) are reported to the
-//! tracing span of each request and to an optional hook; see [`OutcomeCounters`].
+//! tracing span of each request and to an optional hook; see [`OutcomeCounters`]. With the
+//! `metrics` feature, they are also counted by route, and every store operation timed, through
+//! the `metrics` facade: see the `metrics` module (`idempotency_requests_total{outcome,endpoint}`
+//! and `idempotency_store_duration_seconds{operation,result}`).
 
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -73,6 +76,10 @@ mod json_pointer;
 pub mod key;
 mod layer;
 mod lease;
+#[cfg(feature = "metrics")]
+pub mod metrics;
+#[cfg(not(feature = "metrics"))]
+mod metrics;
 mod outcome;
 mod policy;
 mod problem;

@@ -1,17 +1,21 @@
 //! What the layer did with each guarded request: reported to the tracing span and to an optional
-//! hook, and counted by [`OutcomeCounters`] for export to any metrics system.
+//! hook, and counted by [`OutcomeCounters`] for export to any metrics system; with the `metrics`
+//! feature, also counted by endpoint through the `metrics` facade.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::config::Config;
+use crate::metrics::Label;
 
-/// Reports an outcome to the current span and to the configured hook.
-pub(crate) fn report(config: &Config, outcome: Outcome) {
+/// Reports an outcome to the current span, to the configured hook and, with the `metrics`
+/// feature, to the outcome counter under the request's endpoint `label`.
+pub(crate) fn report(config: &Config, label: &Label, outcome: Outcome) {
     tracing::Span::current().record("outcome", outcome.as_str());
     if let Some(hook) = &config.on_outcome {
         hook(outcome);
     }
+    label.count(outcome);
 }
 
 /// One thing the layer did with a guarded request. A request that runs the handler reports two: how

@@ -124,7 +124,8 @@ where
         ResponseFuture {
             inner: Some(Box::pin(claim::guard(
                 self.config.clone(),
-                self.store.clone(),
+                // Each operation timed, with the `metrics` feature; the store itself without.
+                crate::metrics::store(self.store.clone()),
                 inner,
                 request,
             ))),

@@ -6,6 +6,7 @@ use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::local_claims::{self, LocalClaims};
 use super::{IdempotencyStore, StoreError};
 use crate::Fingerprint;
 use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
@@ -40,6 +41,12 @@ const ENTRY_OVERHEAD: usize = 160;
 /// - **Bounded by bytes** (bodies, headers and a fixed overhead per entry; [`DEFAULT_CACHE_BYTES`]),
 ///   in 16 independently locked shards, each evicting its oldest entries first. A record larger than
 ///   a sixteenth of a shard's share is not cached.
+/// - **Duplicates at the same instance.** While a claim of a key is on its way to the store, other
+///   claims of that key in this process wait for its answer (one round trip) rather than each
+///   sending their own, and answer from it (`409`, the replay, or `422`); while this process holds
+///   a key's lease (no longer than the in-progress TTL after its last renewal), a duplicate here is
+///   answered `409` at once. Only the store ever grants a claim, so this cannot make a handler run
+///   twice; a burst of duplicates costs the store one claim.
 ///
 /// ```no_run
 /// # #[cfg(feature = "postgres")]
@@ -55,6 +62,7 @@ const ENTRY_OVERHEAD: usize = 160;
 pub struct CachedStore<S> {
     inner: S,
     cache: Arc<Cache>,
+    local: Arc<LocalClaims>,
 }
 
 struct Cache {
@@ -88,7 +96,8 @@ impl<S: IdempotencyStore> CachedStore<S> {
         Self::build(inner, DEFAULT_CACHE_BYTES, DEFAULT_CACHE_MAX_AGE)
     }
 
-    /// Bounds the bytes cached (0 turns the cache off).
+    /// Bounds the bytes cached (0 turns the cache of finished records off; duplicates at the same
+    /// instance are still answered without the store).
     pub fn with_capacity(self, bytes: usize) -> Self {
         Self::build(self.inner, bytes, self.cache.max_age)
     }
@@ -101,6 +110,7 @@ impl<S: IdempotencyStore> CachedStore<S> {
     fn build(inner: S, bytes: usize, max_age: Duration) -> Self {
         CachedStore {
             inner,
+            local: Arc::default(),
             cache: Arc::new(Cache {
                 hasher: RandomState::new(),
                 shards: Default::default(),
@@ -249,53 +259,78 @@ impl Cache {
 
 impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        if self.cache.shard_bytes == 0 {
-            return self.inner.claim(request).await;
-        }
         let scope = request.key.digest();
-        if let Some(answer) = self.cache.answer(&scope, &request.fingerprint) {
+        if self.cache.shard_bytes > 0
+            && let Some(answer) = self.cache.answer(&scope, &request.fingerprint)
+        {
             return Ok(answer);
         }
-        // Taken before the read: the record's time left is counted from no later than the store
-        // read it, so the entry cannot outlive the record.
-        let read_at = Instant::now();
-        let outcome = self.inner.claim(request).await?;
-        if let ClaimOutcome::Finished(response) = &outcome {
-            self.cache
-                .insert(scope, request.fingerprint, response.clone(), read_at);
+        match self.local.enter(scope, request.fingerprint) {
+            local_claims::Entry::Answer(answer) => Ok(answer),
+            local_claims::Entry::Follow(leader, answer) => {
+                match LocalClaims::follow(leader, request.fingerprint, answer).await {
+                    Some(answer) => Ok(answer),
+                    None => self.read(request, scope).await,
+                }
+            }
+            local_claims::Entry::Lead(leader) => {
+                let outcome = self.read(request, scope).await;
+                leader.settle(
+                    request.fingerprint,
+                    request.in_progress_ttl,
+                    outcome.as_ref().ok(),
+                );
+                outcome
+            }
         }
-        Ok(outcome)
     }
 
-    fn complete(
+    async fn complete(
         &self,
         key: &RecordKey,
         lease: LeaseToken,
         response: Arc<StoredResponse>,
         retention: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        self.inner.complete(key, lease, response, retention)
+    ) -> Result<bool, StoreError> {
+        let done = self.inner.complete(key, lease, response, retention).await;
+        // Finished, or lost: either way not held here any more. After an error the completion is
+        // tried again, and the record is still in progress as far as anyone knows.
+        if done.is_ok() {
+            self.local.let_go(&key.digest(), lease);
+        }
+        done
     }
 
-    fn renew(
+    async fn renew(
         &self,
         key: &RecordKey,
         lease: LeaseToken,
         lifetime: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        self.inner.renew(key, lease, lifetime)
+    ) -> Result<bool, StoreError> {
+        let renewed = self.inner.renew(key, lease, lifetime).await;
+        match renewed {
+            Ok(true) => self.local.renewed(&key.digest(), lease),
+            Ok(false) => self.local.let_go(&key.digest(), lease),
+            Err(_) => {}
+        }
+        renewed
     }
 
-    fn release(
-        &self,
-        key: &RecordKey,
-        lease: LeaseToken,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        self.inner.release(key, lease)
+    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
+        // Not held here from now on, whatever the store answers: if the release failed, the store
+        // still says "in progress", which is what this process would have said.
+        self.local.let_go(&key.digest(), lease);
+        self.inner.release(key, lease).await
+    }
+
+    fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
+        self.local.let_go(&key.digest(), lease);
+        self.inner.settled_elsewhere(key, lease);
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.cache.sweep();
+        self.local.sweep();
         self.inner.purge_expired().await
     }
 
@@ -313,6 +348,27 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         response: Arc<StoredResponse>,
     ) -> Result<Arc<StoredResponse>, StoreError> {
         self.inner.prepare_response(key, response)
+    }
+}
+
+impl<S: IdempotencyStore> CachedStore<S> {
+    /// A claim read from the store, its answer cached if it is a finished record.
+    async fn read(
+        &self,
+        request: &ClaimRequest,
+        scope: [u8; 32],
+    ) -> Result<ClaimOutcome, StoreError> {
+        // Taken before the read: the record's time left is counted from no later than the store
+        // read it, so the entry cannot outlive the record.
+        let read_at = Instant::now();
+        let outcome = self.inner.claim(request).await?;
+        if let ClaimOutcome::Finished(response) = &outcome
+            && self.cache.shard_bytes > 0
+        {
+            self.cache
+                .insert(scope, request.fingerprint, response.clone(), read_at);
+        }
+        Ok(outcome)
     }
 }
 

@@ -453,6 +453,10 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
         self.inner.purge_expired().await
     }
 
+    fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
+        self.inner.settled_elsewhere(key, lease);
+    }
+
     /// Forwarded: the transactional path seals through
     /// [`prepare_response`](IdempotencyStore::prepare_response).
     #[cfg(feature = "postgres")]

@@ -8,6 +8,7 @@ use std::time::Duration;
 use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
 
 mod cached;
+mod local_claims;
 mod memory;
 pub use cached::{CachedStore, DEFAULT_CACHE_BYTES, DEFAULT_CACHE_MAX_AGE};
 pub use memory::MemoryStore;
@@ -153,6 +154,15 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// Deletes every record whose retention has passed; returns how many.
     fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
+    /// Tells the store that `lease` no longer holds the record for a reason it did not see: the
+    /// record was completed in the handler's transaction (`IdempotentTx`), released by a statement
+    /// of the Postgres store's own, or found lost. Nothing to do for a store that keeps nothing about
+    /// its claims in this process; [`CachedStore`] forgets its hold on the key. A store that wraps
+    /// another forwards it.
+    fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
+        let _ = (key, lease);
+    }
+
     /// The Postgres store behind this one, if any, whose transactions handlers can take as
     /// [`IdempotentTx`]. A store that wraps a `PostgresStore` forwards it.
     #[cfg(feature = "postgres")]
@@ -187,6 +197,7 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
 pub fn spawn_purge<S: IdempotencyStore>(store: S, every: Duration) -> tokio::task::JoinHandle<()> {
     // A zero period would make the interval panic; purging more than once a second is pointless.
     let every = every.max(Duration::from_secs(1));
+    let store = crate::metrics::store(store);
     tokio::spawn(async move {
         let mut ticks = tokio::time::interval(every);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -37,6 +37,12 @@ macro_rules! cache_suite {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_burst_of_duplicates_costs_the_store_one_claim() {
+                $crate::common::cache::a_burst_of_duplicates_costs_the_store_one_claim($make.await)
+                    .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn in_progress_records_are_never_cached() {
                 $crate::common::cache::in_progress_records_are_never_cached($make.await).await;
             }
@@ -168,8 +174,9 @@ pub async fn cache_entry_expires_with_its_record<S: IdempotencyStore>(store: S) 
     assert_eq!(counters.started(), 2);
 }
 
-/// A duplicate of a request in progress gets `409` from the store, every time; nothing is cached
-/// until the record is finished.
+/// A duplicate of a request in progress gets `409`, from this instance's hold on the key without a
+/// claim reaching the store, and from the store at another instance; nothing is cached until the
+/// record is finished.
 pub async fn in_progress_records_are_never_cached<S: IdempotencyStore>(store: S) {
     let counting = Counting::new(store);
     let cached = CachedStore::new(counting.clone());
@@ -180,11 +187,24 @@ pub async fn in_progress_records_are_never_cached<S: IdempotencyStore>(store: S)
         async move { send(&router, req().header("x-delay-ms", "600")).await }
     });
     super::eventually(|| counters.started() == 1).await;
+    // Another instance: its own cache in front of the same store.
+    let elsewhere = CachedStore::new(counting.clone());
+    let (other_router, other_counters) = app(IdempotencyLayer::new(elsewhere.clone()));
     for n in 0..3 {
         let duplicate = send(&router, req()).await;
         assert_eq!(duplicate.status, StatusCode::CONFLICT);
-        assert_eq!(counting.claims(), 2 + n);
-        assert!(cached.is_empty());
+        assert_eq!(duplicate.problem(), "in_progress");
+        let reused = send(&router, post("/pay").key("k").user("alice").json("[]")).await;
+        assert_eq!(reused.status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(counting.claims(), 1 + n, "answered by this instance's hold");
+        let there = send(&other_router, req()).await;
+        assert_eq!(there.status, StatusCode::CONFLICT);
+        assert_eq!(
+            counting.claims(),
+            2 + n,
+            "the other instance asked the store"
+        );
+        assert!(cached.is_empty() && elsewhere.is_empty());
     }
     let first = slow.await.expect("slow request");
     assert_eq!(first.status, StatusCode::CREATED);
@@ -192,7 +212,54 @@ pub async fn in_progress_records_are_never_cached<S: IdempotencyStore>(store: S)
     assert!(replay.replayed());
     assert_eq!(replay.body, first.body);
     assert_eq!(cached.len(), 1);
+    assert!(send(&other_router, req()).await.replayed());
     assert_eq!(counters.started(), 1);
+    assert_eq!(other_counters.started(), 0);
+}
+
+/// Twenty duplicates at once at one instance: one claim reaches the store, the handler runs once,
+/// and the other nineteen get `409`.
+pub async fn a_burst_of_duplicates_costs_the_store_one_claim<S: IdempotencyStore>(store: S) {
+    let counting = Counting::new(store);
+    let cached = CachedStore::new(counting.clone());
+    let (router, counters) = app(IdempotencyLayer::new(cached));
+    for round in 0..5 {
+        let before = counting.claims();
+        let key = format!("burst-{round}");
+        let barrier = Arc::new(tokio::sync::Barrier::new(20));
+        let mut racers = tokio::task::JoinSet::new();
+        for _ in 0..20 {
+            let (router, barrier, key) = (router.clone(), barrier.clone(), key.clone());
+            racers.spawn(async move {
+                barrier.wait().await;
+                send(
+                    &router,
+                    post("/pay")
+                        .key(&key)
+                        .user("alice")
+                        .json("{}")
+                        .header("x-delay-ms", "300"),
+                )
+                .await
+                .status
+            });
+        }
+        let mut statuses = Vec::new();
+        while let Some(status) = racers.join_next().await {
+            statuses.push(status.expect("racer"));
+        }
+        let created = statuses
+            .iter()
+            .filter(|s| **s == StatusCode::CREATED)
+            .count();
+        let conflicts = statuses
+            .iter()
+            .filter(|s| **s == StatusCode::CONFLICT)
+            .count();
+        assert_eq!((created, conflicts), (1, 19), "{statuses:?}");
+        assert_eq!(counting.claims() - before, 1, "one claim reached the store");
+    }
+    assert_eq!(counters.started(), 5);
 }
 
 /// A store that does not say how long its records have left (the memory store) is never cached.
@@ -207,4 +274,9 @@ pub async fn records_without_an_expiry_are_not_cached<S: IdempotencyStore>(store
     }
     assert!(cached.is_empty());
     assert_eq!(counting.claims(), 4);
+}
+
+/// Over the memory store too, duplicates at one instance are answered by its hold on the key.
+pub async fn memory_bursts_are_answered_locally<S: IdempotencyStore>(store: S) {
+    a_burst_of_duplicates_costs_the_store_one_claim(store).await;
 }

@@ -31,6 +31,9 @@ pub fn binary() -> std::path::PathBuf {
             if cfg!(feature = "redis") {
                 features.push("redis");
             }
+            if cfg!(feature = "metrics") {
+                features.push("metrics");
+            }
             let status = std::process::Command::new(cargo)
                 .args(["build", "--quiet", "--example", "checkout", "--features"])
                 .arg(features.join(","))

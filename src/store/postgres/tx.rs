@@ -18,6 +18,7 @@ use sqlx::{PgConnection, Postgres, Transaction};
 use super::PostgresStore;
 use crate::config::Config;
 use crate::lease::Lease;
+use crate::metrics::{self, Label};
 use crate::outcome::{Outcome, report};
 use crate::problem::{ErrorKind, problem};
 use crate::record::{Finished, StoredResponse};
@@ -207,6 +208,8 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
     mut tx: Transaction<'static, Postgres>,
     response: Response<Body>,
 ) -> Response<Body> {
+    // Outcomes reported after the lease is settled carry its endpoint label.
+    let label = lease.label().clone();
     let Some(outcome) = recording::recorded_as(config, &response) else {
         rollback(store, tx).await;
         lease.release("the response asks for a retry").await;
@@ -231,18 +234,20 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
             rollback(store, tx).await;
             tracing::error!(error = %e, "the record could not be prepared for the transaction");
             lease.release("the record could not be prepared").await;
-            return unavailable(config);
+            return unavailable(config, &label);
         }
     };
-    let completed = store
-        .complete_in(
+    let completed = metrics::timed(
+        "complete",
+        store.complete_in(
             &mut tx,
             lease.key(),
             lease.token(),
             &written,
             config.retention,
-        )
-        .await;
+        ),
+    )
+    .await;
     match completed {
         Ok(true) => {}
         Ok(false) => {
@@ -286,7 +291,7 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
             lease
                 .release("the transaction could not be completed")
                 .await;
-            return unavailable(config);
+            return unavailable(config, &label);
         }
     }
     if let Err(e) = store.commit(tx).await {
@@ -294,16 +299,20 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
         // Did it land? Releasing waits for the transaction's row lock, so it deletes the record
         // only if the commit did not happen; if the record is finished by this lease instead, the
         // commit landed and its answer was lost on the way.
-        match store.settle_failed_commit(lease.key(), lease.token()).await {
+        let settled = metrics::timed(
+            "release",
+            store.settle_failed_commit(lease.key(), lease.token()),
+        );
+        match settled.await {
             Ok(false) => {
                 lease.released_elsewhere();
-                return unavailable(config);
+                return unavailable(config, &label);
             }
             Ok(true) => {}
             Err(e) => {
                 tracing::error!(error = %e, "whether the transaction committed is unknown");
                 lease.lost();
-                report(config, Outcome::StoreUnavailable);
+                report(config, &label, Outcome::StoreUnavailable);
                 return problem(
                     ErrorKind::StoreUnavailable,
                     "whether the operation happened is not known yet; retry with the same \
@@ -324,8 +333,8 @@ async fn rollback(store: &PostgresStore, tx: Transaction<'static, Postgres>) {
     }
 }
 
-fn unavailable(config: &Config) -> Response<Body> {
-    report(config, Outcome::StoreUnavailable);
+fn unavailable(config: &Config, label: &Label) -> Response<Body> {
+    report(config, label, Outcome::StoreUnavailable);
     problem(
         ErrorKind::StoreUnavailable,
         "the operation could not be recorded and did not happen; retry later",

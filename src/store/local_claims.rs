@@ -1,0 +1,397 @@
+//! What this process knows of the claims it is making and holding, so that a duplicate arriving at
+//! the same instance is answered without a round trip to the store (see [`CachedStore`]).
+//!
+//! - While a claim of a scope is on its way to the store, other claims of that scope in this
+//!   process wait for its answer (one round trip, bounded by the store's timeout) instead of each
+//!   sending their own, and answer from it: the record is then in progress (`409`), finished (the
+//!   replay), or has another fingerprint (`422`). When its answer does not settle theirs (it failed,
+//!   or it was a `422` for a body they do not share), they ask the store themselves.
+//! - While this process holds a scope's lease (from its claim to its completion or release, and no
+//!   longer than the in-progress TTL after its last renewal), a claim of that scope here is answered
+//!   `409`, or `422` for another body, at once.
+//!
+//! Nothing here ever answers "claimed": only the store grants a claim, so a handler cannot run twice
+//! because of this; at worst a duplicate gets `409` where the store would have answered sooner.
+//!
+//! [`CachedStore`]: super::CachedStore
+
+use std::collections::HashMap;
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use crate::Fingerprint;
+use crate::record::{ClaimOutcome, LeaseToken};
+
+const SHARDS: usize = 16;
+
+/// The answer a claim in flight got, as its followers need it.
+#[derive(Clone)]
+pub(super) enum Settled {
+    /// Not yet.
+    Pending,
+    /// The store answered.
+    Answered(ClaimOutcome),
+    /// The store failed, or the claim was dropped before it answered.
+    Unknown,
+}
+
+enum Local {
+    InFlight {
+        fingerprint: Fingerprint,
+        number: u64,
+        answer: watch::Receiver<Settled>,
+    },
+    Held {
+        fingerprint: Fingerprint,
+        lease: LeaseToken,
+        ttl: Duration,
+        until: Instant,
+    },
+}
+
+#[derive(Default)]
+struct Shard {
+    scopes: HashMap<[u8; 32], Local>,
+    next: u64,
+}
+
+pub(super) struct LocalClaims {
+    hasher: RandomState,
+    shards: [Mutex<Shard>; SHARDS],
+}
+
+/// What a claim does, given what this process knows of its scope.
+pub(super) enum Entry {
+    /// Answer this, without the store.
+    Answer(ClaimOutcome),
+    /// Wait for the claim in flight, then [`LocalClaims::follow`] its answer.
+    Follow(Fingerprint, watch::Receiver<Settled>),
+    /// Ask the store, then [`Leader::settle`].
+    Lead(Leader),
+}
+
+/// The claim in flight of a scope; dropped without [`Leader::settle`] (cancelled), its followers
+/// ask the store themselves.
+pub(super) struct Leader {
+    claims: Arc<LocalClaims>,
+    scope: [u8; 32],
+    number: u64,
+    answer: Option<watch::Sender<Settled>>,
+}
+
+impl Default for LocalClaims {
+    fn default() -> Self {
+        LocalClaims {
+            hasher: RandomState::new(),
+            shards: Default::default(),
+        }
+    }
+}
+
+fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    // Every change is one map operation: a poisoned lock holds nothing half-written.
+    shard
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl LocalClaims {
+    fn shard(&self, scope: &[u8; 32]) -> MutexGuard<'_, Shard> {
+        lock(&self.shards[self.hasher.hash_one(scope) as usize % SHARDS])
+    }
+
+    /// What a claim of `scope` with `fingerprint` does.
+    pub(super) fn enter(self: &Arc<Self>, scope: [u8; 32], fingerprint: Fingerprint) -> Entry {
+        let now = Instant::now();
+        let mut shard = self.shard(&scope);
+        match shard.scopes.get(&scope) {
+            Some(Local::Held {
+                fingerprint: held,
+                until,
+                ..
+            }) if *until > now => {
+                return Entry::Answer(if *held == fingerprint {
+                    ClaimOutcome::InProgress
+                } else {
+                    ClaimOutcome::FingerprintMismatch
+                });
+            }
+            Some(Local::InFlight {
+                fingerprint: leader,
+                answer,
+                ..
+            }) => return Entry::Follow(*leader, answer.clone()),
+            // A hold past its TTL without renewal: let the store say what the record is now.
+            Some(Local::Held { .. }) | None => {}
+        }
+        shard.next += 1;
+        let number = shard.next;
+        let (sender, receiver) = watch::channel(Settled::Pending);
+        shard.scopes.insert(
+            scope,
+            Local::InFlight {
+                fingerprint,
+                number,
+                answer: receiver,
+            },
+        );
+        Entry::Lead(Leader {
+            claims: self.clone(),
+            scope,
+            number,
+            answer: Some(sender),
+        })
+    }
+
+    /// The answer of a follower with `fingerprint` to the claim in flight of `leader`'s
+    /// fingerprint; `None` when it must ask the store itself.
+    pub(super) async fn follow(
+        leader: Fingerprint,
+        fingerprint: Fingerprint,
+        mut answer: watch::Receiver<Settled>,
+    ) -> Option<ClaimOutcome> {
+        let settled = match answer.wait_for(|s| !matches!(s, Settled::Pending)).await {
+            Ok(settled) => settled.clone(),
+            Err(_) => return None,
+        };
+        let same = leader == fingerprint;
+        match settled {
+            // The record exists with the leader's fingerprint, in progress.
+            Settled::Answered(ClaimOutcome::Claimed { .. } | ClaimOutcome::InProgress) => {
+                Some(if same {
+                    ClaimOutcome::InProgress
+                } else {
+                    ClaimOutcome::FingerprintMismatch
+                })
+            }
+            // Finished, with the leader's fingerprint.
+            Settled::Answered(ClaimOutcome::Finished(response)) => Some(if same {
+                ClaimOutcome::Finished(response)
+            } else {
+                ClaimOutcome::FingerprintMismatch
+            }),
+            // The record's fingerprint is not the leader's: the same body gets the same answer;
+            // another one may be the record's own.
+            Settled::Answered(ClaimOutcome::FingerprintMismatch) if same => {
+                Some(ClaimOutcome::FingerprintMismatch)
+            }
+            _ => None,
+        }
+    }
+
+    /// This process no longer holds `scope` by `lease` (completed, released, or lost).
+    pub(super) fn let_go(&self, scope: &[u8; 32], lease: LeaseToken) {
+        let mut shard = self.shard(scope);
+        if matches!(shard.scopes.get(scope), Some(Local::Held { lease: held, .. }) if *held == lease)
+        {
+            shard.scopes.remove(scope);
+        }
+    }
+
+    /// `lease` was renewed: the hold lasts another TTL.
+    pub(super) fn renewed(&self, scope: &[u8; 32], lease: LeaseToken) {
+        let mut shard = self.shard(scope);
+        if let Some(Local::Held {
+            lease: held,
+            ttl,
+            until,
+            ..
+        }) = shard.scopes.get_mut(scope)
+            && *held == lease
+        {
+            *until = Instant::now() + *ttl;
+        }
+    }
+
+    /// Drops holds past their TTL (their holder stopped renewing them).
+    pub(super) fn sweep(&self) {
+        let now = Instant::now();
+        for shard in &self.shards {
+            lock(shard)
+                .scopes
+                .retain(|_, local| !matches!(local, Local::Held { until, .. } if *until <= now));
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.shards.iter().map(|s| lock(s).scopes.len()).sum()
+    }
+}
+
+impl Leader {
+    /// The store answered `outcome` (`None`: it failed): tell the followers, and hold the scope if
+    /// the claim was granted.
+    pub(super) fn settle(
+        mut self,
+        fingerprint: Fingerprint,
+        ttl: Duration,
+        outcome: Option<&ClaimOutcome>,
+    ) {
+        let mut shard = self.claims.shard(&self.scope);
+        let ours = matches!(
+            shard.scopes.get(&self.scope),
+            Some(Local::InFlight { number, .. }) if *number == self.number
+        );
+        if ours {
+            match outcome {
+                Some(ClaimOutcome::Claimed { lease, .. }) => {
+                    shard.scopes.insert(
+                        self.scope,
+                        Local::Held {
+                            fingerprint,
+                            lease: *lease,
+                            ttl,
+                            until: Instant::now() + ttl,
+                        },
+                    );
+                }
+                _ => {
+                    shard.scopes.remove(&self.scope);
+                }
+            }
+        }
+        drop(shard);
+        if let Some(answer) = self.answer.take() {
+            answer.send_replace(match outcome {
+                Some(outcome) => Settled::Answered(outcome.clone()),
+                None => Settled::Unknown,
+            });
+        }
+    }
+}
+
+impl Drop for Leader {
+    fn drop(&mut self) {
+        if self.answer.is_none() {
+            return;
+        }
+        // Cancelled before the store answered: forget the claim in flight; the followers see the
+        // sender gone and ask the store themselves.
+        let mut shard = self.claims.shard(&self.scope);
+        if matches!(
+            shard.scopes.get(&self.scope),
+            Some(Local::InFlight { number, .. }) if *number == self.number
+        ) {
+            shard.scopes.remove(&self.scope);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fp(b: u8) -> Fingerprint {
+        Fingerprint::of(None, &[b])
+    }
+
+    const TTL: Duration = Duration::from_secs(60);
+
+    #[tokio::test]
+    async fn followers_answer_from_the_leader() {
+        let claims = Arc::new(LocalClaims::default());
+        let Entry::Lead(leader) = claims.enter([1; 32], fp(1)) else {
+            panic!("the first claim leads");
+        };
+        let Entry::Follow(leader_fp, same) = claims.enter([1; 32], fp(1)) else {
+            panic!("the second follows");
+        };
+        let Entry::Follow(_, other) = claims.enter([1; 32], fp(2)) else {
+            panic!("the third follows");
+        };
+        let same = tokio::spawn(LocalClaims::follow(leader_fp, fp(1), same));
+        let other = tokio::spawn(LocalClaims::follow(leader_fp, fp(2), other));
+        let lease = LeaseToken(7);
+        leader.settle(
+            fp(1),
+            TTL,
+            Some(&ClaimOutcome::Claimed {
+                lease,
+                retaken: false,
+            }),
+        );
+        assert_eq!(same.await.ok().flatten(), Some(ClaimOutcome::InProgress));
+        assert_eq!(
+            other.await.ok().flatten(),
+            Some(ClaimOutcome::FingerprintMismatch)
+        );
+        // Held now: answered at once.
+        assert!(matches!(
+            claims.enter([1; 32], fp(1)),
+            Entry::Answer(ClaimOutcome::InProgress)
+        ));
+        claims.renewed(&[1; 32], lease);
+        claims.let_go(&[1; 32], LeaseToken(8));
+        assert_eq!(claims.len(), 1, "another lease lets nothing go");
+        claims.let_go(&[1; 32], lease);
+        assert_eq!(claims.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_failed_or_cancelled_leader_sends_followers_to_the_store() {
+        let claims = Arc::new(LocalClaims::default());
+        let Entry::Lead(leader) = claims.enter([1; 32], fp(1)) else {
+            panic!("leads");
+        };
+        let Entry::Follow(l, rx) = claims.enter([1; 32], fp(1)) else {
+            panic!("follows");
+        };
+        leader.settle(fp(1), TTL, None);
+        assert_eq!(LocalClaims::follow(l, fp(1), rx).await, None);
+        assert_eq!(claims.len(), 0);
+
+        let Entry::Lead(leader) = claims.enter([1; 32], fp(1)) else {
+            panic!("leads");
+        };
+        let Entry::Follow(l, rx) = claims.enter([1; 32], fp(1)) else {
+            panic!("follows");
+        };
+        drop(leader);
+        assert_eq!(LocalClaims::follow(l, fp(1), rx).await, None);
+        assert_eq!(claims.len(), 0);
+
+        // A mismatch settles only the followers with the leader's body.
+        let Entry::Lead(leader) = claims.enter([1; 32], fp(1)) else {
+            panic!("leads");
+        };
+        let Entry::Follow(l, same) = claims.enter([1; 32], fp(1)) else {
+            panic!("follows");
+        };
+        let Entry::Follow(_, other) = claims.enter([1; 32], fp(2)) else {
+            panic!("follows");
+        };
+        leader.settle(fp(1), TTL, Some(&ClaimOutcome::FingerprintMismatch));
+        assert_eq!(
+            LocalClaims::follow(l, fp(1), same).await,
+            Some(ClaimOutcome::FingerprintMismatch)
+        );
+        assert_eq!(LocalClaims::follow(l, fp(2), other).await, None);
+    }
+
+    #[tokio::test]
+    async fn a_hold_lasts_a_ttl_without_renewal() {
+        let claims = Arc::new(LocalClaims::default());
+        let ttl = Duration::from_millis(50);
+        let Entry::Lead(leader) = claims.enter([1; 32], fp(1)) else {
+            panic!("leads");
+        };
+        let claimed = ClaimOutcome::Claimed {
+            lease: LeaseToken(1),
+            retaken: false,
+        };
+        leader.settle(fp(1), ttl, Some(&claimed));
+        assert!(matches!(
+            claims.enter([1; 32], fp(2)),
+            Entry::Answer(ClaimOutcome::FingerprintMismatch)
+        ));
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        claims.sweep();
+        assert_eq!(claims.len(), 0);
+        assert!(matches!(claims.enter([1; 32], fp(1)), Entry::Lead(_)));
+    }
+}
