@@ -51,7 +51,10 @@
 //!
 //! Stores implement [`IdempotencyStore`]: [`MemoryStore`] (one process, the default for examples
 //! and tests), `PostgresStore` (feature `postgres`, on by default) and `RedisStore` (feature
-//! `redis`; one server or a Redis Cluster). While a request holds its claim, the layer renews it
+//! `redis`; one server or a Redis Cluster); [`CachedStore`] in front of any of them answers replays,
+//! and duplicates arriving at the same instance, without a round trip. What counts as the same
+//! request can be narrowed ([`IdempotencyLayerBuilder::fingerprint_ignore`]). While a request holds
+//! its claim, the layer renews it
 //! (a heartbeat), so only a claim whose holder died is retaken. On a `PostgresStore`, a handler that takes `IdempotentTx` writes
 //! its effects in the same transaction as the record of its answer: they commit together or not at
 //! all. Every claimed request carries an [`IdempotencyContext`], whose derived key is meant for

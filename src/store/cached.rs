@@ -34,13 +34,15 @@ const ENTRY_OVERHEAD: usize = 160;
 ///   next ones do not.
 /// - **Never outlives its record.** An entry expires when its record does (counted from before the
 ///   read, so never later), or after `max_age` ([`DEFAULT_CACHE_MAX_AGE`]), whichever is first. The
-///   age bound limits how long a record deleted by hand (to let a key run again) is still replayed
-///   here.
+///   age bound limits how long a record that vanished early is still replayed here: deleted by
+///   hand (to let a key run again), or lost by a Redis that evicts keys under memory pressure
+///   (`maxmemory-policy` other than `noeviction`) or restarts without persistence.
 /// - **Fingerprint checked.** A cached record answers a request with another body `422`, exactly as
 ///   the store would.
 /// - **Bounded by bytes** (bodies, headers and a fixed overhead per entry; [`DEFAULT_CACHE_BYTES`]),
 ///   in 16 independently locked shards, each evicting its oldest entries first. A record larger than
-///   a sixteenth of a shard's share is not cached.
+///   a sixteenth of a shard's share is not cached (so a capacity under about 64 KiB caches
+///   nothing).
 /// - **Duplicates at the same instance.** While a claim of a key is on its way to the store, other
 ///   claims of that key in this process wait for its answer (one round trip) rather than each
 ///   sending their own, and answer from it (`409`, the replay, or `422`); while this process holds
@@ -268,7 +270,7 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         match self.local.enter(scope, request.fingerprint) {
             local_claims::Entry::Answer(answer) => Ok(answer),
             local_claims::Entry::Follow(leader, answer) => {
-                match LocalClaims::follow(leader, request.fingerprint, answer).await {
+                match LocalClaims::follow(leader, request.fingerprint, answer).await? {
                     Some(answer) => Ok(answer),
                     None => self.read(request, scope).await,
                 }
@@ -278,7 +280,7 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
                 leader.settle(
                     request.fingerprint,
                     request.in_progress_ttl,
-                    outcome.as_ref().ok(),
+                    outcome.as_ref(),
                 );
                 outcome
             }

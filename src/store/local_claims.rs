@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
+use super::StoreError;
 use crate::Fingerprint;
 use crate::record::{ClaimOutcome, LeaseToken};
 
@@ -35,8 +36,9 @@ pub(super) enum Settled {
     Pending,
     /// The store answered.
     Answered(ClaimOutcome),
-    /// The store failed, or the claim was dropped before it answered.
-    Unknown,
+    /// The store failed; its error, for the followers to answer with (`503`) rather than each
+    /// waiting for a failing store again.
+    Failed(Arc<str>),
 }
 
 enum Local {
@@ -58,6 +60,10 @@ struct Shard {
     scopes: HashMap<[u8; 32], Local>,
     next: u64,
 }
+
+/// Claims entered in a shard between two sweeps of its holds past their TTL (holds that were never
+/// let go, say by a lease dropped outside a runtime), so the map stays bounded without a purge.
+const SWEEP_EVERY: u64 = 1024;
 
 pub(super) struct LocalClaims {
     hasher: RandomState,
@@ -129,6 +135,11 @@ impl LocalClaims {
             Some(Local::Held { .. }) | None => {}
         }
         shard.next += 1;
+        if shard.next % SWEEP_EVERY == 0 {
+            shard
+                .scopes
+                .retain(|_, local| !matches!(local, Local::Held { until, .. } if *until <= now));
+        }
         let number = shard.next;
         let (sender, receiver) = watch::channel(Settled::Pending);
         shard.scopes.insert(
@@ -148,26 +159,34 @@ impl LocalClaims {
     }
 
     /// The answer of a follower with `fingerprint` to the claim in flight of `leader`'s
-    /// fingerprint; `None` when it must ask the store itself.
+    /// fingerprint; `Ok(None)` when it must ask the store itself (the leader was cancelled, or its
+    /// answer does not settle this one).
     pub(super) async fn follow(
         leader: Fingerprint,
         fingerprint: Fingerprint,
         mut answer: watch::Receiver<Settled>,
-    ) -> Option<ClaimOutcome> {
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
         let settled = match answer.wait_for(|s| !matches!(s, Settled::Pending)).await {
             Ok(settled) => settled.clone(),
-            Err(_) => return None,
+            Err(_) => return Ok(None),
         };
         let same = leader == fingerprint;
-        match settled {
-            // The record exists with the leader's fingerprint, in progress.
-            Settled::Answered(ClaimOutcome::Claimed { .. } | ClaimOutcome::InProgress) => {
-                Some(if same {
-                    ClaimOutcome::InProgress
-                } else {
-                    ClaimOutcome::FingerprintMismatch
-                })
+        Ok(match settled {
+            Settled::Failed(error) => {
+                return Err(StoreError::msg(format!(
+                    "the claim in flight for this key failed: {error}"
+                )));
             }
+            // The leader's claim was granted: the record is in progress with its fingerprint.
+            Settled::Answered(ClaimOutcome::Claimed { .. }) => Some(if same {
+                ClaimOutcome::InProgress
+            } else {
+                ClaimOutcome::FingerprintMismatch
+            }),
+            // In progress: with the leader's fingerprint as a rule, but not always (a store may
+            // answer it for a record it could not retake, whatever its fingerprint), so only the
+            // same body is settled.
+            Settled::Answered(ClaimOutcome::InProgress) if same => Some(ClaimOutcome::InProgress),
             // Finished, with the leader's fingerprint.
             Settled::Answered(ClaimOutcome::Finished(response)) => Some(if same {
                 ClaimOutcome::Finished(response)
@@ -180,7 +199,7 @@ impl LocalClaims {
                 Some(ClaimOutcome::FingerprintMismatch)
             }
             _ => None,
-        }
+        })
     }
 
     /// This process no longer holds `scope` by `lease` (completed, released, or lost).
@@ -230,7 +249,7 @@ impl Leader {
         mut self,
         fingerprint: Fingerprint,
         ttl: Duration,
-        outcome: Option<&ClaimOutcome>,
+        outcome: Result<&ClaimOutcome, &StoreError>,
     ) {
         let mut shard = self.claims.shard(&self.scope);
         let ours = matches!(
@@ -239,7 +258,7 @@ impl Leader {
         );
         if ours {
             match outcome {
-                Some(ClaimOutcome::Claimed { lease, .. }) => {
+                Ok(ClaimOutcome::Claimed { lease, .. }) => {
                     shard.scopes.insert(
                         self.scope,
                         Local::Held {
@@ -258,8 +277,8 @@ impl Leader {
         drop(shard);
         if let Some(answer) = self.answer.take() {
             answer.send_replace(match outcome {
-                Some(outcome) => Settled::Answered(outcome.clone()),
-                None => Settled::Unknown,
+                Ok(outcome) => Settled::Answered(outcome.clone()),
+                Err(error) => Settled::Failed(error.to_string().into()),
             });
         }
     }
@@ -310,14 +329,17 @@ mod tests {
         leader.settle(
             fp(1),
             TTL,
-            Some(&ClaimOutcome::Claimed {
+            Ok(&ClaimOutcome::Claimed {
                 lease,
                 retaken: false,
             }),
         );
-        assert_eq!(same.await.ok().flatten(), Some(ClaimOutcome::InProgress));
         assert_eq!(
-            other.await.ok().flatten(),
+            same.await.expect("task").expect("settled"),
+            Some(ClaimOutcome::InProgress)
+        );
+        assert_eq!(
+            other.await.expect("task").expect("settled"),
             Some(ClaimOutcome::FingerprintMismatch)
         );
         // Held now: answered at once.
@@ -326,6 +348,10 @@ mod tests {
             Entry::Answer(ClaimOutcome::InProgress)
         ));
         claims.renewed(&[1; 32], lease);
+        assert!(matches!(
+            claims.shard(&[1; 32]).scopes.get(&[1; 32]),
+            Some(Local::Held { until, .. }) if *until > Instant::now() + TTL - Duration::from_secs(1)
+        ));
         claims.let_go(&[1; 32], LeaseToken(8));
         assert_eq!(claims.len(), 1, "another lease lets nothing go");
         claims.let_go(&[1; 32], lease);
@@ -341,8 +367,9 @@ mod tests {
         let Entry::Follow(l, rx) = claims.enter([1; 32], fp(1)) else {
             panic!("follows");
         };
-        leader.settle(fp(1), TTL, None);
-        assert_eq!(LocalClaims::follow(l, fp(1), rx).await, None);
+        leader.settle(fp(1), TTL, Err(&StoreError::msg("down")));
+        let failed = LocalClaims::follow(l, fp(1), rx).await;
+        assert!(failed.is_err_and(|e| e.to_string().contains("down")));
         assert_eq!(claims.len(), 0);
 
         let Entry::Lead(leader) = claims.enter([1; 32], fp(1)) else {
@@ -352,7 +379,7 @@ mod tests {
             panic!("follows");
         };
         drop(leader);
-        assert_eq!(LocalClaims::follow(l, fp(1), rx).await, None);
+        assert!(matches!(LocalClaims::follow(l, fp(1), rx).await, Ok(None)));
         assert_eq!(claims.len(), 0);
 
         // A mismatch settles only the followers with the leader's body.
@@ -365,12 +392,36 @@ mod tests {
         let Entry::Follow(_, other) = claims.enter([1; 32], fp(2)) else {
             panic!("follows");
         };
-        leader.settle(fp(1), TTL, Some(&ClaimOutcome::FingerprintMismatch));
-        assert_eq!(
+        leader.settle(fp(1), TTL, Ok(&ClaimOutcome::FingerprintMismatch));
+        assert!(matches!(
             LocalClaims::follow(l, fp(1), same).await,
-            Some(ClaimOutcome::FingerprintMismatch)
-        );
-        assert_eq!(LocalClaims::follow(l, fp(2), other).await, None);
+            Ok(Some(ClaimOutcome::FingerprintMismatch))
+        ));
+        assert!(matches!(
+            LocalClaims::follow(l, fp(2), other).await,
+            Ok(None)
+        ));
+
+        // "In progress" settles only the followers with the leader's body: a store may answer it
+        // for a record with another fingerprint (one it could not retake).
+        let Entry::Lead(leader) = claims.enter([1; 32], fp(1)) else {
+            panic!("leads");
+        };
+        let Entry::Follow(l, same) = claims.enter([1; 32], fp(1)) else {
+            panic!("follows");
+        };
+        let Entry::Follow(_, other) = claims.enter([1; 32], fp(2)) else {
+            panic!("follows");
+        };
+        leader.settle(fp(1), TTL, Ok(&ClaimOutcome::InProgress));
+        assert!(matches!(
+            LocalClaims::follow(l, fp(1), same).await,
+            Ok(Some(ClaimOutcome::InProgress))
+        ));
+        assert!(matches!(
+            LocalClaims::follow(l, fp(2), other).await,
+            Ok(None)
+        ));
     }
 
     #[tokio::test]
@@ -384,7 +435,7 @@ mod tests {
             lease: LeaseToken(1),
             retaken: false,
         };
-        leader.settle(fp(1), ttl, Some(&claimed));
+        leader.settle(fp(1), ttl, Ok(&claimed));
         assert!(matches!(
             claims.enter([1; 32], fp(2)),
             Entry::Answer(ClaimOutcome::FingerprintMismatch)

@@ -158,7 +158,9 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// record was completed in the handler's transaction (`IdempotentTx`), released by a statement
     /// of the Postgres store's own, or found lost. Nothing to do for a store that keeps nothing about
     /// its claims in this process; [`CachedStore`] forgets its hold on the key. A store that wraps
-    /// another forwards it.
+    /// another must forward it (as it forwards `postgres()`): otherwise a `CachedStore` inside it
+    /// answers `409` for a key recorded in a handler's transaction until its hold times out, up to
+    /// the in-progress TTL.
     fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
         let _ = (key, lease);
     }

@@ -30,6 +30,8 @@ const DEFAULT_FUNCTION: &str = "idempotency_records_claim_v1";
 const MIGRATE_LOCK: i64 = 0x6178_6964_656d_0001; // "axidem" + 1
 /// The shortest time `migrate()` may take (it may wait for another instance's migration).
 pub const MIN_MIGRATE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a store that found the claim function missing waits before looking for it again.
+const FUNCTION_PROBE: Duration = Duration::from_secs(60);
 /// Rows removed per statement by `purge_expired`, so no single statement holds locks for long.
 const PURGE_BATCH: i64 = 10_000;
 
@@ -81,9 +83,10 @@ struct Statements {
     qualified_index: String,
     /// The claim function's name, quoted and qualified like the table.
     function: String,
-    /// Set when the claim function is missing (the table was made by an earlier version and
-    /// `migrate()` has not run since): claims then send its two queries one by one.
-    function_missing: std::sync::atomic::AtomicBool,
+    /// Since when the claim function has been found missing (the table was made by an earlier
+    /// version and `migrate()` has not run since): claims then send its two queries one by one,
+    /// and look for the function again a minute later (another instance may have migrated).
+    function_missing: std::sync::Mutex<Option<std::time::Instant>>,
     /// The claim: one call of the claim function.
     claim: String,
     /// The claim function's first query, sent on its own when the function is missing.
@@ -117,7 +120,7 @@ impl Statements {
                 Some((schema, _)) => format!("\"{schema}\".\"{unqualified}_claim_v1\""),
                 None => format!("\"{unqualified}_claim_v1\""),
             },
-            function_missing: std::sync::atomic::AtomicBool::new(false),
+            function_missing: std::sync::Mutex::new(None),
             claim: format!(
                 "SELECT * FROM {}($1, $2, $3, $4, $5, $6, $7, $8)",
                 match table.rsplit_once('.') {
@@ -354,15 +357,33 @@ impl PostgresStore {
                 .await
                 .map_err(db("migrate: look up the claim function"))?;
             if !function {
-                sqlx::raw_sql(sqlx::AssertSqlSafe(function_sql))
+                sqlx::query("SAVEPOINT claim_function")
                     .execute(&mut *tx)
                     .await
-                    .map_err(db("migrate: create the claim function"))?;
+                    .map_err(db("migrate: savepoint"))?;
+                match sqlx::raw_sql(sqlx::AssertSqlSafe(function_sql))
+                    .execute(&mut *tx)
+                    .await
+                {
+                    Ok(_) => {}
+                    // A role that may write the table but not create in its schema: claims work
+                    // without the function (two statements when they race), as they did before it.
+                    Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42501") => {
+                        tracing::warn!(
+                            error = %e,
+                            "migrate: no privilege to create the claim function; claims that race \
+                             will take two round trips (apply migrations/0002 as a role that may)"
+                        );
+                        sqlx::query("ROLLBACK TO SAVEPOINT claim_function")
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(db("migrate: rollback to savepoint"))?;
+                    }
+                    Err(e) => return Err(db("migrate: create the claim function")(e)),
+                }
             }
             tx.commit().await.map_err(db("migrate: commit"))?;
-            self.sql
-                .function_missing
-                .store(false, std::sync::atomic::Ordering::Relaxed);
+            *lock(&self.sql.function_missing) = None;
             Ok(())
         };
         match tokio::time::timeout(limit, migration).await {
@@ -471,8 +492,11 @@ impl PostgresStore {
         request: &ClaimRequest,
         scope: &[u8; 32],
     ) -> Result<Option<PgRow>, StoreError> {
-        let missing = &self.sql.function_missing;
-        if !missing.load(std::sync::atomic::Ordering::Relaxed) {
+        let (use_function, probing) = match *lock(&self.sql.function_missing) {
+            None => (true, false),
+            Some(since) => (since.elapsed() >= FUNCTION_PROBE, true),
+        };
+        if use_function {
             let call = self.claim_statement(&self.sql.claim, request, scope);
             match tokio::time::timeout(self.timeout, call.fetch_optional(&self.pool)).await {
                 Ok(Err(sqlx::Error::Database(e))) if e.code().as_deref() == Some("42883") => {
@@ -481,9 +505,20 @@ impl PostgresStore {
                         "the claim function is missing (run PostgresStore::migrate): a claim \
                          that races another takes two round trips until it is there"
                     );
-                    missing.store(true, std::sync::atomic::Ordering::Relaxed);
+                    *lock(&self.sql.function_missing) = Some(std::time::Instant::now());
                 }
-                Ok(result) => return result.map_err(db("claim")),
+                // A serialization failure (the database's default isolation is above READ
+                // COMMITTED) means a concurrent claim of this key: nothing was written; in progress.
+                Ok(Err(sqlx::Error::Database(e))) if e.code().as_deref() == Some("40001") => {
+                    return Ok(None);
+                }
+                Ok(Ok(row)) => {
+                    if probing {
+                        *lock(&self.sql.function_missing) = None;
+                    }
+                    return Ok(row);
+                }
+                Ok(Err(e)) => return Err(db("claim")(e)),
                 Err(_) => {
                     return Err(StoreError::msg(format!(
                         "postgres claim: no answer within {:?}",
@@ -747,6 +782,13 @@ impl IdempotencyStore for PostgresStore {
 
 /// A subject or endpoint for the columns kept for inspection: PostgreSQL's `text` cannot hold NUL,
 /// so NUL is written as U+FFFD there (the record's identity is its `scope` digest, which is exact).
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every change under this lock is one assignment: a poisoned lock holds nothing half-written.
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn printable(s: &str) -> Cow<'_, str> {
     if s.contains('\0') {
         Cow::Owned(s.replace('\0', "\u{FFFD}"))
