@@ -148,14 +148,20 @@ where
                 tracing::info!(status = stored.status, "replayed");
                 Ok(replay::replay(&stored, &config.replay_header))
             }
-            Err(e) if config.fail_open => {
+            // A record that exists but cannot be read (it does not decrypt) records an operation
+            // that happened: running the handler unguarded would repeat it.
+            Err(e) if config.fail_open && !e.is_unreadable_record() => {
                 lease::abandon(store, claim.key, claim.lease, config.in_progress_ttl);
                 report(&config, &label, Outcome::FailedOpen);
                 tracing::warn!(error = %e, "idempotency store failed; running unguarded");
                 pass_through(inner, request).await
             }
             Err(e) => {
-                lease::abandon(store, claim.key, claim.lease, config.in_progress_ttl);
+                // An unreadable record was read whole: the store answered, and made no claim that
+                // could need cleaning up.
+                if !e.is_unreadable_record() {
+                    lease::abandon(store, claim.key, claim.lease, config.in_progress_ttl);
+                }
                 report(&config, &label, Outcome::StoreUnavailable);
                 tracing::error!(error = %e, "idempotency store failed; refusing the request");
                 Ok(problem(

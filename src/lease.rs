@@ -99,6 +99,12 @@ impl<St: IdempotencyStore> Lease<St> {
         &self.key
     }
 
+    /// The store the lease is held in.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn store(&self) -> &St {
+        &self.store
+    }
+
     /// The lease token.
     #[cfg(feature = "postgres")]
     pub(crate) fn token(&self) -> LeaseToken {

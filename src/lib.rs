@@ -58,7 +58,8 @@
 //! (a heartbeat), so only a claim whose holder died is retaken. On a `PostgresStore`, a handler that takes `IdempotentTx` writes
 //! its effects in the same transaction as the record of its answer: they commit together or not at
 //! all. Every claimed request carries an [`IdempotencyContext`], whose derived key is meant for
-//! downstream providers. Outcomes (claimed, replayed, 409, 422, recorded, released, ...) are reported to the
+//! downstream providers. With the feature `encryption`, `EncryptedStore` wraps any store and
+//! encrypts the recorded headers and bodies at rest (AES-256-GCM). Outcomes (claimed, replayed, 409, 422, recorded, released, ...) are reported to the
 //! tracing span of each request and to an optional hook; see [`OutcomeCounters`]. With the
 //! `metrics` feature, they are also counted by route, and every store operation timed, through
 //! the `metrics` facade: see the `metrics` module (`idempotency_requests_total{outcome,endpoint}`
@@ -109,6 +110,8 @@ pub use service::{IdempotencyService, ResponseFuture};
 #[cfg(feature = "redis")]
 pub use store::RedisStore;
 pub use store::{CachedStore, IdempotencyStore, MemoryStore, StoreError};
+#[cfg(feature = "encryption")]
+pub use store::{EncryptedStore, EncryptionKeys, EncryptionKeysError, KeyId};
 #[cfg(feature = "postgres")]
 pub use store::{IdempotentTx, PostgresStore, PostgresStoreError};
 pub use subject::{Subject, SubjectExtension, SubjectExtractor};

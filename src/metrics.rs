@@ -161,6 +161,17 @@ mod enabled {
         fn postgres(&self) -> Option<&crate::PostgresStore> {
             self.0.postgres()
         }
+
+        // Forwarded with `postgres()`: a record written in a handler's transaction must be what
+        // the wrapped store's `complete` writes (sealed, over an `EncryptedStore`).
+        #[cfg(feature = "postgres")]
+        fn prepare_response(
+            &self,
+            key: &RecordKey,
+            response: Arc<StoredResponse>,
+        ) -> Result<Arc<StoredResponse>, StoreError> {
+            self.0.prepare_response(key, response)
+        }
     }
 
     /// Runs a store operation and records how long it took and whether it succeeded. An operation

@@ -340,6 +340,17 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
     fn postgres(&self) -> Option<&super::PostgresStore> {
         self.inner.postgres()
     }
+
+    /// Forwarded, so that a record written in a handler's transaction is what the inner store's
+    /// `complete` would write (sealed, over an `EncryptedStore`).
+    #[cfg(feature = "postgres")]
+    fn prepare_response(
+        &self,
+        key: &RecordKey,
+        response: Arc<StoredResponse>,
+    ) -> Result<Arc<StoredResponse>, StoreError> {
+        self.inner.prepare_response(key, response)
+    }
 }
 
 impl<S: IdempotencyStore> CachedStore<S> {

@@ -37,8 +37,9 @@ pub(super) enum Settled {
     /// The store answered.
     Answered(ClaimOutcome),
     /// The store failed; its error, for the followers to answer with (`503`) rather than each
-    /// waiting for a failing store again.
-    Failed(Arc<str>),
+    /// waiting for a failing store again, and whether the record was unreadable (then a follower
+    /// must not fail open either: the record says the operation happened).
+    Failed(Arc<str>, bool),
 }
 
 enum Local {
@@ -135,7 +136,7 @@ impl LocalClaims {
             Some(Local::Held { .. }) | None => {}
         }
         shard.next += 1;
-        if shard.next % SWEEP_EVERY == 0 {
+        if shard.next.is_multiple_of(SWEEP_EVERY) {
             shard
                 .scopes
                 .retain(|_, local| !matches!(local, Local::Held { until, .. } if *until <= now));
@@ -172,10 +173,13 @@ impl LocalClaims {
         };
         let same = leader == fingerprint;
         Ok(match settled {
-            Settled::Failed(error) => {
-                return Err(StoreError::msg(format!(
-                    "the claim in flight for this key failed: {error}"
-                )));
+            Settled::Failed(error, unreadable) => {
+                let message = format!("the claim in flight for this key failed: {error}");
+                return Err(if unreadable {
+                    StoreError::unreadable_record(message)
+                } else {
+                    StoreError::msg(message)
+                });
             }
             // The leader's claim was granted: the record is in progress with its fingerprint.
             Settled::Answered(ClaimOutcome::Claimed { .. }) => Some(if same {
@@ -278,7 +282,9 @@ impl Leader {
         if let Some(answer) = self.answer.take() {
             answer.send_replace(match outcome {
                 Ok(outcome) => Settled::Answered(outcome.clone()),
-                Err(error) => Settled::Failed(error.to_string().into()),
+                Err(error) => {
+                    Settled::Failed(error.to_string().into(), error.is_unreadable_record())
+                }
             });
         }
     }
@@ -369,7 +375,20 @@ mod tests {
         };
         leader.settle(fp(1), TTL, Err(&StoreError::msg("down")));
         let failed = LocalClaims::follow(l, fp(1), rx).await;
-        assert!(failed.is_err_and(|e| e.to_string().contains("down")));
+        assert!(failed.is_err_and(|e| e.to_string().contains("down") && !e.is_unreadable_record()));
+        assert_eq!(claims.len(), 0);
+
+        // A record that could not be read stays unreadable for the followers: they must not
+        // fail open and run the operation again.
+        let Entry::Lead(leader) = claims.enter([1; 32], fp(1)) else {
+            panic!("leads");
+        };
+        let Entry::Follow(l, rx) = claims.enter([1; 32], fp(1)) else {
+            panic!("follows");
+        };
+        leader.settle(fp(1), TTL, Err(&StoreError::unreadable_record("sealed")));
+        let failed = LocalClaims::follow(l, fp(1), rx).await;
+        assert!(failed.is_err_and(|e| e.is_unreadable_record()));
         assert_eq!(claims.len(), 0);
 
         let Entry::Lead(leader) = claims.enter([1; 32], fp(1)) else {

@@ -23,6 +23,11 @@ pub use postgres::{
 #[cfg(feature = "postgres")]
 pub(crate) use postgres::{Left, TxSlot, record_in};
 
+#[cfg(feature = "encryption")]
+mod encrypted;
+#[cfg(feature = "encryption")]
+pub use encrypted::{EncryptedStore, EncryptionKeys, EncryptionKeysError, KeyId};
+
 #[cfg(feature = "redis")]
 mod redis;
 #[cfg(feature = "redis")]
@@ -34,6 +39,7 @@ pub use self::redis::{DEFAULT_REDIS_TIMEOUT, RedisStore};
 pub struct StoreError {
     message: String,
     source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    unreadable: bool,
 }
 
 impl StoreError {
@@ -45,6 +51,7 @@ impl StoreError {
         StoreError {
             message: message.into(),
             source: Some(source.into()),
+            unreadable: false,
         }
     }
 
@@ -53,7 +60,23 @@ impl StoreError {
         StoreError {
             message: message.into(),
             source: None,
+            unreadable: false,
         }
+    }
+
+    /// A finished record exists but cannot be read (it does not decrypt, say): the operation it
+    /// records has happened, so the layer answers `503 idempotency_store_unavailable` even when
+    /// configured to fail open. Running the handler again would repeat the operation.
+    pub fn unreadable_record(message: impl Into<String>) -> Self {
+        StoreError {
+            unreadable: true,
+            ..StoreError::msg(message)
+        }
+    }
+
+    /// True for an error made by [`StoreError::unreadable_record`].
+    pub fn is_unreadable_record(&self) -> bool {
+        self.unreadable
     }
 }
 
@@ -147,6 +170,26 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     #[cfg(feature = "postgres")]
     fn postgres(&self) -> Option<&PostgresStore> {
         None
+    }
+
+    /// The response as this store would write it, for a record that the layer completes itself in
+    /// a handler's transaction ([`IdempotentTx`]) through the store that
+    /// [`postgres`](Self::postgres) answers, rather than through [`complete`](Self::complete).
+    /// The identity by default.
+    ///
+    /// A wrapper that changes responses on their way into `complete` (as `EncryptedStore` seals
+    /// them) must change them here the same way and then hand the result to its inner store's
+    /// `prepare_response`; a wrapper that cannot must not forward `postgres()`, or the
+    /// transactional path would write what `complete` never writes. An error rolls the
+    /// transaction back and releases the record, as a failed completion does.
+    #[cfg(feature = "postgres")]
+    fn prepare_response(
+        &self,
+        key: &RecordKey,
+        response: Arc<StoredResponse>,
+    ) -> Result<Arc<StoredResponse>, StoreError> {
+        let _ = key;
+        Ok(response)
     }
 }
 

@@ -1,0 +1,641 @@
+//! Encryption at rest of recorded responses: [`EncryptedStore`] wraps any store and seals what it
+//! records with AES-256-GCM.
+//!
+//! A recorded response is written to the inner store as its status and outcome in clear (stores
+//! need them), no headers, and as body an envelope:
+//!
+//! | bytes | what |
+//! |---|---|
+//! | 1 | format, `1` |
+//! | 1 | flags: bit 0 set when the response was recorded without its body |
+//! | 4 | key id, big-endian |
+//! | 12 | nonce, random |
+//! | rest | ciphertext of the headers and the body, then the 16-byte tag |
+//!
+//! The plaintext is the header count (4 bytes), each header as a 4-byte length and name then a
+//! 4-byte length and value, then the body. The associated data binds the ciphertext to its record
+//! and its clear fields: a label, the envelope's first 6 bytes (format, flags, key id), the record's
+//! scope digest ([`RecordKey::digest`]), the status and the outcome. A ciphertext copied to another
+//! record, or whose status, outcome or omitted flag was edited, fails to open.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use aes_gcm::aead::{AeadInPlace, KeyInit};
+use aes_gcm::{Aes256Gcm, Nonce, Tag};
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue};
+
+use super::{IdempotencyStore, StoreError};
+use crate::config::DENIED_HEADERS;
+use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
+
+#[cfg(feature = "postgres")]
+use super::PostgresStore;
+
+/// The id of an encryption key: a `u32` chosen by the application (a counter, or the date the key
+/// was made as `20260301`). It is stored in clear in every sealed record, in 4 bytes, and names the
+/// key that opens it; ids must be unique within one [`EncryptionKeys`], and an id must never be
+/// reused for other key material while records sealed under it may still be read.
+pub type KeyId = u32;
+
+const FORMAT_V1: u8 = 1;
+const FLAG_BODY_OMITTED: u8 = 1;
+const NONCE_LEN: usize = 12;
+/// Format, flags, key id, nonce.
+const HEAD_LEN: usize = 1 + 1 + 4 + NONCE_LEN;
+const TAG_LEN: usize = 16;
+/// Labels the associated data, so a ciphertext made for anything else never opens as a record.
+const AAD_LABEL: &[u8] = b"axum-idempotency sealed response v1\0";
+
+/// The keys an [`EncryptedStore`] seals and opens records with: the newest seals every new record,
+/// all of them open the records they sealed.
+///
+/// Key material never appears in `Debug` output (only the key ids do).
+///
+/// ```
+/// use axum_idempotency::EncryptionKeys;
+///
+/// // Key 2 is the newest: it seals new records. Key 1 still opens the records it sealed.
+/// let keys = EncryptionKeys::new([(2, [7u8; 32]), (1, [9u8; 32])]).expect("valid keys");
+/// assert_eq!(keys.newest(), 2);
+/// assert_eq!(format!("{keys:?}"), "EncryptionKeys { newest: 2, ids: [2, 1] }");
+/// ```
+///
+/// **Rotation.** Put the new key first and keep the old ones after it: new records are sealed under
+/// the new key and old ones still open. Once the retention of the layer has passed since the
+/// rotation (no record sealed under an old key is still replayed), drop the old key. A record whose
+/// key is no longer configured cannot be read: the layer answers
+/// `503 idempotency_store_unavailable` for it until it expires (see [`EncryptedStore`]).
+///
+/// Nonces are random (96 bits): seal at most 2³² records under one key, as NIST SP 800-38D advises,
+/// and rotate long before.
+pub struct EncryptionKeys {
+    /// Newest first.
+    keys: Vec<(KeyId, Aes256Gcm)>,
+}
+
+impl EncryptionKeys {
+    /// Keys from `(id, 32 bytes of key material)` pairs, the newest (the one that seals) first.
+    /// Fails when there is no key or when an id is given twice.
+    pub fn new(
+        keys: impl IntoIterator<Item = (KeyId, [u8; 32])>,
+    ) -> Result<Self, EncryptionKeysError> {
+        let mut out: Vec<(KeyId, Aes256Gcm)> = Vec::new();
+        for (id, material) in keys {
+            if out.iter().any(|(known, _)| *known == id) {
+                return Err(EncryptionKeysError::DuplicateId(id));
+            }
+            out.push((id, Aes256Gcm::new(&material.into())));
+        }
+        if out.is_empty() {
+            return Err(EncryptionKeysError::Empty);
+        }
+        Ok(EncryptionKeys { keys: out })
+    }
+
+    /// One key, which seals and opens every record.
+    pub fn single(id: KeyId, key: [u8; 32]) -> Self {
+        EncryptionKeys {
+            keys: vec![(id, Aes256Gcm::new(&key.into()))],
+        }
+    }
+
+    /// The id of the key that seals new records.
+    pub fn newest(&self) -> KeyId {
+        self.keys[0].0
+    }
+
+    /// The ids of every configured key, newest first.
+    pub fn ids(&self) -> impl Iterator<Item = KeyId> + '_ {
+        self.keys.iter().map(|(id, _)| *id)
+    }
+
+    fn sealing(&self) -> (KeyId, &Aes256Gcm) {
+        let (id, cipher) = &self.keys[0];
+        (*id, cipher)
+    }
+
+    fn get(&self, id: KeyId) -> Option<&Aes256Gcm> {
+        self.keys
+            .iter()
+            .find(|(known, _)| *known == id)
+            .map(|(_, cipher)| cipher)
+    }
+}
+
+impl fmt::Debug for EncryptionKeys {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EncryptionKeys")
+            .field("newest", &self.newest())
+            .field("ids", &self.ids().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+/// Why [`EncryptionKeys::new`] refused its keys.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EncryptionKeysError {
+    /// No key was given.
+    Empty,
+    /// This key id was given twice.
+    DuplicateId(KeyId),
+}
+
+impl fmt::Display for EncryptionKeysError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EncryptionKeysError::Empty => f.write_str("no encryption key was given"),
+            EncryptionKeysError::DuplicateId(id) => {
+                write!(f, "the encryption key id {id} was given twice")
+            }
+        }
+    }
+}
+
+impl std::error::Error for EncryptionKeysError {}
+
+/// A store that encrypts the responses it records, over any other store (memory, Postgres, Redis
+/// or your own).
+///
+/// ```
+/// use axum_idempotency::{EncryptedStore, EncryptionKeys, IdempotencyLayer, MemoryStore};
+///
+/// # let key_material = [0u8; 32];
+/// // Load the key material from your secret store; never hard-code it.
+/// let keys = EncryptionKeys::single(1, key_material);
+/// let layer = IdempotencyLayer::new(EncryptedStore::new(MemoryStore::new(), keys));
+/// # let _ = layer;
+/// ```
+///
+/// **What is encrypted:** the recorded response's headers and body, with AES-256-GCM under the
+/// newest key and a random 96-bit nonce; a response recorded without its body still has its headers
+/// sealed. **What stays in clear:** the status and the outcome (completed or failed), whether the
+/// body was omitted, the key id, and everything the inner store keeps to find and fence records:
+/// the scope digest, the idempotency key, the subject, the endpoint, the request fingerprint (a
+/// SHA-256), the lease token and the times. The ciphertext is bound to its record (its scope
+/// digest) and to its clear fields, so a ciphertext moved to another record, or a record whose
+/// status or outcome was edited, does not open.
+///
+/// **A record that cannot be opened is not replayed and not run again.** When its key id is not
+/// configured any more, or it fails authentication (tampered with, moved from another record, or
+/// written without encryption), [`claim`](IdempotencyStore::claim) fails with a
+/// [`StoreError::unreadable_record`]: the layer answers `503 idempotency_store_unavailable`, even
+/// with `fail_open(true)`, and logs it at error level with the key id. The record says the operation
+/// happened, so running the handler again (as for a key never seen) could charge twice; garbage is
+/// never replayed either. The key answers `503` until the record's retention passes. Records
+/// written before encryption was turned on are unreadable in the same way: turn it on with a new
+/// table (or key prefix), or accept `503` for those keys until they expire.
+///
+/// **Transactions** (feature `postgres`). `IdempotencyStore::postgres` is forwarded, so handlers
+/// keep their `IdempotentTx` over an encrypted Postgres store: the record written in the handler's
+/// transaction is sealed the same way (`IdempotencyStore::prepare_response`).
+#[derive(Clone)]
+pub struct EncryptedStore<S> {
+    inner: S,
+    keys: Arc<EncryptionKeys>,
+}
+
+impl<S: IdempotencyStore> EncryptedStore<S> {
+    /// Seals what `inner` records with `keys`.
+    pub fn new(inner: S, keys: EncryptionKeys) -> Self {
+        EncryptedStore {
+            inner,
+            keys: Arc::new(keys),
+        }
+    }
+
+    /// The store the sealed records are written to.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    /// The keys.
+    pub fn keys(&self) -> &EncryptionKeys {
+        &self.keys
+    }
+
+    /// `response` as written to the inner store: status and outcome in clear, no headers, the
+    /// envelope as body.
+    fn seal(
+        &self,
+        key: &RecordKey,
+        response: &StoredResponse,
+    ) -> Result<StoredResponse, StoreError> {
+        let (key_id, cipher) = self.keys.sealing();
+        let too_large = || StoreError::msg("encrypt: the response is too large to seal");
+        let mut out = Vec::with_capacity(
+            HEAD_LEN
+                + 4
+                + response
+                    .headers
+                    .iter()
+                    .map(|(n, v)| 8 + n.as_str().len() + v.len())
+                    .sum::<usize>()
+                + response.body.len()
+                + TAG_LEN,
+        );
+        out.push(FORMAT_V1);
+        out.push(if response.body_omitted {
+            FLAG_BODY_OMITTED
+        } else {
+            0
+        });
+        out.extend_from_slice(&key_id.to_be_bytes());
+        let mut nonce = [0u8; NONCE_LEN];
+        getrandom::fill(&mut nonce)
+            .map_err(|e| StoreError::msg(format!("encrypt: no randomness for the nonce: {e}")))?;
+        out.extend_from_slice(&nonce);
+        let count = u32::try_from(response.headers.len()).map_err(|_| too_large())?;
+        out.extend_from_slice(&count.to_be_bytes());
+        for (name, value) in &response.headers {
+            for part in [name.as_str().as_bytes(), value.as_bytes()] {
+                let len = u32::try_from(part.len()).map_err(|_| too_large())?;
+                out.extend_from_slice(&len.to_be_bytes());
+                out.extend_from_slice(part);
+            }
+        }
+        if !response.body_omitted {
+            out.extend_from_slice(&response.body);
+        }
+        let aad = associated_data(&out[..6], key, response.status, response.outcome);
+        let tag = cipher
+            .encrypt_in_place_detached(Nonce::from_slice(&nonce), &aad, &mut out[HEAD_LEN..])
+            .map_err(|_| too_large())?;
+        out.extend_from_slice(&tag);
+        Ok(StoredResponse {
+            headers: Vec::new(),
+            body: Bytes::from(out),
+            body_omitted: false,
+            ..response.clone()
+        })
+    }
+
+    /// The response a sealed record holds.
+    fn open(&self, key: &RecordKey, stored: &StoredResponse) -> Result<StoredResponse, Unreadable> {
+        let fail = |key_id, reason| Unreadable { key_id, reason };
+        if stored.body_omitted || !stored.headers.is_empty() {
+            return Err(fail(
+                None,
+                "it holds no sealed response (written without encryption?)",
+            ));
+        }
+        let envelope = &stored.body[..];
+        if envelope.len() < HEAD_LEN + TAG_LEN {
+            return Err(fail(None, "its sealed response is too short"));
+        }
+        if envelope[0] != FORMAT_V1 {
+            return Err(fail(None, "its sealed response has an unknown format"));
+        }
+        let flags = envelope[1];
+        let key_id = KeyId::from_be_bytes([envelope[2], envelope[3], envelope[4], envelope[5]]);
+        if flags & !FLAG_BODY_OMITTED != 0 {
+            return Err(fail(Some(key_id), "its sealed response has unknown flags"));
+        }
+        let Some(cipher) = self.keys.get(key_id) else {
+            return Err(fail(Some(key_id), "its key id is not configured"));
+        };
+        let (sealed, tag) = envelope[HEAD_LEN..].split_at(envelope.len() - HEAD_LEN - TAG_LEN);
+        let mut plain = sealed.to_vec();
+        let aad = associated_data(&envelope[..6], key, stored.status, stored.outcome);
+        cipher
+            .decrypt_in_place_detached(
+                Nonce::from_slice(&envelope[6..HEAD_LEN]),
+                &aad,
+                &mut plain,
+                Tag::from_slice(tag),
+            )
+            .map_err(|_| {
+                fail(
+                    Some(key_id),
+                    "it fails authentication (altered, moved from another record, or sealed under \
+                     other key material with this id)",
+                )
+            })?;
+        let body_omitted = flags & FLAG_BODY_OMITTED != 0;
+        let (headers, body_at) = parse_plaintext(&plain)
+            .ok_or_else(|| fail(Some(key_id), "its plaintext is malformed"))?;
+        if body_omitted && body_at != plain.len() {
+            return Err(fail(Some(key_id), "its plaintext is malformed"));
+        }
+        Ok(StoredResponse {
+            headers,
+            // The body is the plaintext's tail: no second copy.
+            body: Bytes::from(plain).slice(body_at..),
+            body_omitted,
+            ..stored.clone()
+        })
+    }
+}
+
+impl<S> fmt::Debug for EncryptedStore<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EncryptedStore")
+            .field("keys", &self.keys)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a record does not open.
+struct Unreadable {
+    key_id: Option<KeyId>,
+    reason: &'static str,
+}
+
+impl Unreadable {
+    /// Logs it and makes the error the layer answers `503` for.
+    fn into_store_error(self) -> StoreError {
+        match self.key_id {
+            Some(key_id) => {
+                tracing::error!(
+                    key_id,
+                    reason = self.reason,
+                    "an idempotency record cannot be decrypted; answering 503, the handler is not \
+                     run again"
+                );
+                StoreError::unreadable_record(format!(
+                    "the record cannot be read: {} (key id {key_id})",
+                    self.reason
+                ))
+            }
+            None => {
+                tracing::error!(
+                    reason = self.reason,
+                    "an idempotency record cannot be decrypted; answering 503, the handler is not \
+                     run again"
+                );
+                StoreError::unreadable_record(format!("the record cannot be read: {}", self.reason))
+            }
+        }
+    }
+}
+
+/// Label, envelope head (format, flags, key id), scope digest, status, outcome.
+fn associated_data(head: &[u8], key: &RecordKey, status: u16, outcome: Finished) -> Vec<u8> {
+    let mut aad = Vec::with_capacity(AAD_LABEL.len() + head.len() + 32 + 3);
+    aad.extend_from_slice(AAD_LABEL);
+    aad.extend_from_slice(head);
+    aad.extend_from_slice(&key.digest());
+    aad.extend_from_slice(&status.to_be_bytes());
+    aad.push(match outcome {
+        Finished::Completed => b'c',
+        Finished::Failed => b'f',
+    });
+    aad
+}
+
+/// Recorded headers, repeated ones in order.
+type Headers = Vec<(HeaderName, HeaderValue)>;
+
+/// The headers of an opened plaintext, and where its body starts. Invalid or denied headers are
+/// dropped, as from any store; `None` when the lengths do not add up.
+fn parse_plaintext(plain: &[u8]) -> Option<(Headers, usize)> {
+    let mut rest = plain;
+    let mut take = |n: usize| -> Option<&[u8]> {
+        let (head, tail) = rest.split_at_checked(n)?;
+        rest = tail;
+        Some(head)
+    };
+    let count = u32::from_be_bytes(take(4)?.try_into().ok()?);
+    let mut headers = Vec::new();
+    for _ in 0..count {
+        let len = u32::from_be_bytes(take(4)?.try_into().ok()?) as usize;
+        let name = take(len)?;
+        let len = u32::from_be_bytes(take(4)?.try_into().ok()?) as usize;
+        let value = take(len)?;
+        if let (Ok(name), Ok(value)) =
+            (HeaderName::from_bytes(name), HeaderValue::from_bytes(value))
+            && !DENIED_HEADERS.contains(&name.as_str())
+        {
+            headers.push((name, value));
+        }
+    }
+    Some((headers, plain.len() - rest.len()))
+}
+
+impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
+    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        match self.inner.claim(request).await? {
+            ClaimOutcome::Finished(stored) => match self.open(&request.key, &stored) {
+                Ok(opened) => Ok(ClaimOutcome::Finished(Arc::new(opened))),
+                Err(unreadable) => Err(unreadable.into_store_error()),
+            },
+            other => Ok(other),
+        }
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        response: Arc<StoredResponse>,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let sealed = Arc::new(self.seal(key, &response)?);
+        self.inner.complete(key, lease, sealed, retention).await
+    }
+
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        lifetime: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.renew(key, lease, lifetime).await
+    }
+
+    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
+        self.inner.release(key, lease).await
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        self.inner.purge_expired().await
+    }
+
+    fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
+        self.inner.settled_elsewhere(key, lease);
+    }
+
+    /// Forwarded: the transactional path seals through
+    /// [`prepare_response`](IdempotencyStore::prepare_response).
+    #[cfg(feature = "postgres")]
+    fn postgres(&self) -> Option<&PostgresStore> {
+        self.inner.postgres()
+    }
+
+    /// Seals `response` as [`complete`](IdempotencyStore::complete) does, then lets the inner
+    /// store prepare the sealed record.
+    #[cfg(feature = "postgres")]
+    fn prepare_response(
+        &self,
+        key: &RecordKey,
+        response: Arc<StoredResponse>,
+    ) -> Result<Arc<StoredResponse>, StoreError> {
+        let sealed = Arc::new(self.seal(key, &response)?);
+        self.inner.prepare_response(key, sealed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemoryStore;
+
+    fn key(k: &str) -> RecordKey {
+        RecordKey {
+            key: k.into(),
+            subject: "alice".into(),
+            endpoint: "POST /pay".into(),
+        }
+    }
+
+    fn response(body_omitted: bool) -> StoredResponse {
+        StoredResponse {
+            outcome: Finished::Completed,
+            status: 201,
+            headers: vec![
+                (
+                    http::header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                ),
+                (http::header::LINK, HeaderValue::from_static("<a>")),
+                (http::header::LINK, HeaderValue::from_static("<b>")),
+            ],
+            body: if body_omitted {
+                Bytes::new()
+            } else {
+                Bytes::from_static(b"{\"card\":\"4242\"}")
+            },
+            body_omitted,
+            // As a store fills it on a read: kept through sealing and opening.
+            expires_in: Some(Duration::from_secs(60)),
+        }
+    }
+
+    fn store(keys: &[(KeyId, [u8; 32])]) -> EncryptedStore<MemoryStore> {
+        EncryptedStore::new(
+            MemoryStore::new(),
+            EncryptionKeys::new(keys.iter().copied()).expect("keys"),
+        )
+    }
+
+    fn reason(result: Result<StoredResponse, Unreadable>) -> &'static str {
+        match result {
+            Ok(_) => panic!("opened"),
+            Err(e) => e.reason,
+        }
+    }
+
+    #[test]
+    fn sealed_responses_open_and_hide_headers_and_body() {
+        let s = store(&[(1, [1; 32])]);
+        for omitted in [false, true] {
+            let plain = response(omitted);
+            let sealed = s.seal(&key("k"), &plain).expect("seal");
+            assert!(sealed.headers.is_empty());
+            assert!(!sealed.body_omitted);
+            assert_eq!((sealed.status, sealed.outcome), (201, Finished::Completed));
+            for needle in [&b"4242"[..], b"application/json", b"<a>"] {
+                assert!(!sealed.body.windows(needle.len()).any(|w| w == needle));
+            }
+            assert_eq!(sealed.body[0], FORMAT_V1);
+            assert_eq!(sealed.body[1], u8::from(omitted));
+            assert_eq!(&sealed.body[2..6], &1u32.to_be_bytes());
+            let opened = s.open(&key("k"), &sealed).map_err(|e| e.reason);
+            assert_eq!(opened, Ok(plain));
+        }
+    }
+
+    #[test]
+    fn nonces_differ_between_seals() {
+        let s = store(&[(1, [1; 32])]);
+        let a = s.seal(&key("k"), &response(false)).expect("seal");
+        let b = s.seal(&key("k"), &response(false)).expect("seal");
+        assert_ne!(a.body[6..HEAD_LEN], b.body[6..HEAD_LEN]);
+        assert_ne!(a.body, b.body);
+    }
+
+    #[test]
+    fn anything_altered_or_moved_does_not_open() {
+        let s = store(&[(1, [1; 32])]);
+        let sealed = s.seal(&key("k"), &response(false)).expect("seal");
+        assert!(reason(s.open(&key("other"), &sealed)).contains("authentication"));
+        let edited = StoredResponse {
+            status: 200,
+            ..sealed.clone()
+        };
+        assert!(reason(s.open(&key("k"), &edited)).contains("authentication"));
+        let edited = StoredResponse {
+            outcome: Finished::Failed,
+            ..sealed.clone()
+        };
+        assert!(reason(s.open(&key("k"), &edited)).contains("authentication"));
+        for at in [1, HEAD_LEN - 1, HEAD_LEN, sealed.body.len() - 1] {
+            // Byte 1 is the flags: set the omitted flag there, flip a bit anywhere else.
+            let mut bytes = sealed.body.to_vec();
+            bytes[at] = if at == 1 {
+                FLAG_BODY_OMITTED
+            } else {
+                bytes[at] ^ 1
+            };
+            let flipped = StoredResponse {
+                body: Bytes::from(bytes),
+                ..sealed.clone()
+            };
+            assert!(
+                reason(s.open(&key("k"), &flipped)).contains("authentication"),
+                "byte {at}"
+            );
+        }
+        let cut = StoredResponse {
+            body: sealed.body.slice(..HEAD_LEN + TAG_LEN - 1),
+            ..sealed.clone()
+        };
+        assert!(reason(s.open(&key("k"), &cut)).contains("too short"));
+        let plain = response(false);
+        assert!(reason(s.open(&key("k"), &plain)).contains("without encryption"));
+    }
+
+    #[test]
+    fn rotation_opens_old_records_and_seals_under_the_newest() {
+        let old = store(&[(1, [1; 32])]);
+        let sealed = old.seal(&key("k"), &response(false)).expect("seal");
+        let rotated = store(&[(2, [2; 32]), (1, [1; 32])]);
+        assert!(rotated.open(&key("k"), &sealed).is_ok());
+        let new = rotated.seal(&key("k"), &response(false)).expect("seal");
+        assert_eq!(&new.body[2..6], &2u32.to_be_bytes());
+        let only_new = store(&[(2, [2; 32])]);
+        let Err(unreadable) = only_new.open(&key("k"), &sealed) else {
+            panic!("opened without its key");
+        };
+        assert_eq!(unreadable.key_id, Some(1));
+        assert!(unreadable.reason.contains("not configured"));
+        let error = unreadable.into_store_error();
+        assert!(error.is_unreadable_record());
+        assert!(error.to_string().contains("key id 1"), "{error}");
+        // Other key material under the same id fails authentication.
+        let impostor = store(&[(1, [3; 32])]);
+        assert!(reason(impostor.open(&key("k"), &sealed)).contains("authentication"));
+    }
+
+    #[test]
+    fn keys_are_validated_and_never_printed() {
+        assert_eq!(
+            EncryptionKeys::new([]).err(),
+            Some(EncryptionKeysError::Empty)
+        );
+        assert_eq!(
+            EncryptionKeys::new([(1, [0; 32]), (1, [1; 32])]).err(),
+            Some(EncryptionKeysError::DuplicateId(1))
+        );
+        let keys = EncryptionKeys::new([(7, [0xAB; 32]), (3, [0xCD; 32])]).expect("keys");
+        assert_eq!(keys.newest(), 7);
+        assert_eq!(keys.ids().collect::<Vec<_>>(), vec![7, 3]);
+        let printed = format!("{:?}", EncryptedStore::new(MemoryStore::new(), keys));
+        assert!(printed.contains("ids: [7, 3]"), "{printed}");
+        for material in ["171", "ab", "AB", "205", "cd", "CD"] {
+            assert!(!printed.contains(material), "{printed}");
+        }
+    }
+}
