@@ -136,6 +136,23 @@ impl<St: IdempotencyStore> Lease<St> {
         report(&self.config, &self.label, Outcome::LeaseLost);
     }
 
+    /// Whether the handler's transaction committed is unknown (the store could not be asked): the
+    /// record is either finished by this lease or still in progress under it with nothing
+    /// committed. It is released by its token in the background (see [`abandon`]): a release only
+    /// deletes a record still in progress, so a landed commit stays and the retry gets its replay,
+    /// and one that did not land lets the retry run, rather than wait for the TTL.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn outcome_unknown(mut self) {
+        self.done = true;
+        self.store.settled_elsewhere(&self.key, self.token);
+        abandon(
+            self.store.clone(),
+            self.key.clone(),
+            self.token,
+            self.config.in_progress_ttl,
+        );
+    }
+
     /// Runs `work` while renewing the lease every third of the in-progress TTL. Work that finishes
     /// at its first poll (the usual fast handler) never starts a timer.
     pub(crate) async fn hold<F: Future>(&self, work: F) -> F::Output {

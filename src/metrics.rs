@@ -18,10 +18,11 @@
 //!
 //! `endpoint` is the request's method and axum's route template ([`MatchedPath`]), e.g.
 //! `POST /orders/{id}/pay`, so that a label value is a route, not a URL: `/orders/42/pay` and
-//! `/orders/43/pay` are one series. A request without a `MatchedPath` (the layer wrapping a service
-//! outside a `Router`) is labelled with the layer's endpoint (see
-//! [`IdempotencyLayerBuilder::endpoint`](crate::IdempotencyLayerBuilder::endpoint)), by default
-//! method and raw path: bound it there if such paths carry identifiers. Outcomes reported after the
+//! `/orders/43/pay` are one series. A request without a `MatchedPath` (the layer around a service
+//! outside a `Router`, or around a router's fallback) is labelled with its method and `unmatched`,
+//! e.g. `POST unmatched`: never a raw path, which would make one series per URL. (Do not narrow
+//! [`IdempotencyLayerBuilder::endpoint`](crate::IdempotencyLayerBuilder::endpoint) to bound labels:
+//! it names the records, and two paths with one endpoint share their records.) Outcomes reported after the
 //! handler (`recorded`, `released`, `lease_lost`, `record_deferred`, also from background retries)
 //! carry the same label as the claim.
 //!
@@ -85,11 +86,12 @@ mod enabled {
     pub(crate) struct Label(Arc<str>);
 
     impl Label {
-        /// Method and route template when axum matched one, else the layer's endpoint.
-        pub(crate) fn of(config: &Config, parts: &Parts) -> Self {
+        /// Method and route template when axum matched one, else method and `unmatched`: a raw path
+        /// would make one series per URL.
+        pub(crate) fn of(_config: &Config, parts: &Parts) -> Self {
             let value = match parts.extensions.get::<axum::extract::MatchedPath>() {
                 Some(route) => format!("{} {}", parts.method, route.as_str()),
-                None => (config.endpoint)(parts),
+                None => format!("{} unmatched", parts.method),
             };
             Label(value.into())
         }

@@ -267,7 +267,7 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         {
             return Ok(answer);
         }
-        match self.local.enter(scope, request.fingerprint) {
+        match self.local.enter(scope, request.fingerprint, request.lease) {
             local_claims::Entry::Answer(answer) => Ok(answer),
             local_claims::Entry::Follow(leader, answer) => {
                 match LocalClaims::follow(leader, request.fingerprint, answer).await? {

@@ -112,15 +112,22 @@ impl LocalClaims {
     }
 
     /// What a claim of `scope` with `fingerprint` does.
-    pub(super) fn enter(self: &Arc<Self>, scope: [u8; 32], fingerprint: Fingerprint) -> Entry {
+    pub(super) fn enter(
+        self: &Arc<Self>,
+        scope: [u8; 32],
+        fingerprint: Fingerprint,
+        lease: LeaseToken,
+    ) -> Entry {
         let now = Instant::now();
         let mut shard = self.shard(&scope);
         match shard.scopes.get(&scope) {
+            // Held by this very lease: the same claim made twice; the store answers it.
             Some(Local::Held {
                 fingerprint: held,
                 until,
+                lease: holder,
                 ..
-            }) if *until > now => {
+            }) if *until > now && *holder != lease => {
                 return Entry::Answer(if *held == fingerprint {
                     ClaimOutcome::InProgress
                 } else {
@@ -173,14 +180,16 @@ impl LocalClaims {
         };
         let same = leader == fingerprint;
         Ok(match settled {
-            Settled::Failed(error, unreadable) => {
-                let message = format!("the claim in flight for this key failed: {error}");
-                return Err(if unreadable {
-                    StoreError::unreadable_record(message)
-                } else {
-                    StoreError::msg(message)
-                });
+            // The record is there and cannot be read: the same for every follower.
+            Settled::Failed(error, true) => {
+                return Err(StoreError::unreadable_record(format!(
+                    "the claim in flight for this key met an unreadable record: {error}"
+                )));
             }
+            // Any other failure may be the leader's alone (a timeout whose claim committed late):
+            // answering the followers with it would let a layer that fails open run each of them
+            // unguarded. They ask the store themselves.
+            Settled::Failed(_, false) => None,
             // The leader's claim was granted: the record is in progress with its fingerprint.
             Settled::Answered(ClaimOutcome::Claimed { .. }) => Some(if same {
                 ClaimOutcome::InProgress
@@ -320,13 +329,13 @@ mod tests {
     #[tokio::test]
     async fn followers_answer_from_the_leader() {
         let claims = Arc::new(LocalClaims::default());
-        let Entry::Lead(leader) = claims.enter([1; 32], fp(1)) else {
+        let Entry::Lead(leader) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
             panic!("the first claim leads");
         };
-        let Entry::Follow(leader_fp, same) = claims.enter([1; 32], fp(1)) else {
+        let Entry::Follow(leader_fp, same) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
             panic!("the second follows");
         };
-        let Entry::Follow(_, other) = claims.enter([1; 32], fp(2)) else {
+        let Entry::Follow(_, other) = claims.enter([1; 32], fp(2), LeaseToken(99)) else {
             panic!("the third follows");
         };
         let same = tokio::spawn(LocalClaims::follow(leader_fp, fp(1), same));
@@ -350,7 +359,7 @@ mod tests {
         );
         // Held now: answered at once.
         assert!(matches!(
-            claims.enter([1; 32], fp(1)),
+            claims.enter([1; 32], fp(1), LeaseToken(99)),
             Entry::Answer(ClaimOutcome::InProgress)
         ));
         claims.renewed(&[1; 32], lease);
@@ -367,23 +376,23 @@ mod tests {
     #[tokio::test]
     async fn a_failed_or_cancelled_leader_sends_followers_to_the_store() {
         let claims = Arc::new(LocalClaims::default());
-        let Entry::Lead(leader) = claims.enter([1; 32], fp(1)) else {
+        let Entry::Lead(leader) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
             panic!("leads");
         };
-        let Entry::Follow(l, rx) = claims.enter([1; 32], fp(1)) else {
+        let Entry::Follow(l, rx) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
             panic!("follows");
         };
         leader.settle(fp(1), TTL, Err(&StoreError::msg("down")));
-        let failed = LocalClaims::follow(l, fp(1), rx).await;
-        assert!(failed.is_err_and(|e| e.to_string().contains("down") && !e.is_unreadable_record()));
+        // A plain failure may be the leader's alone: the followers ask the store themselves.
+        assert!(matches!(LocalClaims::follow(l, fp(1), rx).await, Ok(None)));
         assert_eq!(claims.len(), 0);
 
         // A record that could not be read stays unreadable for the followers: they must not
         // fail open and run the operation again.
-        let Entry::Lead(leader) = claims.enter([1; 32], fp(1)) else {
+        let Entry::Lead(leader) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
             panic!("leads");
         };
-        let Entry::Follow(l, rx) = claims.enter([1; 32], fp(1)) else {
+        let Entry::Follow(l, rx) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
             panic!("follows");
         };
         leader.settle(fp(1), TTL, Err(&StoreError::unreadable_record("sealed")));
@@ -391,10 +400,10 @@ mod tests {
         assert!(failed.is_err_and(|e| e.is_unreadable_record()));
         assert_eq!(claims.len(), 0);
 
-        let Entry::Lead(leader) = claims.enter([1; 32], fp(1)) else {
+        let Entry::Lead(leader) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
             panic!("leads");
         };
-        let Entry::Follow(l, rx) = claims.enter([1; 32], fp(1)) else {
+        let Entry::Follow(l, rx) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
             panic!("follows");
         };
         drop(leader);
@@ -402,13 +411,13 @@ mod tests {
         assert_eq!(claims.len(), 0);
 
         // A mismatch settles only the followers with the leader's body.
-        let Entry::Lead(leader) = claims.enter([1; 32], fp(1)) else {
+        let Entry::Lead(leader) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
             panic!("leads");
         };
-        let Entry::Follow(l, same) = claims.enter([1; 32], fp(1)) else {
+        let Entry::Follow(l, same) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
             panic!("follows");
         };
-        let Entry::Follow(_, other) = claims.enter([1; 32], fp(2)) else {
+        let Entry::Follow(_, other) = claims.enter([1; 32], fp(2), LeaseToken(99)) else {
             panic!("follows");
         };
         leader.settle(fp(1), TTL, Ok(&ClaimOutcome::FingerprintMismatch));
@@ -423,13 +432,13 @@ mod tests {
 
         // "In progress" settles only the followers with the leader's body: a store may answer it
         // for a record with another fingerprint (one it could not retake).
-        let Entry::Lead(leader) = claims.enter([1; 32], fp(1)) else {
+        let Entry::Lead(leader) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
             panic!("leads");
         };
-        let Entry::Follow(l, same) = claims.enter([1; 32], fp(1)) else {
+        let Entry::Follow(l, same) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
             panic!("follows");
         };
-        let Entry::Follow(_, other) = claims.enter([1; 32], fp(2)) else {
+        let Entry::Follow(_, other) = claims.enter([1; 32], fp(2), LeaseToken(99)) else {
             panic!("follows");
         };
         leader.settle(fp(1), TTL, Ok(&ClaimOutcome::InProgress));
@@ -447,7 +456,7 @@ mod tests {
     async fn a_hold_lasts_a_ttl_without_renewal() {
         let claims = Arc::new(LocalClaims::default());
         let ttl = Duration::from_millis(50);
-        let Entry::Lead(leader) = claims.enter([1; 32], fp(1)) else {
+        let Entry::Lead(leader) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
             panic!("leads");
         };
         let claimed = ClaimOutcome::Claimed {
@@ -456,12 +465,15 @@ mod tests {
         };
         leader.settle(fp(1), ttl, Ok(&claimed));
         assert!(matches!(
-            claims.enter([1; 32], fp(2)),
+            claims.enter([1; 32], fp(2), LeaseToken(99)),
             Entry::Answer(ClaimOutcome::FingerprintMismatch)
         ));
         tokio::time::sleep(Duration::from_millis(60)).await;
         claims.sweep();
         assert_eq!(claims.len(), 0);
-        assert!(matches!(claims.enter([1; 32], fp(1)), Entry::Lead(_)));
+        assert!(matches!(
+            claims.enter([1; 32], fp(1), LeaseToken(99)),
+            Entry::Lead(_)
+        ));
     }
 }

@@ -125,6 +125,11 @@ impl IdempotencyStore for MemoryStore {
             }
             return Ok(match &record.state {
                 State::Finished { response, .. } => ClaimOutcome::Finished(response.clone()),
+                // This claim's own record: the same claim, made twice.
+                State::InProgress { lease: held, .. } if *held == lease => ClaimOutcome::Claimed {
+                    lease,
+                    retaken: false,
+                },
                 State::InProgress { since, .. }
                     if now.duration_since(*since) < request.in_progress_ttl =>
                 {

@@ -110,6 +110,8 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// - a finished record: [`ClaimOutcome::Finished`] with its response;
     /// - an `in_progress` record claimed or renewed less than `in_progress_ttl` ago:
     ///   [`ClaimOutcome::InProgress`];
+    /// - an `in_progress` record held by `request.lease` itself (this claim, sent twice: a resend
+    ///   after its answer was lost): [`ClaimOutcome::Claimed`], changing nothing;
     /// - an older one (its holder stopped renewing it: presumed dead): replace its lease with
     ///   `request.lease` by compare-and-swap on the old token, so that of many concurrent retakers
     ///   exactly one gets `Claimed { retaken: true }` and the rest `InProgress`.

@@ -20,12 +20,14 @@ use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey,
 pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Claim, atomically: insert; or answer mismatch, finished (with the response), in progress; or
-/// retake a record whose claim (or last renewal) is older than the in-progress TTL. Times are the server's `TIME`.
+/// retake a record whose claim (or last renewal) is older than the in-progress TTL. A record in
+/// progress under this very lease is this claim's own, sent twice (a resend after a lost reply):
+/// claimed. Times are the server's `TIME`.
 /// KEYS[1] record; ARGV fingerprint, new lease, in-progress TTL (ms), TTL + retention (ms).
 const CLAIM: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local rec = redis.call('HMGET', KEYS[1], 'fp', 'st', 'ts')
+local rec = redis.call('HMGET', KEYS[1], 'fp', 'st', 'ts', 'lease')
 if not rec[1] then
   redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'st', 'in_progress', 'lease', ARGV[2], 'ts', now)
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
@@ -35,6 +37,7 @@ if rec[1] ~= ARGV[1] then return {'mismatch'} end
 if rec[2] ~= 'in_progress' then
   return {'finished', redis.call('HGET', KEYS[1], 'resp'), redis.call('PTTL', KEYS[1])}
 end
+if rec[4] == ARGV[2] then return {'claimed'} end
 if now - tonumber(rec[3]) < tonumber(ARGV[3]) then return {'in_progress'} end
 redis.call('HSET', KEYS[1], 'lease', ARGV[2], 'ts', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
@@ -355,8 +358,10 @@ impl IdempotencyStore for RedisStore {
             b"in_progress" => ClaimOutcome::InProgress,
             b"finished" => match reply.get(1) {
                 Some(Value::BulkString(blob)) => {
-                    let mut stored = decode(blob)
-                        .ok_or_else(|| StoreError::msg("redis claim: corrupt response"))?;
+                    let mut stored = decode(blob).ok_or_else(|| {
+                        // A finished record, unreadable: never a reason to run it again.
+                        StoreError::unreadable_record("redis claim: corrupt response")
+                    })?;
                     // The key's remaining time to live (negative: none, which a record never lacks).
                     stored.expires_in = match reply.get(2) {
                         Some(Value::Int(ms)) if *ms > 0 => Some(Duration::from_millis(*ms as u64)),
@@ -364,7 +369,11 @@ impl IdempotencyStore for RedisStore {
                     };
                     ClaimOutcome::Finished(Arc::new(stored))
                 }
-                _ => return Err(StoreError::msg("redis claim: finished without a response")),
+                _ => {
+                    return Err(StoreError::unreadable_record(
+                        "redis claim: finished without a response",
+                    ));
+                }
             },
             _ => return Err(StoreError::msg("redis claim: unknown reply")),
         })

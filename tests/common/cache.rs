@@ -104,6 +104,21 @@ impl<S: IdempotencyStore> IdempotencyStore for Counting<S> {
     async fn purge_expired(&self) -> Result<u64, axum_idempotency::StoreError> {
         self.store.purge_expired().await
     }
+    fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
+        self.store.settled_elsewhere(key, lease);
+    }
+    #[cfg(feature = "postgres")]
+    fn postgres(&self) -> Option<&axum_idempotency::PostgresStore> {
+        self.store.postgres()
+    }
+    #[cfg(feature = "postgres")]
+    fn prepare_response(
+        &self,
+        key: &RecordKey,
+        response: Arc<StoredResponse>,
+    ) -> Result<Arc<StoredResponse>, axum_idempotency::StoreError> {
+        self.store.prepare_response(key, response)
+    }
 }
 
 /// The first replay reads the store and fills the cache; the next ones, and a request with another

@@ -57,6 +57,7 @@ macro_rules! store_suite {
             claim_whose_answer_was_lost_is_released,
             stalled_body_is_recorded_after_the_client_leaves,
             panicking_body_is_recorded_without_its_body,
+            a_claim_sent_twice_by_its_lease_is_still_claimed,
         );
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
@@ -424,8 +425,12 @@ pub async fn purge_removes_expired_records<S: IdempotencyStore>(store: S, purged
     tokio::time::sleep(Duration::from_millis(250)).await;
     assert_eq!(store.purge_expired().await.expect("purge"), purged);
     assert_eq!(store.purge_expired().await.expect("purge"), 0);
+    let another = ClaimRequest {
+        lease: LeaseToken::generate(),
+        ..keep.clone()
+    };
     assert_eq!(
-        store.claim(&keep).await.expect("claim"),
+        store.claim(&another).await.expect("claim"),
         ClaimOutcome::InProgress
     );
     // The expired keys are new again, with any body.
@@ -1082,4 +1087,46 @@ pub async fn panicking_body_is_recorded_without_its_body<S: IdempotencyStore>(st
         assert_omitted_replay(&retry, StatusCode::CREATED);
         assert_eq!(counters.started(), i + 1, "{kind}: the handler ran once");
     }
+}
+
+/// A claim sent twice with one lease (a client library that resends a command whose reply was lost)
+/// finds its own record: it is claimed, not "in progress" until the TTL; another lease still gets
+/// `InProgress`, and a finished record is replayed.
+pub async fn a_claim_sent_twice_by_its_lease_is_still_claimed<S: IdempotencyStore>(store: S) {
+    let request = claim_request("twice", Duration::from_secs(60));
+    let first = store.claim(&request).await.expect("claim");
+    assert!(matches!(
+        first,
+        ClaimOutcome::Claimed { retaken: false, .. }
+    ));
+    assert_eq!(
+        store.claim(&request).await.expect("claim again"),
+        ClaimOutcome::Claimed {
+            lease: request.lease,
+            retaken: false
+        }
+    );
+    let other = ClaimRequest {
+        lease: LeaseToken::generate(),
+        ..request.clone()
+    };
+    assert_eq!(
+        store.claim(&other).await.expect("claim"),
+        ClaimOutcome::InProgress
+    );
+    assert!(
+        store
+            .complete(
+                &request.key,
+                request.lease,
+                stored("done"),
+                request.retention
+            )
+            .await
+            .expect("complete")
+    );
+    assert!(matches!(
+        store.claim(&request).await.expect("claim after"),
+        ClaimOutcome::Finished(_)
+    ));
 }

@@ -457,6 +457,13 @@ impl PostgresStore {
         let outcome = match status.as_str() {
             "completed" => Finished::Completed,
             "failed" => Finished::Failed,
+            // This claim's own record: the same claim, made twice (its first answer was lost).
+            _ if old_lease == lease.0 => {
+                return Ok(ClaimOutcome::Claimed {
+                    lease,
+                    retaken: false,
+                });
+            }
             _ if !stale => return Ok(ClaimOutcome::InProgress),
             _ => {
                 return Ok(if self.retake(request, scope, old_lease, &status).await? {
@@ -469,9 +476,16 @@ impl PostgresStore {
                 });
             }
         };
-        let status: i16 = row.try_get("response_status").map_err(get)?;
-        let names: Vec<String> = row.try_get("header_names").map_err(get)?;
-        let values: Vec<Vec<u8>> = row.try_get("header_values").map_err(get)?;
+        // A finished record that cannot be read (a row edited by hand) is never a reason to run
+        // the operation again, even for a layer that fails open.
+        let unreadable = |e: sqlx::Error| {
+            StoreError::unreadable_record(format!(
+                "postgres claim: a finished record is unreadable: {e}"
+            ))
+        };
+        let status: i16 = row.try_get("response_status").map_err(unreadable)?;
+        let names: Vec<String> = row.try_get("header_names").map_err(unreadable)?;
+        let values: Vec<Vec<u8>> = row.try_get("header_values").map_err(unreadable)?;
         let body: Option<Vec<u8>> = row.try_get("response_body").map_err(get)?;
         let expires_in: Option<f64> = row.try_get("expires_in").map_err(get)?;
         Ok(ClaimOutcome::Finished(Arc::new(StoredResponse {

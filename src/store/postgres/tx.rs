@@ -311,7 +311,7 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
             Ok(true) => {}
             Err(e) => {
                 tracing::error!(error = %e, "whether the transaction committed is unknown");
-                lease.lost();
+                lease.outcome_unknown();
                 report(config, &label, Outcome::StoreUnavailable);
                 return problem(
                     ErrorKind::StoreUnavailable,
