@@ -18,7 +18,7 @@ use sqlx::{PgConnection, Postgres, Transaction};
 use super::PostgresStore;
 use crate::config::Config;
 use crate::lease::Lease;
-use crate::metrics::{self, Label};
+use crate::metrics;
 use crate::outcome::{Outcome, report};
 use crate::problem::{ErrorKind, problem};
 use crate::record::{Finished, StoredResponse};
@@ -234,7 +234,7 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
             rollback(store, tx).await;
             tracing::error!(error = %e, "the record could not be prepared for the transaction");
             lease.release("the record could not be prepared").await;
-            return unavailable(config, &label);
+            return unavailable(config);
         }
     };
     let completed = metrics::timed(
@@ -291,7 +291,7 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
             lease
                 .release("the transaction could not be completed")
                 .await;
-            return unavailable(config, &label);
+            return unavailable(config);
         }
     }
     if let Err(e) = store.commit(tx).await {
@@ -306,7 +306,7 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
         match settled.await {
             Ok(false) => {
                 lease.released_elsewhere();
-                return unavailable(config, &label);
+                return unavailable(config);
             }
             Ok(true) => {}
             Err(e) => {
@@ -333,8 +333,9 @@ async fn rollback(store: &PostgresStore, tx: Transaction<'static, Postgres>) {
     }
 }
 
-fn unavailable(config: &Config, label: &Label) -> Response<Body> {
-    report(config, label, Outcome::StoreUnavailable);
+/// The answer after the record was released (already reported as such): one outcome per step, so
+/// `StoreUnavailable` is not counted again for a request whose handler ran.
+fn unavailable(config: &Config) -> Response<Body> {
     problem(
         ErrorKind::StoreUnavailable,
         "the operation could not be recorded and did not happen; retry later",
