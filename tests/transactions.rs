@@ -2,6 +2,8 @@
 //! `IdempotentTx`, commit together with the record of its answer, or not at all.
 #![cfg(feature = "postgres")]
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -463,4 +465,82 @@ async fn cached_store_lets_go_of_a_key_recorded_in_the_transaction() {
     assert_eq!(again.body, first.body);
     assert_eq!(setup.runs(), 1);
     assert_eq!(setup.effects().await, 1);
+}
+
+/// The commit fails, and whether it landed cannot be learned (the records' connection is cut at that
+/// moment): the client is told to retry with its key, and the record, still in progress under the
+/// lease with nothing committed, is released in the background once the database answers again, so
+/// the retry runs within seconds instead of getting `409` until the in-progress TTL (30 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn commit_of_unknown_outcome_does_not_leave_the_key_stuck() {
+    use common::proxy::{Mode, Proxy};
+    use sqlx::postgres::PgConnectOptions;
+    use std::str::FromStr;
+
+    let s = Setup::new().await;
+    let options = PgConnectOptions::from_str(&database_url()).expect("DATABASE_URL");
+    let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
+        .await
+        .expect("resolve")
+        .next()
+        .expect("an address");
+    let proxy = Proxy::start(upstream).await;
+    let records = PgPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_with(options.host("127.0.0.1").port(proxy.port()))
+        .await
+        .expect("pool through the proxy");
+    // Records through the proxy; the handler's transactions straight to the database.
+    let store = PostgresStore::with_table(records, &format!("{}.records", s.world.schema))
+        .expect("table name")
+        .with_transaction_pool(s.pool.clone())
+        .with_timeout(Duration::from_millis(500));
+    let layer = IdempotencyLayer::builder(store)
+        .in_progress_ttl(Duration::from_secs(30))
+        .build()
+        .expect("layer");
+    let router = Router::new()
+        .route("/charge", post(charge))
+        .route_layer(layer)
+        .layer(middleware::from_fn(auth))
+        .with_state(s.world.clone());
+
+    let first = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, "k", &["x-defer-violation", "x-hold"]).await }
+    });
+    while s.world.written.load(Ordering::SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The records' database goes away just before the commit fails.
+    proxy.set(Mode::Cut);
+    s.world.gate.add_permits(1);
+    let first = first.await.expect("first");
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE);
+    let problem: serde_json::Value = serde_json::from_slice(&first.body).expect("json");
+    assert!(
+        problem["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("not known")),
+        "{problem}"
+    );
+    assert_eq!(s.effects().await, 0, "the commit failed");
+    proxy.set(Mode::Pass);
+    let started = std::time::Instant::now();
+    let retry = loop {
+        let retry = send(&router, "k", &[]).await;
+        if retry.status != StatusCode::CONFLICT || started.elapsed() > Duration::from_secs(10) {
+            break retry;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        retry.status,
+        StatusCode::CREATED,
+        "the retry runs within seconds, not after the TTL"
+    );
+    assert!(!replayed(&retry));
+    assert_eq!(s.effects().await, 1, "charged once");
+    assert_eq!(s.runs(), 2);
 }
