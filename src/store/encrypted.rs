@@ -27,8 +27,7 @@ use aes_gcm::{Aes256Gcm, Nonce, Tag};
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 
-use super::{IdempotencyStore, StoreError};
-use crate::config::DENIED_HEADERS;
+use super::{IdempotencyStore, StoreError, header_list};
 use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
 
 #[cfg(feature = "postgres")]
@@ -247,15 +246,7 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
         getrandom::fill(&mut nonce)
             .map_err(|e| StoreError::msg(format!("encrypt: no randomness for the nonce: {e}")))?;
         out.extend_from_slice(&nonce);
-        let count = u32::try_from(response.headers.len()).map_err(|_| too_large())?;
-        out.extend_from_slice(&count.to_be_bytes());
-        for (name, value) in &response.headers {
-            for part in [name.as_str().as_bytes(), value.as_bytes()] {
-                let len = u32::try_from(part.len()).map_err(|_| too_large())?;
-                out.extend_from_slice(&len.to_be_bytes());
-                out.extend_from_slice(part);
-            }
-        }
+        header_list::write(&response.headers, &mut out).ok_or_else(too_large)?;
         if !response.body_omitted {
             out.extend_from_slice(&response.body);
         }
@@ -385,32 +376,11 @@ fn associated_data(head: &[u8], key: &RecordKey, status: u16, outcome: Finished)
     aad
 }
 
-/// Recorded headers, repeated ones in order.
-type Headers = Vec<(HeaderName, HeaderValue)>;
-
-/// The headers of an opened plaintext, and where its body starts. Invalid or denied headers are
-/// dropped, as from any store; `None` when the lengths do not add up.
-fn parse_plaintext(plain: &[u8]) -> Option<(Headers, usize)> {
+/// The headers of an opened plaintext, and where its body starts; `None` when the lengths do not
+/// add up.
+fn parse_plaintext(plain: &[u8]) -> Option<(Vec<(HeaderName, HeaderValue)>, usize)> {
     let mut rest = plain;
-    let mut take = |n: usize| -> Option<&[u8]> {
-        let (head, tail) = rest.split_at_checked(n)?;
-        rest = tail;
-        Some(head)
-    };
-    let count = u32::from_be_bytes(take(4)?.try_into().ok()?);
-    let mut headers = Vec::new();
-    for _ in 0..count {
-        let len = u32::from_be_bytes(take(4)?.try_into().ok()?) as usize;
-        let name = take(len)?;
-        let len = u32::from_be_bytes(take(4)?.try_into().ok()?) as usize;
-        let value = take(len)?;
-        if let (Ok(name), Ok(value)) =
-            (HeaderName::from_bytes(name), HeaderValue::from_bytes(value))
-            && !DENIED_HEADERS.contains(&name.as_str())
-        {
-            headers.push((name, value));
-        }
-    }
+    let headers = header_list::read(&mut rest)?;
     Some((headers, plain.len() - rest.len()))
 }
 

@@ -8,6 +8,8 @@ use std::time::Duration;
 use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
 
 mod cached;
+#[cfg(any(feature = "redis", feature = "encryption"))]
+mod header_list;
 mod local_claims;
 mod memory;
 pub use cached::{CachedStore, DEFAULT_CACHE_BYTES, DEFAULT_CACHE_MAX_AGE};

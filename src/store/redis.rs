@@ -6,14 +6,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisFuture, Script, ServerErrorKind, Value};
 
-use super::{IdempotencyStore, StoreError};
-use crate::config::DENIED_HEADERS;
+use super::{IdempotencyStore, StoreError, header_list};
 use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
 
 /// How long one store operation may take before it counts as failed (`503`), by default.
@@ -386,7 +384,8 @@ impl IdempotencyStore for RedisStore {
         response: Arc<StoredResponse>,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let blob = encode(&response);
+        let blob = encode(&response)
+            .ok_or_else(|| StoreError::msg("redis complete: the response is too large to store"))?;
         let done: i64 = self
             .eval("complete", &self.scripts.complete, key, |cmd| {
                 cmd.arg(lease.0)
@@ -429,7 +428,7 @@ impl IdempotencyStore for RedisStore {
 
 /// The stored response as bytes: outcome, status, headers (length-prefixed), body. The outcome is
 /// `c` or `f`, upper case when the body was omitted.
-fn encode(response: &StoredResponse) -> Vec<u8> {
+fn encode(response: &StoredResponse) -> Option<Vec<u8>> {
     let mut out = Vec::with_capacity(response.body.len() + 64);
     out.push(match (response.outcome, response.body_omitted) {
         (Finished::Completed, false) => b'c',
@@ -438,15 +437,9 @@ fn encode(response: &StoredResponse) -> Vec<u8> {
         (Finished::Failed, true) => b'F',
     });
     out.extend_from_slice(&response.status.to_be_bytes());
-    out.extend_from_slice(&(response.headers.len() as u32).to_be_bytes());
-    for (name, value) in &response.headers {
-        for part in [name.as_str().as_bytes(), value.as_bytes()] {
-            out.extend_from_slice(&(part.len() as u32).to_be_bytes());
-            out.extend_from_slice(part);
-        }
-    }
+    header_list::write(&response.headers, &mut out)?;
     out.extend_from_slice(&response.body);
-    out
+    Some(out)
 }
 
 /// The inverse of [`encode`]; `None` for bytes it did not write. Invalid or denied headers are
@@ -466,20 +459,7 @@ fn decode(blob: &[u8]) -> Option<StoredResponse> {
         _ => return None,
     };
     let status = u16::from_be_bytes(take(2)?.try_into().ok()?);
-    let count = u32::from_be_bytes(take(4)?.try_into().ok()?);
-    let mut headers = Vec::new();
-    for _ in 0..count {
-        let len = u32::from_be_bytes(take(4)?.try_into().ok()?) as usize;
-        let name = take(len)?;
-        let len = u32::from_be_bytes(take(4)?.try_into().ok()?) as usize;
-        let value = take(len)?;
-        if let (Ok(name), Ok(value)) =
-            (HeaderName::from_bytes(name), HeaderValue::from_bytes(value))
-            && !DENIED_HEADERS.contains(&name.as_str())
-        {
-            headers.push((name, value));
-        }
-    }
+    let headers = header_list::read(&mut rest)?;
     Some(StoredResponse {
         outcome,
         status,
@@ -493,6 +473,7 @@ fn decode(blob: &[u8]) -> Option<StoredResponse> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::HeaderValue;
 
     #[test]
     fn responses_round_trip_and_garbage_is_refused() {
@@ -511,14 +492,14 @@ mod tests {
             body_omitted: false,
             expires_in: None,
         };
-        let blob = encode(&response);
+        let blob = encode(&response).expect("fits");
         assert_eq!(decode(&blob), Some(response.clone()));
         let omitted = StoredResponse {
             body: Bytes::new(),
             body_omitted: true,
             ..response
         };
-        assert_eq!(decode(&encode(&omitted)), Some(omitted));
+        assert_eq!(decode(&encode(&omitted).expect("fits")), Some(omitted));
         for cut in 0..7 {
             assert_eq!(decode(&blob[..cut]), None, "cut at {cut}");
         }
