@@ -12,34 +12,16 @@
 //! instructions per request are (total at N2 − total at N1) / (N2 − N1), which cancels start-up.
 //! Without arguments (as `cargo bench` runs it) it runs each mode for 1 000 requests and exits.
 
+#[path = "support/in_process.rs"]
+mod in_process;
 mod support;
 
+use in_process::{call, request};
 use support::{created, json_1k};
 
 use axum::Router;
-use axum::body::{Body, Bytes};
-use axum::http::Request;
 use axum::routing::post;
-use axum_idempotency::{IdempotencyLayer, MemoryStore, Subject};
-use http_body_util::BodyExt;
-use tower::ServiceExt;
-
-fn request(key: &str, body: &Bytes) -> Request<Body> {
-    let mut request = Request::post("/checkout")
-        .header("idempotency-key", key)
-        .header("content-type", "application/json")
-        .header("content-length", body.len())
-        .body(Body::from(body.clone()))
-        .expect("request");
-    request.extensions_mut().insert(Subject("alice".into()));
-    request
-}
-
-async fn call(router: &Router, request: Request<Body>) {
-    let response = router.clone().oneshot(request).await.expect("infallible");
-    assert!(response.status().is_success());
-    response.into_body().collect().await.expect("body");
-}
+use axum_idempotency::{IdempotencyLayer, MemoryStore};
 
 #[inline(never)]
 fn measured_start() {

@@ -3,36 +3,18 @@
 //!
 //! `cargo bench --bench layer`
 
+#[path = "support/in_process.rs"]
+mod in_process;
 mod support;
 
+use in_process::{call, request};
 use std::sync::atomic::{AtomicU64, Ordering};
 use support::{created, json_1k};
 
 use axum::Router;
-use axum::body::{Body, Bytes};
-use axum::http::Request;
 use axum::routing::post;
-use axum_idempotency::{IdempotencyLayer, MemoryStore, Subject};
+use axum_idempotency::{IdempotencyLayer, MemoryStore};
 use criterion::{Criterion, criterion_group, criterion_main};
-use http_body_util::BodyExt;
-use tower::ServiceExt;
-
-fn request(key: &str, body: &Bytes) -> Request<Body> {
-    let mut request = Request::post("/checkout")
-        .header("idempotency-key", key)
-        .header("content-type", "application/json")
-        .header("content-length", body.len())
-        .body(Body::from(body.clone()))
-        .expect("request");
-    request.extensions_mut().insert(Subject("alice".into()));
-    request
-}
-
-async fn call(router: &Router, request: Request<Body>) {
-    let response = router.clone().oneshot(request).await.expect("infallible");
-    assert!(response.status().is_success());
-    response.into_body().collect().await.expect("body");
-}
 
 fn bench(c: &mut Criterion) {
     // One thread drives everything, as a server's worker does: the handler task the layer spawns
