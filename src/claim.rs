@@ -44,7 +44,7 @@ where
     let key = match key::from_headers(&parts.headers) {
         Ok(Some(key)) => key,
         Ok(None) if config.require_key => {
-            report(&config, &Label::of(&config, &parts), Outcome::Rejected);
+            report(&config, &Label::of(&parts), Outcome::Rejected);
             return Ok(problem(
                 ErrorKind::MissingIdempotencyKey,
                 "this endpoint requires an Idempotency-Key header",
@@ -53,12 +53,12 @@ where
         }
         Ok(None) => return pass_through(inner, Request::from_parts(parts, body)).await,
         Err(e) => {
-            report(&config, &Label::of(&config, &parts), Outcome::Rejected);
+            report(&config, &Label::of(&parts), Outcome::Rejected);
             return Ok(problem(ErrorKind::InvalidIdempotencyKey, e.detail(), None));
         }
     };
     // The endpoint label of this request's metrics (nothing without the `metrics` feature).
-    let label = Label::of(&config, &parts);
+    let label = Label::of(&parts);
     let subject = match config.subject.subject(&parts).filter(|s| !s.is_empty()) {
         Some(subject) => subject,
         None if config.allow_anonymous => String::new(),

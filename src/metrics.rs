@@ -54,7 +54,6 @@ mod enabled {
 
     use http::request::Parts;
 
-    use crate::config::Config;
     use crate::outcome::Outcome;
     use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
     use crate::store::{IdempotencyStore, StoreError};
@@ -88,7 +87,7 @@ mod enabled {
     impl Label {
         /// Method and route template when axum matched one, else method and `unmatched`: a raw path
         /// would make one series per URL.
-        pub(crate) fn of(_config: &Config, parts: &Parts) -> Self {
+        pub(crate) fn of(parts: &Parts) -> Self {
             let value = match parts.extensions.get::<axum::extract::MatchedPath>() {
                 Some(route) => format!("{} {}", parts.method, route.as_str()),
                 None => format!("{} unmatched", parts.method),
@@ -216,7 +215,6 @@ mod enabled {
 mod disabled {
     use http::request::Parts;
 
-    use crate::config::Config;
     use crate::outcome::Outcome;
 
     #[derive(Clone, Debug)]
@@ -224,7 +222,7 @@ mod disabled {
 
     impl Label {
         #[inline(always)]
-        pub(crate) fn of(_: &Config, _: &Parts) -> Self {
+        pub(crate) fn of(_: &Parts) -> Self {
             Label
         }
 
