@@ -24,6 +24,12 @@
 //!
 //! With the `metrics` feature, `GET /metrics` (no auth) serves the layer's metrics in Prometheus'
 //! text format.
+//!
+//! On SIGINT or SIGTERM the server stops accepting, finishes the requests it has, then waits (up to
+//! `SHUTDOWN_DRAIN_SECS`, default 30) for what the idempotency layer still runs on its own: requests
+//! whose clients went away, completions being retried, recorders of streamed bodies. A deploy that
+//! stops the process between a charge and its record therefore still records it, and the retry
+//! after the restart gets the replay instead of a second charge.
 
 use std::collections::HashMap;
 use std::error::Error;
@@ -37,7 +43,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use axum_idempotency::{
-    IdempotencyContext, IdempotencyLayer, IdempotencyStore, IdempotentTx, MemoryStore,
+    Drain, IdempotencyContext, IdempotencyLayer, IdempotencyStore, IdempotentTx, MemoryStore,
     PostgresStore, Subject,
 };
 use serde_json::{Value, json};
@@ -286,6 +292,7 @@ pub fn app<S: IdempotencyStore>(
     let idempotency = IdempotencyLayer::builder(store)
         .require_key(true)
         .in_progress_ttl(settings.in_progress_ttl)
+        .drain(drain())
         .build()?;
     // On Postgres the charge is written in the layer's transaction (`IdempotentTx`), so it commits
     // with its record; `CHECKOUT_TRANSACTIONAL=0` writes it on its own instead, to compare.
@@ -307,6 +314,40 @@ pub fn app<S: IdempotencyStore>(
     #[cfg(feature = "metrics")]
     let router = router.route("/metrics", get(prometheus::scrape));
     Ok(router)
+}
+
+/// The store's operation timeout: the default, or less when the in-progress TTL is short, since
+/// the TTL must be at least twice it.
+fn store_timeout(settings: &Settings) -> Duration {
+    axum_idempotency::store::DEFAULT_OPERATION_TIMEOUT
+        .min(settings.in_progress_ttl / axum_idempotency::TTL_PER_OPERATION_TIMEOUT)
+}
+
+/// The process's one drain, shared by every idempotency layer it builds: `main` waits for it at
+/// shutdown.
+pub fn drain() -> Drain {
+    static DRAIN: std::sync::OnceLock<Drain> = std::sync::OnceLock::new();
+    DRAIN.get_or_init(Drain::new).clone()
+}
+
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM (what a deploy sends).
+async fn shutdown_signal() {
+    let terminate = async {
+        #[cfg(unix)]
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+        #[cfg(not(unix))]
+        std::future::pending::<()>().await;
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = terminate => {}
+    }
+    tracing::info!("shutting down: no new connections; finishing the requests in flight");
 }
 
 /// Demo auth: `Authorization: Bearer <subject>` makes `<subject>` the subject.
@@ -478,7 +519,10 @@ pub async fn router_from_env(settings: Settings) -> Result<Router, Box<dyn Error
                 .max_connections(10)
                 .connect(&url)
                 .await?;
-            let store = PostgresStore::new(records).with_transaction_pool(transactions);
+            // A short TTL (as tests set) needs a store timeout under half of it.
+            let store = PostgresStore::new(records)
+                .with_transaction_pool(transactions)
+                .with_timeout(store_timeout(&settings));
             store.migrate().await?;
             axum_idempotency::store::spawn_purge(store.clone(), Duration::from_secs(3600));
             tracing::info!("idempotency records and charges in PostgreSQL");
@@ -498,7 +542,8 @@ pub async fn router_from_env(settings: Settings) -> Result<Router, Box<dyn Error
 /// written on its own, as with `CHECKOUT_TRANSACTIONAL=0` on Postgres.
 #[cfg(feature = "redis")]
 async fn redis_router(url: &str, settings: Settings) -> Result<Router, Box<dyn Error>> {
-    let store = axum_idempotency::RedisStore::new(redis::Client::open(url)?)?;
+    let store = axum_idempotency::RedisStore::new(redis::Client::open(url)?)?
+        .with_timeout(store_timeout(&settings).min(axum_idempotency::store::DEFAULT_REDIS_TIMEOUT));
     let ledger = match std::env::var("DATABASE_URL") {
         Ok(db) => {
             let pool = PgPoolOptions::new()
@@ -537,9 +582,25 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let listener = tokio::net::TcpListener::bind(&bind).await?;
     tracing::info!("listening on http://{}", listener.local_addr()?);
     axum::serve(listener, router)
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
+        .with_graceful_shutdown(shutdown_signal())
         .await?;
+    // The server has answered every connection; what the layer still runs detached (a checkout
+    // whose client gave up, a record still being written) must end before the runtime does.
+    let deadline = Duration::from_secs(
+        std::env::var("SHUTDOWN_DRAIN_SECS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(30),
+    );
+    let drain = drain();
+    tracing::info!(running = drain.running(), "draining the idempotency layer");
+    if drain.wait(deadline).await {
+        tracing::info!("drained; exiting");
+    } else {
+        tracing::warn!(
+            running = drain.running(),
+            "the drain deadline passed with idempotent work still running"
+        );
+    }
     Ok(())
 }

@@ -9,6 +9,7 @@ use axum::body::Body;
 use futures_util::FutureExt;
 use http::{Request, Response};
 use sha2::{Digest, Sha256};
+use tokio::time::Instant;
 use tower::{BoxError, Service, ServiceExt};
 use tracing::Instrument;
 
@@ -71,6 +72,20 @@ where
             ));
         }
     };
+    // Admission: what runs detached is bounded, so a client that resets requests in a loop cannot
+    // make the server run unbounded work. Refused before the body is read or anything claimed.
+    if config.drain.running() >= config.max_running {
+        report(&config, &label, Outcome::Overloaded);
+        tracing::warn!(
+            running = config.drain.running(),
+            "too many idempotent requests running on their own; refusing a new one"
+        );
+        return Ok(problem(
+            ErrorKind::Overloaded,
+            "too many idempotent requests are running; retry later",
+            Some(config.retry_after_secs),
+        ));
+    }
     let endpoint = (config.endpoint)(&parts);
     let span = tracing::info_span!(
         "idempotency",
@@ -108,10 +123,25 @@ where
             retention: config.retention,
         };
         let request = Request::from_parts(parts, Body::from(bytes));
+        let sent = Instant::now();
         let outcome = store.claim(&claim).await;
         let retry_after = config.retry_after_secs;
         match outcome {
             Ok(ClaimOutcome::Claimed { lease, retaken }) => {
+                let claim = ClaimRequest { lease, ..claim };
+                let Some(held_since) = fresh(&config, &store, &claim, sent).await else {
+                    lease::abandon(&config, store, claim.key, claim.lease);
+                    report(&config, &label, Outcome::StoreUnavailable);
+                    tracing::warn!(
+                        "the claim was answered too late to be trusted and could not be proven \
+                         held; released, the handler did not run"
+                    );
+                    return Ok(problem(
+                        ErrorKind::StoreUnavailable,
+                        "the idempotency store answered too slowly; retry later",
+                        Some(retry_after),
+                    ));
+                };
                 report(
                     &config,
                     &label,
@@ -121,13 +151,20 @@ where
                         Outcome::Claimed
                     },
                 );
-                tracing::info!(retaken, "claimed; running the handler");
-                let claim = ClaimRequest { lease, ..claim };
-                run(config, label, store, inner, request, claim, retaken).await
+                if retaken {
+                    tracing::info!("retook a claim whose holder stopped renewing it");
+                } else {
+                    tracing::debug!("claimed; running the handler");
+                }
+                let held = Held {
+                    retaken,
+                    held_since,
+                };
+                run(config, label, store, inner, request, claim, held).await
             }
             Ok(ClaimOutcome::FingerprintMismatch) => {
                 report(&config, &label, Outcome::KeyReuse);
-                tracing::info!("key reused for a different request");
+                tracing::debug!("key reused for a different request");
                 Ok(problem(
                     ErrorKind::IdempotencyKeyReuse,
                     "this Idempotency-Key was used for a request with a different body or query",
@@ -136,7 +173,7 @@ where
             }
             Ok(ClaimOutcome::InProgress) => {
                 report(&config, &label, Outcome::InProgress);
-                tracing::info!("duplicate while in progress");
+                tracing::debug!("duplicate while in progress");
                 Ok(problem(
                     ErrorKind::InProgress,
                     "a request with this Idempotency-Key is still being processed; retry later",
@@ -145,13 +182,13 @@ where
             }
             Ok(ClaimOutcome::Finished(stored)) => {
                 report(&config, &label, Outcome::Replayed);
-                tracing::info!(status = stored.status, "replayed");
+                tracing::debug!(status = stored.status, "replayed");
                 Ok(replay::replay(&stored, &config.replay_header))
             }
             // A record that exists but cannot be read (it does not decrypt) records an operation
             // that happened: running the handler unguarded would repeat it.
             Err(e) if config.fail_open && !e.is_unreadable_record() => {
-                lease::abandon(store, claim.key, claim.lease, config.in_progress_ttl);
+                lease::abandon(&config, store, claim.key, claim.lease);
                 report(&config, &label, Outcome::FailedOpen);
                 tracing::warn!(error = %e, "idempotency store failed; running unguarded");
                 pass_through(inner, request).await
@@ -160,7 +197,7 @@ where
                 // An unreadable record was read whole: the store answered, and made no claim that
                 // could need cleaning up.
                 if !e.is_unreadable_record() {
-                    lease::abandon(store, claim.key, claim.lease, config.in_progress_ttl);
+                    lease::abandon(&config, store, claim.key, claim.lease);
                 }
                 report(&config, &label, Outcome::StoreUnavailable);
                 tracing::error!(error = %e, "idempotency store failed; refusing the request");
@@ -199,7 +236,10 @@ async fn run<S, St, ResBody>(
     inner: S,
     mut request: Request<Body>,
     claim: ClaimRequest,
-    retaken: bool,
+    Held {
+        retaken,
+        held_since,
+    }: Held,
 ) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
@@ -216,17 +256,53 @@ where
     ));
     #[cfg(feature = "postgres")]
     let slot = store.postgres().map(|pg| {
-        let slot = crate::store::TxSlot::new(pg.clone());
+        let slot = crate::store::TxSlot::new(pg.clone(), config.in_progress_ttl);
         request.extensions_mut().insert(slot.clone());
         (pg.clone(), slot)
     });
-    let lease = Lease::new(store, config.clone(), label, claim.key, claim.lease);
-    let answer = lease
-        .hold(AssertUnwindSafe(inner.oneshot(request)).catch_unwind())
-        .await;
+    let lease = Lease::new(
+        store,
+        config.clone(),
+        label,
+        claim.key,
+        claim.lease,
+        held_since,
+    );
+    // The heartbeat's task was just spawned into this worker's LIFO slot, which other workers
+    // cannot steal from: were the handler to block this thread at its first poll, the heartbeat
+    // would never start. Yielding once lets it run (and arm its timer) first; its later wake-ups
+    // come from the timer and the store's sockets, on whichever worker drives them.
+    tokio::task::yield_now().await;
+    // The handler runs until it answers or the maximum hold; the heartbeat runs on a task of its
+    // own meanwhile.
+    let handler = AssertUnwindSafe(inner.oneshot(request)).catch_unwind();
+    let answer = tokio::time::timeout_at(lease.deadline(), handler).await;
     // A transaction the handler took is rolled back on every path but a recorded answer.
     #[cfg(feature = "postgres")]
     let left = slot.map(|(pg, slot)| (pg, slot.take_back()));
+    let Ok(answer) = answer else {
+        // Cancelled at the maximum hold. A transaction it took was never committed: dropping it
+        // rolls it back, and the key is released. Otherwise its effect may have happened: the
+        // timeout is recorded as the key's definitive answer.
+        #[cfg(feature = "postgres")]
+        if let Some((_, crate::store::Left::Transaction(_) | crate::store::Left::Kept)) = left {
+            tracing::warn!("the handler was still running at the maximum hold; rolled back");
+            lease.release("the handler ran past the maximum hold").await;
+            return Ok(problem(
+                ErrorKind::HandlerTimeout,
+                "the operation did not finish in time and was rolled back; retry later",
+                Some(config.retry_after_secs),
+            ));
+        }
+        tracing::warn!(
+            "the handler was still running at the maximum hold; cancelled, and recorded as a \
+             timeout"
+        );
+        let timeout = recording::handler_timeout();
+        let response = replay::fresh(&timeout);
+        lease.complete(Arc::new(timeout)).await;
+        return Ok(response);
+    };
     match answer {
         Ok(Ok(response)) => {
             let response = response.map(Body::new);
@@ -257,6 +333,47 @@ where
         }
     }
 }
+
+/// Whether the claim sent at `sent` can be trusted as held now: at once when its answer came
+/// within a tenth of the in-progress TTL, otherwise after a guarded renewal (a late answer, from a
+/// slow commit, a lost packet or a throttled process, may describe a claim that another instance
+/// has retaken meanwhile). Gives when the lease was last proven held, or `None` to give it up.
+async fn fresh<St: IdempotencyStore>(
+    config: &Config,
+    store: &St,
+    claim: &ClaimRequest,
+    sent: Instant,
+) -> Option<Instant> {
+    let ttl = config.in_progress_ttl;
+    if sent.elapsed() <= ttl / FRESH_FRACTION {
+        return Some(sent);
+    }
+    let renewing = Instant::now();
+    let renewal = store.renew(&claim.key, claim.lease, ttl + config.retention);
+    match tokio::time::timeout(ttl / 6, renewal).await {
+        Ok(Ok(true)) => Some(renewing),
+        Ok(Ok(false)) => {
+            tracing::warn!("a late claim answer: the record was retaken meanwhile");
+            None
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "a late claim answer could not be confirmed");
+            None
+        }
+        Err(_) => None,
+    }
+}
+
+/// How a claim came to be held.
+struct Held {
+    /// It was taken over from a holder that stopped renewing it.
+    retaken: bool,
+    /// When it was last proven held: the claim, or the renewal that confirmed a late claim.
+    held_since: Instant,
+}
+
+/// A claim answered within this fraction of the in-progress TTL is used at once.
+const FRESH_FRACTION: u32 = 10;
 
 fn internal_error() -> Response<Body> {
     problem(

@@ -7,6 +7,7 @@ use std::time::Duration;
 use http::request::Parts;
 use http::{HeaderName, Method, StatusCode};
 
+use crate::drain::Drain;
 use crate::fingerprint::Fingerprint;
 use crate::json_pointer::Pointer;
 use crate::layer::IdempotencyLayer;
@@ -53,6 +54,19 @@ pub const MIN_IN_PROGRESS_TTL: Duration = Duration::from_millis(30);
 /// The largest `response_limit` [`IdempotencyLayerBuilder::build`] accepts: 64 MiB. Every store
 /// must take a recorded body in one statement within its timeout.
 pub const MAX_RESPONSE_LIMIT: usize = 64 * 1024 * 1024;
+
+/// How long a claim may be held by its handler and its body, by default: ten minutes.
+pub const DEFAULT_MAX_HOLD: Duration = Duration::from_secs(10 * 60);
+
+/// How many tasks a layer's [`Drain`] may run (requests whose clients went away, completions
+/// being retried, streamed bodies being recorded) before new guarded requests get
+/// `503 idempotency_overloaded`, by default.
+pub const DEFAULT_MAX_RUNNING: usize = 1024;
+
+/// How many times the store's operation timeout the in-progress TTL must be at least: a claim
+/// answered at the end of its timeout must leave most of the TTL for the handler to prove it holds
+/// the record.
+pub const TTL_PER_OPERATION_TIMEOUT: u32 = 2;
 
 /// Why a configuration was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,6 +123,12 @@ pub(crate) struct Config {
     pub on_outcome: Option<Arc<OutcomeFn>>,
     pub replay_header: HeaderName,
     pub fingerprint: FingerprintRule,
+    /// The longest a claim may be held by its handler and its body.
+    pub max_hold: Duration,
+    /// The most tasks of this layer's drain that may run before new requests get `503`.
+    pub max_running: usize,
+    /// Counts the work the layer runs on tasks of its own.
+    pub drain: Drain,
 }
 
 impl Default for Config {
@@ -133,6 +153,9 @@ impl Default for Config {
             on_outcome: None,
             replay_header: HeaderName::from_static(crate::replay::IDEMPOTENT_REPLAYED),
             fingerprint: FingerprintRule::Canonical(Arc::new([])),
+            max_hold: DEFAULT_MAX_HOLD,
+            max_running: DEFAULT_MAX_RUNNING,
+            drain: Drain::new(),
         }
     }
 }
@@ -304,6 +327,36 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
         self
     }
 
+    /// The longest a claim may be held: from the claim until the handler has answered and its body
+    /// has ended. A handler (or a streamed body) still running then is cancelled. Its effect may
+    /// have happened, so the record becomes a definitive `504 idempotency_handler_timeout` that
+    /// replays, and the handler never runs again for that key; on the transactional path
+    /// (`IdempotentTx`) nothing was committed, so the transaction is rolled back and the key
+    /// released instead. From the in-progress TTL to [`MAX_DURATION`]. Default:
+    /// [`DEFAULT_MAX_HOLD`] (10 minutes).
+    pub fn max_hold(mut self, hold: Duration) -> Self {
+        self.config.max_hold = hold;
+        self
+    }
+
+    /// How many tasks of this layer (its [`Drain`]: requests whose clients went away and that run
+    /// on, completions being retried, streamed bodies being recorded) may run before new guarded
+    /// requests get `503 idempotency_overloaded` with `Retry-After`, before any claim. Bounds what a
+    /// client that resets requests in a loop can make the server run. At least 1. Default:
+    /// [`DEFAULT_MAX_RUNNING`].
+    pub fn max_running(mut self, tasks: usize) -> Self {
+        self.config.max_running = tasks;
+        self
+    }
+
+    /// Counts this layer's background work in `drain`, shared with other layers (each layer has
+    /// one of its own by default; [`IdempotencyLayer::drain`] gives it). The bound of
+    /// [`max_running`](Self::max_running) applies to everything counted in it.
+    pub fn drain(mut self, drain: Drain) -> Self {
+        self.config.drain = drain;
+        self
+    }
+
     /// Checks the settings and builds the layer.
     pub fn build(self) -> Result<IdempotencyLayer<S>, ConfigError> {
         let mut config = self.config;
@@ -316,6 +369,22 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
         }
         if config.in_progress_ttl > MAX_DURATION || config.retention > MAX_DURATION {
             return err("in_progress_ttl and retention must be at most ten years each");
+        }
+        if let Some(timeout) = self.store.operation_timeout()
+            && config.in_progress_ttl < timeout * TTL_PER_OPERATION_TIMEOUT
+        {
+            return Err(ConfigError(format!(
+                "in_progress_ttl ({:?}) must be at least {TTL_PER_OPERATION_TIMEOUT} times the \
+                 store's operation timeout ({timeout:?}): a claim answered late must still leave \
+                 time to prove it holds the record",
+                config.in_progress_ttl
+            )));
+        }
+        if config.max_hold < config.in_progress_ttl || config.max_hold > MAX_DURATION {
+            return err("max_hold must be from the in-progress TTL to ten years");
+        }
+        if config.max_running == 0 {
+            return err("max_running must be at least 1");
         }
         if config.retry_after_secs == 0 {
             return err("retry_after_secs must be at least 1");

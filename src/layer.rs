@@ -5,6 +5,7 @@ use std::sync::Arc;
 use tower::Layer;
 
 use crate::config::{Config, IdempotencyLayerBuilder};
+use crate::drain::Drain;
 use crate::service::IdempotencyService;
 use crate::store::IdempotencyStore;
 
@@ -35,6 +36,12 @@ impl<S: IdempotencyStore> IdempotencyLayer<S> {
             store,
             config: Arc::new(config),
         }
+    }
+
+    /// The count of what this layer runs on tasks of its own, to wait for at shutdown (see
+    /// [`Drain`]). Clones of the layer, and layers given the same drain, share it.
+    pub fn drain(&self) -> Drain {
+        self.config.drain.clone()
     }
 
     /// The store the layer records into.

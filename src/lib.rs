@@ -74,6 +74,7 @@ mod canonical_json;
 mod claim;
 mod config;
 mod context;
+mod drain;
 mod fingerprint;
 mod json_pointer;
 pub mod key;
@@ -95,10 +96,12 @@ mod subject;
 
 pub use canonical_json::{MAX_DEPTH, canonicalize};
 pub use config::{
-    ConfigError, DEFAULT_STORED_HEADERS, DENIED_HEADERS, IdempotencyLayerBuilder, MAX_DURATION,
-    MAX_RESPONSE_LIMIT, MIN_IN_PROGRESS_TTL,
+    ConfigError, DEFAULT_MAX_HOLD, DEFAULT_MAX_RUNNING, DEFAULT_STORED_HEADERS, DENIED_HEADERS,
+    IdempotencyLayerBuilder, MAX_DURATION, MAX_RESPONSE_LIMIT, MIN_IN_PROGRESS_TTL,
+    TTL_PER_OPERATION_TIMEOUT,
 };
 pub use context::IdempotencyContext;
+pub use drain::Drain;
 pub use fingerprint::Fingerprint;
 pub use layer::IdempotencyLayer;
 pub use outcome::{Outcome, OutcomeCounters};

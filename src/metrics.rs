@@ -154,6 +154,10 @@ mod enabled {
             timed("purge", self.0.purge_expired())
         }
 
+        fn operation_timeout(&self) -> Option<std::time::Duration> {
+            self.0.operation_timeout()
+        }
+
         fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
             self.0.settled_elsewhere(key, lease);
         }

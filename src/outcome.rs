@@ -48,11 +48,16 @@ pub enum Outcome {
     /// The request was refused before any claim: bad or missing key, no subject, body too large or
     /// unreadable.
     Rejected,
+    /// The request was refused before any claim because the layer runs too many requests on tasks
+    /// of their own: `503 idempotency_overloaded`.
+    Overloaded,
+    /// The handler or its body was still running at the maximum hold and was cancelled.
+    TimedOut,
 }
 
 impl Outcome {
     /// Every outcome, in a fixed order.
-    pub const ALL: [Outcome; 12] = [
+    pub const ALL: [Outcome; 14] = [
         Outcome::Claimed,
         Outcome::Retaken,
         Outcome::Recorded,
@@ -65,6 +70,8 @@ impl Outcome {
         Outcome::StoreUnavailable,
         Outcome::FailedOpen,
         Outcome::Rejected,
+        Outcome::Overloaded,
+        Outcome::TimedOut,
     ];
 
     /// A stable snake_case name, as logged in the span's `outcome` field and fit for a metric label.
@@ -82,6 +89,8 @@ impl Outcome {
             Outcome::StoreUnavailable => "store_unavailable",
             Outcome::FailedOpen => "failed_open",
             Outcome::Rejected => "rejected",
+            Outcome::Overloaded => "overloaded",
+            Outcome::TimedOut => "timed_out",
         }
     }
 
@@ -109,7 +118,7 @@ impl Outcome {
 /// ```
 #[derive(Clone, Default)]
 pub struct OutcomeCounters {
-    counts: Arc<[AtomicU64; 12]>,
+    counts: Arc<[AtomicU64; Outcome::ALL.len()]>,
 }
 
 impl OutcomeCounters {

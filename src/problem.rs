@@ -22,6 +22,14 @@ pub enum ErrorKind {
     InProgress,
     /// `503`: the store could not be reached or failed.
     StoreUnavailable,
+    /// `503`: the layer is running as many requests on tasks of their own as it may
+    /// ([`max_running`](crate::IdempotencyLayerBuilder::max_running)); nothing was claimed.
+    Overloaded,
+    /// `504`: the handler (or its streamed body) was still running at the maximum hold
+    /// ([`max_hold`](crate::IdempotencyLayerBuilder::max_hold)) and was cancelled. Recorded and
+    /// replayed for the key (its effect may have happened), except on the transactional path, where
+    /// it was rolled back and the key released.
+    HandlerTimeout,
     /// `500`: the handler panicked or its task was cancelled; the record was released.
     InternalError,
 }
@@ -39,6 +47,8 @@ impl ErrorKind {
             ErrorKind::InProgress => "in_progress",
             ErrorKind::StoreUnavailable => "idempotency_store_unavailable",
             ErrorKind::InternalError => "internal_error",
+            ErrorKind::Overloaded => "idempotency_overloaded",
+            ErrorKind::HandlerTimeout => "idempotency_handler_timeout",
         }
     }
 
@@ -52,7 +62,8 @@ impl ErrorKind {
             ErrorKind::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::IdempotencyKeyReuse => StatusCode::UNPROCESSABLE_ENTITY,
             ErrorKind::InProgress => StatusCode::CONFLICT,
-            ErrorKind::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::StoreUnavailable | ErrorKind::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::HandlerTimeout => StatusCode::GATEWAY_TIMEOUT,
             ErrorKind::InternalError => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -68,6 +79,8 @@ impl ErrorKind {
             ErrorKind::InProgress => "Request with this Idempotency-Key is in progress",
             ErrorKind::StoreUnavailable => "Idempotency store unavailable",
             ErrorKind::InternalError => "Internal error",
+            ErrorKind::Overloaded => "Too many idempotent requests running",
+            ErrorKind::HandlerTimeout => "The operation did not finish in time",
         }
     }
 }
@@ -75,6 +88,21 @@ impl ErrorKind {
 /// The problem details response for `kind`. With `retry_after`, the response carries a `Retry-After`
 /// header, and for `in_progress` a `retryAfterSeconds` member.
 pub fn problem(kind: ErrorKind, detail: &str, retry_after: Option<u32>) -> Response<Body> {
+    let mut response = Response::new(Body::from(problem_body(kind, detail, retry_after)));
+    *response.status_mut() = kind.status();
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+    if let Some(secs) = retry_after {
+        headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    response
+}
+
+/// The media type of the layer's error answers.
+pub(crate) const PROBLEM_JSON: &str = "application/problem+json";
+
+/// The problem details document for `kind`, as [`problem`] sends it.
+pub(crate) fn problem_body(kind: ErrorKind, detail: &str, retry_after: Option<u32>) -> String {
     let mut body = serde_json::json!({
         "type": format!("urn:axum-idempotency:error:{}", kind.code()),
         "title": kind.title(),
@@ -87,15 +115,5 @@ pub fn problem(kind: ErrorKind, detail: &str, retry_after: Option<u32>) -> Respo
     {
         map.insert("retryAfterSeconds".into(), secs.into());
     }
-    let mut response = Response::new(Body::from(body.to_string()));
-    *response.status_mut() = kind.status();
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/problem+json"),
-    );
-    if let Some(secs) = retry_after {
-        headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
-    }
-    response
+    body.to_string()
 }

@@ -26,13 +26,15 @@ use futures_util::FutureExt;
 use http::{Response, response::Parts};
 use http_body::Frame;
 use http_body_util::BodyExt;
+use std::time::Duration;
 use tokio::sync::mpsc;
+
 use tokio::time::Instant;
-use tracing::Instrument;
 
 use crate::config::Config;
 use crate::lease::Lease;
 use crate::policy::Disposition;
+use crate::problem::{ErrorKind, PROBLEM_JSON, problem_body};
 use crate::record::{Finished, StoredResponse};
 use crate::replay;
 use crate::store::IdempotencyStore;
@@ -108,11 +110,52 @@ pub(crate) async fn record<St: IdempotencyStore>(
 }
 
 /// How the policy records `response`: completed or failed, or `None` to release the record.
+///
+/// The handler has answered, so its effect may have happened: a policy that panics must not
+/// release the record (a retry would run the handler again). Its answer is then recorded, as
+/// completed for a 2xx and failed otherwise.
 pub(crate) fn recorded_as(config: &Config, response: &Response<Body>) -> Option<Finished> {
-    match (config.policy)(response.status()) {
-        Disposition::Complete => Some(Finished::Completed),
-        Disposition::Fail => Some(Finished::Failed),
-        Disposition::Release => None,
+    let status = response.status();
+    let disposition = std::panic::catch_unwind(AssertUnwindSafe(|| (config.policy)(status)));
+    match disposition {
+        Ok(Disposition::Complete) => Some(Finished::Completed),
+        Ok(Disposition::Fail) => Some(Finished::Failed),
+        Ok(Disposition::Release) => None,
+        Err(_) => {
+            tracing::error!(
+                status = status.as_u16(),
+                "the response policy panicked; the answer is recorded, since its effect may have \
+                 happened"
+            );
+            Some(if status.is_success() {
+                Finished::Completed
+            } else {
+                Finished::Failed
+            })
+        }
+    }
+}
+
+/// The record of a handler (or a streamed body) cancelled at the maximum hold: a definitive
+/// `504 idempotency_handler_timeout`, replayed for the key, since its effect may have happened.
+pub(crate) fn handler_timeout() -> StoredResponse {
+    let kind = ErrorKind::HandlerTimeout;
+    let body = problem_body(
+        kind,
+        "the operation did not finish within the time allowed and was cancelled; it may have \
+         taken effect, so it is not run again for this Idempotency-Key",
+        None,
+    );
+    StoredResponse {
+        outcome: Finished::Failed,
+        status: kind.status().as_u16(),
+        headers: vec![(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static(PROBLEM_JSON),
+        )],
+        body: Bytes::from(body),
+        body_omitted: false,
+        expires_in: None,
     }
 }
 
@@ -155,12 +198,13 @@ fn stream<St: IdempotencyStore>(
 ) -> Response<Body> {
     let (tx, rx) = mpsc::channel(CHANNEL_FRAMES);
     let patience = config.in_progress_ttl;
+    let deadline = lease.deadline();
     let task = async move {
         let mut client = Some(tx);
         let mut ended = false;
         let drained = async {
             for frame in ready {
-                forward(&mut client, Ok(frame)).await;
+                forward(&mut client, Ok(frame), patience).await;
             }
             let mut gone_at: Option<Instant> = None;
             while !copy.omitted {
@@ -186,13 +230,26 @@ fn stream<St: IdempotencyStore>(
                         }
                     }
                 };
-                if !on_frame(&mut copy, &mut client, next).await {
+                if !on_frame(&mut copy, &mut client, next, patience).await {
                     ended = true;
                     break;
                 }
             }
         };
-        lease.hold(drained).await;
+        // The body, like the handler, must be done by the maximum hold.
+        if tokio::time::timeout_at(deadline, drained).await.is_err() {
+            tracing::warn!(
+                "the response body was still streaming at the maximum hold; cut, and recorded as a \
+                 timeout"
+            );
+            if let Some(tx) = client.take() {
+                let _ = tx.try_send(Err(axum::Error::new(
+                    "the response ran past the maximum hold",
+                )));
+            }
+            lease.complete(Arc::new(handler_timeout())).await;
+            return;
+        }
         let recorded = copy.finish();
         lease.complete(Arc::new(with_body(head, recorded))).await;
         // What is left of a body recorded without it streams to the client, the claim finished.
@@ -208,14 +265,14 @@ fn stream<St: IdempotencyStore>(
                 None => ended = true,
                 Some(frame) => {
                     ended = frame.is_err();
-                    forward(&mut client, frame).await;
+                    forward(&mut client, frame, patience).await;
                 }
             }
         }
         // Dropping `client` here ends the body the client reads: after the record.
         drop(client);
     };
-    tokio::spawn(task.in_current_span());
+    config.drain.spawn(task);
     Response::from_parts(parts, Body::new(Channel { rx }))
 }
 
@@ -224,31 +281,39 @@ async fn on_frame(
     copy: &mut Copy,
     client: &mut Option<mpsc::Sender<Result<Frame<Bytes>, axum::Error>>>,
     next: Next,
+    patience: Duration,
 ) -> bool {
     match next {
         None => false,
         Some(Ok(frame)) => {
             copy.frame(&frame);
-            forward(client, Ok(frame)).await;
+            forward(client, Ok(frame), patience).await;
             true
         }
         Some(Err(e)) => {
             copy.omit();
-            forward(client, Err(e)).await;
+            forward(client, Err(e), patience).await;
             false
         }
     }
 }
 
-/// Sends a frame to the client, forgetting the client once it has gone away.
+/// Sends a frame to the client, forgetting the client once it has gone away, or once it has not
+/// taken a frame for `patience` (it stopped reading: it is treated as gone).
 async fn forward(
     client: &mut Option<mpsc::Sender<Result<Frame<Bytes>, axum::Error>>>,
     frame: Result<Frame<Bytes>, axum::Error>,
+    patience: Duration,
 ) {
-    if let Some(tx) = client
-        && tx.send(frame).await.is_err()
-    {
-        *client = None;
+    if let Some(tx) = client {
+        match tokio::time::timeout(patience, tx.send(frame)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => *client = None,
+            Err(_) => {
+                tracing::info!("the client stopped reading the response; it is treated as gone");
+                *client = None;
+            }
+        }
     }
 }
 

@@ -44,22 +44,44 @@ pub(crate) fn capture(
 /// own may hold anything) becomes 500; denied headers and the marker are never sent back from the
 /// record.
 pub(crate) fn replay(stored: &StoredResponse, marker: &HeaderName) -> Response<Body> {
+    let mut response = fresh_with(stored, Some(marker));
+    let headers = response.headers_mut();
+    // `try_insert`: a map that is full (a record that holds tens of thousands of headers) is
+    // answered without the marker rather than with a panic.
+    let _ = headers.try_insert(marker.clone(), HeaderValue::from_static("true"));
+    if stored.body_omitted {
+        let _ = headers.try_insert(IDEMPOTENCY_REPLAY, HeaderValue::from_static("omitted"));
+    }
+    response
+}
+
+/// The response a record describes, as a fresh answer (no replay marker): for answers the layer
+/// records itself, such as a handler cancelled at the maximum hold.
+pub(crate) fn fresh(stored: &StoredResponse) -> Response<Body> {
+    fresh_with(stored, None)
+}
+
+fn fresh_with(stored: &StoredResponse, marker: Option<&HeaderName>) -> Response<Body> {
     let mut response = Response::new(Body::from(stored.body.clone()));
     *response.status_mut() =
         StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let headers = response.headers_mut();
-    headers.reserve(stored.headers.len() + 1);
+    // A record may hold anything a store was given: no count makes `reserve` or `append` panic.
+    let _ = headers.try_reserve(stored.headers.len().min(MAX_RESERVED_HEADERS) + 2);
     for (name, value) in &stored.headers {
-        if !DENIED_HEADERS.contains(&name.as_str()) && name != marker {
-            headers.append(name.clone(), value.clone());
+        if !DENIED_HEADERS.contains(&name.as_str())
+            && Some(name) != marker
+            && headers.try_append(name.clone(), value.clone()).is_err()
+        {
+            tracing::warn!("a stored response holds more headers than a response can carry");
+            break;
         }
-    }
-    headers.insert(marker.clone(), HeaderValue::from_static("true"));
-    if stored.body_omitted {
-        headers.insert(IDEMPOTENCY_REPLAY, HeaderValue::from_static("omitted"));
     }
     response
 }
+
+/// Header entries reserved at once for a replay; a record with more grows the map as it goes.
+const MAX_RESERVED_HEADERS: usize = 64;
 
 #[cfg(test)]
 mod tests {
@@ -119,6 +141,23 @@ mod tests {
         assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
         assert_eq!(response.headers().len(), 2); // etag and idempotent-replayed
         assert_eq!(response.headers()["etag"], "\"1\"");
+    }
+
+    #[test]
+    fn a_record_with_more_headers_than_a_response_can_carry_replays_without_panicking() {
+        let stored = StoredResponse {
+            outcome: Finished::Completed,
+            status: 200,
+            headers: (0..40_000)
+                .map(|i| (header::LINK, HeaderValue::from(i)))
+                .collect(),
+            body: Bytes::from_static(b"ok"),
+            body_omitted: false,
+            expires_in: None,
+        };
+        let response = replay(&stored, &HeaderName::from_static(IDEMPOTENT_REPLAYED));
+        assert_eq!(response.status(), StatusCode::OK);
+        assert!(response.headers().len() > 1000);
     }
 
     proptest::proptest! {

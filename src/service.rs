@@ -11,6 +11,7 @@ use tower::{BoxError, Service};
 
 use crate::claim;
 use crate::config::Config;
+use crate::drain::Drain;
 use crate::store::IdempotencyStore;
 
 type BoxedFuture<E> = Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>;
@@ -23,7 +24,17 @@ type BoxedFuture<E> = Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + S
 /// left claimed with nobody to finish it. Other requests are cancelled as usual.
 pub struct ResponseFuture<E: 'static> {
     inner: Option<BoxedFuture<E>>,
-    detach_on_drop: bool,
+    /// Where the rest is detached to (and counted) when the future is dropped before it finished.
+    detach_to: Option<Drain>,
+}
+
+impl<E: 'static> std::fmt::Debug for ResponseFuture<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseFuture")
+            .field("finished", &self.inner.is_none())
+            .field("detaches_on_drop", &self.detach_to.is_some())
+            .finish()
+    }
 }
 
 impl<E: 'static> Future for ResponseFuture<E> {
@@ -52,13 +63,8 @@ impl<E: 'static> Future for ResponseFuture<E> {
 
 impl<E: 'static> Drop for ResponseFuture<E> {
     fn drop(&mut self) {
-        if !self.detach_on_drop {
-            return;
-        }
-        if let (Some(rest), Ok(runtime)) =
-            (self.inner.take(), tokio::runtime::Handle::try_current())
-        {
-            runtime.spawn(async move {
+        if let (Some(rest), Some(drain)) = (self.inner.take(), self.detach_to.take()) {
+            drain.spawn(async move {
                 let _ = rest.await;
             });
         }
@@ -117,7 +123,7 @@ where
             let future = inner.call(request);
             return ResponseFuture {
                 inner: Some(Box::pin(async move { Ok(future.await?.map(Body::new)) })),
-                detach_on_drop: false,
+                detach_to: None,
             };
         }
         let has_key = request.headers().contains_key(crate::key::IDEMPOTENCY_KEY);
@@ -129,7 +135,7 @@ where
                 inner,
                 request,
             ))),
-            detach_on_drop: has_key,
+            detach_to: has_key.then(|| self.config.drain.clone()),
         }
     }
 }

@@ -235,7 +235,8 @@ mod postgres {
         .await
         .expect("schema");
         let store = PostgresStore::with_table(pool, &format!("{schema}.idempotency_records"))
-            .expect("valid table name");
+            .expect("valid table name")
+            .with_timeout(crate::common::SUITE_STORE_TIMEOUT);
         store.migrate().await.expect("migrate");
         (store, schema)
     }
@@ -591,6 +592,7 @@ mod redis_store {
         RedisStore::new(client())
             .expect("store")
             .with_prefix(prefix)
+            .with_timeout(crate::common::SUITE_STORE_TIMEOUT)
     }
 
     store_suite!(

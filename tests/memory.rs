@@ -392,3 +392,222 @@ async fn replay_header_name_is_configurable() {
     assert_eq!(again.header("idempotent-replayed"), None);
     assert_eq!(counters.started(), 1);
 }
+
+// ---- once through operations (SPEC 13) ----
+
+/// A handler that never returns is cancelled at the maximum hold: its effect may have happened, so
+/// the key's record is a definitive `504 idempotency_handler_timeout` that replays, and the handler
+/// never runs again for that key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn handler_past_the_maximum_hold_is_recorded_as_a_timeout() {
+    let layer = IdempotencyLayer::builder(MemoryStore::new())
+        .in_progress_ttl(Duration::from_millis(100))
+        .max_hold(Duration::from_millis(400))
+        .build()
+        .expect("layer");
+    let (router, counters) = app(layer);
+    let req = || {
+        post("/pay")
+            .key("k")
+            .user("alice")
+            .header("x-delay-ms", "600000")
+    };
+    let started = std::time::Instant::now();
+    let first = send(&router, req()).await;
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(
+        {
+            assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT);
+            first.problem()
+        },
+        "idempotency_handler_timeout"
+    );
+    assert!(!first.replayed());
+    let retry = send(&router, req()).await;
+    assert_eq!(retry.status, StatusCode::GATEWAY_TIMEOUT);
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(counters.started(), 1);
+}
+
+/// A streamed body that stalls with the client still connected is cut at the maximum hold, and
+/// the key's record becomes the timeout: usable (replayed) from then on, not in progress for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stalled_stream_with_the_client_connected_ends_at_the_maximum_hold() {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let layer = IdempotencyLayer::builder(MemoryStore::new())
+        .in_progress_ttl(Duration::from_millis(100))
+        .max_hold(Duration::from_millis(500))
+        .build()
+        .expect("layer");
+    let (router, counters) = app(layer);
+    let req = || {
+        post("/pay")
+            .key("k")
+            .user("alice")
+            .header("x-stream", "stall")
+    };
+    let response = router
+        .clone()
+        .oneshot(req().build())
+        .await
+        .expect("response");
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let mut body = response.into_body();
+    let first = body.frame().await.expect("a frame").expect("data");
+    assert_eq!(first.into_data().expect("data"), "part1;");
+    // The client keeps reading: the body is cut with an error at the maximum hold.
+    let rest = tokio::time::timeout(Duration::from_secs(10), body.frame())
+        .await
+        .expect("the body ends at the maximum hold");
+    assert!(matches!(rest, Some(Err(_)) | None), "{rest:?}");
+    let retry = send(&router, req()).await;
+    assert_eq!(retry.status, StatusCode::GATEWAY_TIMEOUT, "{retry:?}");
+    assert!(retry.replayed());
+    assert_eq!(counters.started(), 1);
+}
+
+/// Requests whose clients went away run on, detached, but only up to `max_running` at once: past
+/// it, new guarded requests get `503 idempotency_overloaded` before any claim, so a client that
+/// sends and resets requests in a loop cannot make the server run unbounded work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn detached_requests_are_bounded() {
+    let layer = IdempotencyLayer::builder(MemoryStore::new())
+        .max_running(3)
+        .build()
+        .expect("layer");
+    let drain = layer.drain();
+    let (router, counters) = app(layer);
+    let (mut detached, mut overloaded) = (0, 0);
+    for i in 0..20 {
+        let req = post("/pay")
+            .key(&format!("k{i}"))
+            .user("alice")
+            .header("x-delay-ms", "3000");
+        // The client gives up (its future is dropped: a reset stream) before the handler answers.
+        match tokio::time::timeout(Duration::from_millis(50), send(&router, req)).await {
+            Err(_) => detached += 1,
+            Ok(answer) => {
+                assert_eq!(
+                    {
+                        assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+                        answer.problem()
+                    },
+                    "idempotency_overloaded"
+                );
+                assert!(answer.header("retry-after").is_some());
+                overloaded += 1;
+            }
+        }
+        assert!(drain.running() <= 3, "{} tasks", drain.running());
+    }
+    assert_eq!((detached, overloaded), (3, 17));
+    assert_eq!(
+        counters.started(),
+        3,
+        "refused requests never reached the handler"
+    );
+    // The detached ones finish and record; then requests are admitted again.
+    assert!(drain.wait(Duration::from_secs(20)).await);
+    let replay = send(
+        &router,
+        post("/pay")
+            .key("k0")
+            .user("alice")
+            .header("x-delay-ms", "3000"),
+    )
+    .await;
+    assert!(replay.replayed(), "{replay:?}");
+    let fresh = send(&router, post("/pay").key("new").user("alice")).await;
+    assert_eq!(fresh.status, StatusCode::CREATED);
+}
+
+/// A full memory store refuses new keys with 503 and evicts nothing: keys recorded before still
+/// replay, and a key claimed again after purging expired records works.
+#[tokio::test]
+async fn a_full_memory_store_refuses_new_keys_and_keeps_the_old() {
+    let store = MemoryStore::with_capacity(4 * 1024);
+    let (router, counters) = app(IdempotencyLayer::new(store.clone()));
+    let mut stored = Vec::new();
+    let refused = loop {
+        let key = format!("key-{}", stored.len());
+        let answer = send(&router, post("/pay").key(&key).user("alice")).await;
+        if answer.status != StatusCode::CREATED {
+            break answer;
+        }
+        stored.push((key, answer.body));
+        assert!(stored.len() < 1000, "the capacity is never reached");
+    };
+    assert_eq!(
+        {
+            assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+            refused.problem()
+        },
+        "idempotency_store_unavailable"
+    );
+    assert!(stored.len() >= 3, "{} records fit", stored.len());
+    let runs = counters.started();
+    for (key, body) in &stored {
+        let replay = send(&router, post("/pay").key(key).user("alice")).await;
+        assert!(replay.replayed(), "{key} was evicted");
+        assert_eq!(&replay.body, body);
+    }
+    assert_eq!(counters.started(), runs, "no handler ran again");
+    assert!(store.bytes() <= 4 * 1024 + 1024);
+}
+
+/// A response policy that panics after the handler answered does not release the record (that
+/// would run the handler again on the retry): the answer is recorded and replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_response_policy_does_not_release_an_effect() {
+    let layer = IdempotencyLayer::builder(MemoryStore::new())
+        .response_policy(|_| panic!("a policy with a bug"))
+        .build()
+        .expect("layer");
+    let (router, counters) = app(layer);
+    let req = || post("/pay").key("k").user("alice");
+    let first = send(&router, req()).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = until_replayed(&router, req).await;
+    assert_eq!(retry.body, first.body);
+    assert_eq!(counters.started(), 1);
+}
+
+async fn until_replayed(router: &axum::Router, req: impl Fn() -> common::Req) -> common::Answer {
+    for _ in 0..100 {
+        let answer = send(router, req()).await;
+        if answer.status != StatusCode::CONFLICT {
+            assert!(answer.replayed(), "{answer:?}");
+            return answer;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("still in progress");
+}
+
+/// `build()` refuses an in-progress TTL that is not at least twice the store's operation timeout:
+/// a claim answered at the end of its timeout must still leave time to prove it is held.
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn a_ttl_below_twice_the_store_timeout_is_refused() {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .connect_lazy("postgres://localhost/none")
+        .expect("lazy pool");
+    let store = axum_idempotency::PostgresStore::new(pool).with_timeout(Duration::from_secs(5));
+    let refused = IdempotencyLayer::builder(store.clone())
+        .in_progress_ttl(Duration::from_secs(9))
+        .build()
+        .err()
+        .expect("refused");
+    assert!(
+        refused.to_string().contains("operation timeout"),
+        "{refused}"
+    );
+    assert!(
+        IdempotencyLayer::builder(store)
+            .in_progress_ttl(Duration::from_secs(10))
+            .build()
+            .is_ok()
+    );
+}

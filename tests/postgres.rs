@@ -69,7 +69,8 @@ async fn store() -> PostgresStore {
     let pool = pool(34).await;
     let schema = fresh_schema(&pool).await;
     let store = PostgresStore::with_table(pool, &format!("{schema}.idempotency_records"))
-        .expect("valid table name");
+        .expect("valid table name")
+        .with_timeout(common::SUITE_STORE_TIMEOUT);
     store.migrate().await.expect("migrate");
     store
 }

@@ -28,7 +28,10 @@ async fn store() -> RedisStore {
             .as_nanos(),
         N.fetch_add(1, Ordering::SeqCst)
     );
-    RedisStore::new(client).expect("store").with_prefix(&prefix)
+    RedisStore::new(client)
+        .expect("store")
+        .with_prefix(&prefix)
+        .with_timeout(common::SUITE_STORE_TIMEOUT)
 }
 
 // Redis expires records itself: purge_expired has nothing left to delete.

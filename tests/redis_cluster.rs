@@ -51,6 +51,7 @@ async fn store() -> RedisStore {
     RedisStore::cluster(client())
         .expect("store")
         .with_prefix(&prefix())
+        .with_timeout(common::SUITE_STORE_TIMEOUT)
 }
 
 // Redis expires records itself: purge_expired has nothing left to delete.

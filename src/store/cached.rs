@@ -325,6 +325,10 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         self.inner.release(key, lease).await
     }
 
+    fn operation_timeout(&self) -> Option<std::time::Duration> {
+        self.inner.operation_timeout()
+    }
+
     fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
         self.local.let_go(&key.digest(), lease);
         self.inner.settled_elsewhere(key, lease);

@@ -423,6 +423,10 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
         self.inner.purge_expired().await
     }
 
+    fn operation_timeout(&self) -> Option<std::time::Duration> {
+        self.inner.operation_timeout()
+    }
+
     fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
         self.inner.settled_elsewhere(key, lease);
     }

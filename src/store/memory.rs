@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -18,15 +19,47 @@ const SHARDS: usize = 16;
 /// instances (use the Postgres store for that). Expired records are swept out of a shard after as many
 /// operations on it as it holds records, so memory stays bounded by what retention keeps alive, at a
 /// constant amortised cost per request; [`IdempotencyStore::purge_expired`] sweeps everything at once.
-#[derive(Clone, Default)]
+///
+/// The store has a capacity in bytes ([`MemoryStore::with_capacity`], default
+/// [`DEFAULT_MEMORY_CAPACITY`]): the records' keys, scopes, recorded headers and bodies, plus a
+/// fixed overhead each. When it is full, a claim of a new key fails (the layer answers `503`) after
+/// expired records were swept; no live or unexpired record is ever evicted to make room, since
+/// that would let its key run again. A completion is never refused for room (its effect happened),
+/// so the store may go over its capacity by the responses of the claims it took.
+///
+/// Clones share the records.
+#[derive(Clone)]
 pub struct MemoryStore {
     inner: Arc<Inner>,
 }
 
-#[derive(Default)]
+impl Default for MemoryStore {
+    fn default() -> Self {
+        MemoryStore::with_capacity(DEFAULT_MEMORY_CAPACITY)
+    }
+}
+
+impl std::fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("bytes", &self.bytes())
+            .field("capacity", &self.inner.capacity)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The default capacity of a [`MemoryStore`]: 256 MiB.
+pub const DEFAULT_MEMORY_CAPACITY: usize = 256 * 1024 * 1024;
+
+/// What a record costs besides its strings and response, for the capacity.
+const RECORD_OVERHEAD: usize = 160;
+
 struct Inner {
     hasher: RandomState,
     shards: [Mutex<Shard>; SHARDS],
+    /// The bytes the records hold, by the capacity's count.
+    bytes: AtomicUsize,
+    capacity: usize,
 }
 
 #[derive(Default)]
@@ -42,6 +75,8 @@ struct Record {
     fingerprint: Fingerprint,
     state: State,
     expires_at: Instant,
+    /// What the record counts against the capacity.
+    size: usize,
 }
 
 enum State {
@@ -57,9 +92,34 @@ enum State {
 }
 
 impl MemoryStore {
-    /// An empty store.
+    /// An empty store with the default capacity ([`DEFAULT_MEMORY_CAPACITY`]).
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty store that holds at most about `bytes` of records (see the type's docs).
+    pub fn with_capacity(bytes: usize) -> Self {
+        MemoryStore {
+            inner: Arc::new(Inner {
+                hasher: RandomState::default(),
+                shards: Default::default(),
+                bytes: AtomicUsize::new(0),
+                capacity: bytes,
+            }),
+        }
+    }
+
+    /// The bytes the records hold now, by the capacity's count.
+    pub fn bytes(&self) -> usize {
+        self.inner.bytes.load(Ordering::Relaxed)
+    }
+
+    fn add(&self, bytes: usize) {
+        self.inner.bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    fn sub(&self, bytes: usize) {
+        self.inner.bytes.fetch_sub(bytes, Ordering::Relaxed);
     }
 
     /// How many records the store holds, expired ones not yet swept included.
@@ -85,31 +145,69 @@ impl MemoryStore {
         let mut shard = self.shard_at(i);
         shard.ops_since_sweep += 1;
         if shard.ops_since_sweep > shard.sweep_after.max(64) {
-            shard.sweep(Instant::now());
+            let freed = shard.sweep(Instant::now());
+            self.sub(freed.1);
         }
         shard
+    }
+
+    /// Sweeps every shard; returns the records removed.
+    fn sweep_all(&self, now: Instant) -> u64 {
+        (0..SHARDS)
+            .map(|i| {
+                let (removed, freed) = self.shard_at(i).sweep(now);
+                self.sub(freed);
+                removed
+            })
+            .sum()
     }
 }
 
 impl Shard {
-    fn sweep(&mut self, now: Instant) -> u64 {
+    /// Removes the expired records; returns how many, and the bytes they held.
+    fn sweep(&mut self, now: Instant) -> (u64, usize) {
         let before = self.records.len();
-        self.records.retain(|_, r| r.expires_at > now);
+        let mut freed = 0;
+        self.records.retain(|_, r| {
+            let keep = r.expires_at > now;
+            if !keep {
+                freed += r.size;
+            }
+            keep
+        });
         self.ops_since_sweep = 0;
         self.sweep_after = self.records.len();
-        (before - self.records.len()) as u64
+        ((before - self.records.len()) as u64, freed)
     }
 }
 
-impl IdempotencyStore for MemoryStore {
-    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+/// What a claimed record of `key` counts against the capacity.
+fn key_size(key: &RecordKey) -> usize {
+    RECORD_OVERHEAD + 2 * (key.key.len() + key.subject.len() + key.endpoint.len())
+}
+
+/// What a recorded response adds to its record.
+fn response_size(response: &StoredResponse) -> usize {
+    response.body.len()
+        + response
+            .headers
+            .iter()
+            .map(|(n, v)| n.as_str().len() + v.len() + 32)
+            .sum::<usize>()
+}
+
+impl MemoryStore {
+    /// The claim; nothing in it waits.
+    fn claim_now(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let now = Instant::now();
         let mut shard = self.shard(&request.key);
         let lease = request.lease;
+        let size = key_size(&request.key);
         let fresh = || Record {
             fingerprint: request.fingerprint,
             state: State::InProgress { lease, since: now },
             expires_at: now + request.in_progress_ttl + request.retention,
+            size,
         };
         // Look up before inserting, so that replays and 409s never copy the key.
         if let Some(record) = shard.records.get_mut(&request.key) {
@@ -117,7 +215,9 @@ impl IdempotencyStore for MemoryStore {
                 // Past retention: the key is new again. An in-progress record that expired was
                 // abandoned by its holder: its effect may have started, so this is a retake.
                 let retaken = matches!(record.state, State::InProgress { .. });
-                *record = fresh();
+                let old = std::mem::replace(record, fresh());
+                self.sub(old.size);
+                self.add(size);
                 return Ok(ClaimOutcome::Claimed { lease, retaken });
             }
             if record.fingerprint != request.fingerprint {
@@ -137,7 +237,9 @@ impl IdempotencyStore for MemoryStore {
                 }
                 State::InProgress { .. } => {
                     // The shard lock makes this compare-and-swap atomic.
-                    *record = fresh();
+                    let old = std::mem::replace(record, fresh());
+                    self.sub(old.size);
+                    self.add(size);
                     ClaimOutcome::Claimed {
                         lease,
                         retaken: true,
@@ -145,11 +247,36 @@ impl IdempotencyStore for MemoryStore {
                 }
             });
         }
+        if self.bytes() + size > self.inner.capacity {
+            // Full: make room from expired records only, everywhere, then refuse if still full.
+            drop(shard);
+            self.sweep_all(now);
+            if self.bytes() + size > self.inner.capacity {
+                return Err(StoreError::msg(format!(
+                    "the memory store is full ({} of {} bytes); no live record is evicted",
+                    self.bytes(),
+                    self.inner.capacity
+                )));
+            }
+            shard = self.shard(&request.key);
+            // Claimed by someone else while the shard was unlocked: answer as the store now is.
+            if shard.records.contains_key(&request.key) {
+                drop(shard);
+                return self.claim_now(request);
+            }
+        }
+        self.add(size);
         shard.records.insert(request.key.clone(), fresh());
         Ok(ClaimOutcome::Claimed {
             lease,
             retaken: false,
         })
+    }
+}
+
+impl IdempotencyStore for MemoryStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.claim_now(request)
     }
 
     async fn complete(
@@ -162,8 +289,11 @@ impl IdempotencyStore for MemoryStore {
         let mut shard = self.shard(key);
         match shard.records.get_mut(key) {
             Some(record) if holds(record, lease) => {
+                let grown = response_size(&response);
                 record.state = State::Finished { response, lease };
                 record.expires_at = Instant::now() + retention;
+                record.size += grown;
+                self.add(grown);
                 Ok(true)
             }
             Some(Record {
@@ -196,7 +326,9 @@ impl IdempotencyStore for MemoryStore {
         let mut shard = self.shard(key);
         match shard.records.get(key) {
             Some(record) if holds(record, lease) => {
+                let size = record.size;
                 shard.records.remove(key);
+                self.sub(size);
                 Ok(true)
             }
             _ => Ok(false),
@@ -204,8 +336,7 @@ impl IdempotencyStore for MemoryStore {
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
-        let now = Instant::now();
-        Ok((0..SHARDS).map(|i| self.shard_at(i).sweep(now)).sum())
+        Ok(self.sweep_all(Instant::now()))
     }
 }
 

@@ -13,7 +13,7 @@ mod header_list;
 mod local_claims;
 mod memory;
 pub use cached::{CachedStore, DEFAULT_CACHE_BYTES, DEFAULT_CACHE_MAX_AGE};
-pub use memory::MemoryStore;
+pub use memory::{DEFAULT_MEMORY_CAPACITY, MemoryStore};
 
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -157,6 +157,15 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
 
     /// Deletes every record whose retention has passed; returns how many.
     fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// The longest one operation of this store may take before it fails, if it bounds them.
+    /// [`IdempotencyLayerBuilder::build`](crate::IdempotencyLayerBuilder::build) refuses an
+    /// in-progress TTL under [`TTL_PER_OPERATION_TIMEOUT`](crate::TTL_PER_OPERATION_TIMEOUT) times
+    /// it: a claim answered at the end of its timeout must leave time to prove it still holds the
+    /// record. A store that wraps another forwards it. `None` by default.
+    fn operation_timeout(&self) -> Option<Duration> {
+        None
+    }
 
     /// Tells the store that `lease` no longer holds the record for a reason it did not see: the
     /// record was completed in the handler's transaction (`IdempotentTx`), released by a statement

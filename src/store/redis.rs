@@ -424,6 +424,10 @@ impl IdempotencyStore for RedisStore {
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         Ok(0)
     }
+
+    fn operation_timeout(&self) -> Option<Duration> {
+        Some(self.timeout)
+    }
 }
 
 /// The stored response as bytes: outcome, status, headers (length-prefixed), body. The outcome is

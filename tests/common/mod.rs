@@ -83,6 +83,7 @@ fn streamed(kind: String, counters: Counters) -> Body {
 }
 
 /// The handler behind every test route. Request headers steer it: `x-delay-ms` (sleep first),
+/// `x-block-ms` (block the thread first),
 /// `x-status` (answer with that status), `x-panic` (panic), `x-big` (a body of that many bytes),
 /// `x-stream` (a streamed body, see [`streamed`]).
 async fn handler(State(counters): State<Counters>, headers: HeaderMap, body: Bytes) -> Response {
@@ -95,6 +96,10 @@ async fn handler(State(counters): State<Counters>, headers: HeaderMap, body: Byt
     };
     if let Some(ms) = num("x-delay-ms") {
         tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if let Some(ms) = num("x-block-ms") {
+        // A handler that blocks its thread, as a synchronous SDK call or a CPU loop does.
+        std::thread::sleep(Duration::from_millis(ms));
     }
     if headers.contains_key("x-panic") {
         panic!("the handler panicked on purpose");
@@ -139,6 +144,11 @@ async fn auth(mut request: Request, next: Next) -> Response {
     }
     next.run(request).await
 }
+
+/// The operation timeout of the stores the behaviour suite runs on: short, so that the suite's
+/// short in-progress TTLs stay above twice it, as `build()` requires.
+#[allow(dead_code)]
+pub const SUITE_STORE_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// An app with `POST /pay` and `POST /other` behind `layer`, and `GET /pay` unguarded by method.
 pub fn app<S: IdempotencyStore>(layer: IdempotencyLayer<S>) -> (Router, Counters) {

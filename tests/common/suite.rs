@@ -58,6 +58,8 @@ macro_rules! store_suite {
             stalled_body_is_recorded_after_the_client_leaves,
             panicking_body_is_recorded_without_its_body,
             a_claim_sent_twice_by_its_lease_is_still_claimed,
+            handler_blocking_its_thread_is_not_retaken,
+            claim_answered_after_the_ttl_does_not_run_twice,
         );
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
@@ -86,6 +88,14 @@ async fn until_not_in_progress(
         answer = send(router, req()).await;
     }
     answer
+}
+
+/// A short in-progress TTL for tests of its expiry: `base`, or the shortest the store's operation
+/// timeout allows when that is longer.
+fn short_ttl<S: IdempotencyStore>(store: &S, base: Duration) -> Duration {
+    store.operation_timeout().map_or(base, |t| {
+        base.max(t * axum_idempotency::TTL_PER_OPERATION_TIMEOUT)
+    })
 }
 
 fn default_layer<S: IdempotencyStore>(store: S) -> IdempotencyLayer<S> {
@@ -287,7 +297,7 @@ pub async fn duplicate_in_progress_is_409_at_once<S: IdempotencyStore>(store: S)
 }
 
 pub async fn stale_in_progress_is_retaken<S: IdempotencyStore>(store: S) {
-    let ttl = Duration::from_millis(400);
+    let ttl = short_ttl(&store, Duration::from_millis(400));
     let layer = IdempotencyLayer::builder(store.clone())
         .in_progress_ttl(ttl)
         .build()
@@ -631,21 +641,23 @@ pub async fn stale_retake_race_has_one_winner<S: IdempotencyStore>(store: S) {
 /// A live handler slower than the in-progress TTL keeps its claim through the heartbeat: duplicates
 /// get 409 all along, never a second run.
 pub async fn slow_handler_outliving_the_ttl_is_not_retaken<S: IdempotencyStore>(store: S) {
-    let ttl = Duration::from_millis(300);
+    let ttl = short_ttl(&store, Duration::from_millis(300));
     let layer = IdempotencyLayer::builder(store)
         .in_progress_ttl(ttl)
         .build()
         .expect("layer");
     let (router, counters) = app(layer);
+    let delay = (ttl * 5).as_millis().to_string();
     let slow = || {
         post("/pay")
             .key("k")
             .user("alice")
-            .header("x-delay-ms", "1500")
+            .header("x-delay-ms", &delay)
     };
     let first = tokio::spawn({
         let router = router.clone();
-        async move { send(&router, slow()).await }
+        let req = slow();
+        async move { send(&router, req).await }
     });
     let c = counters.clone();
     eventually(move || c.started() == 1).await;
@@ -1034,8 +1046,9 @@ pub async fn claim_whose_answer_was_lost_is_released<S: IdempotencyStore>(store:
 pub async fn stalled_body_is_recorded_after_the_client_leaves<S: IdempotencyStore>(store: S) {
     use http_body_util::BodyExt;
     use tower::ServiceExt;
+    let ttl = short_ttl(&store, Duration::from_millis(300));
     let layer = IdempotencyLayer::builder(store)
-        .in_progress_ttl(Duration::from_millis(300))
+        .in_progress_ttl(ttl)
         .build()
         .expect("layer");
     let (router, counters) = app(layer);
@@ -1129,4 +1142,147 @@ pub async fn a_claim_sent_twice_by_its_lease_is_still_claimed<S: IdempotencyStor
         store.claim(&request).await.expect("claim after"),
         ClaimOutcome::Finished(_)
     ));
+}
+
+/// A handler that blocks its thread (a synchronous SDK, a CPU loop) for three TTLs: the heartbeat
+/// runs on a task of its own, so a duplicate on another connection gets 409 all along, and the
+/// handler runs once.
+pub async fn handler_blocking_its_thread_is_not_retaken<S: IdempotencyStore>(store: S) {
+    let ttl = short_ttl(&store, Duration::from_millis(300));
+    let layer = IdempotencyLayer::builder(store)
+        .in_progress_ttl(ttl)
+        .build()
+        .expect("layer");
+    let (router, counters) = app(layer);
+    let block = (ttl * 3).as_millis().to_string();
+    let req = || {
+        post("/pay")
+            .key("k")
+            .user("alice")
+            .header("x-block-ms", &block)
+    };
+    let first = tokio::spawn({
+        let router = router.clone();
+        let req = req();
+        async move { send(&router, req).await }
+    });
+    let c = counters.clone();
+    eventually(move || c.started() == 1).await;
+    // Past the TTL, while the handler still blocks its thread.
+    tokio::time::sleep(ttl * 3 / 2).await;
+    let duplicate = send(&router, req()).await;
+    assert_eq!(
+        duplicate.status,
+        StatusCode::CONFLICT,
+        "a blocked but live handler is not retaken: {duplicate:?}"
+    );
+    let first = first.await.expect("first");
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = until_not_in_progress(&router, req, 100).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(counters.started(), 1);
+}
+
+/// A store whose claim answers arrive late (a slow commit, a lost packet, a throttled process):
+/// the claim is made at once, its answer delivered `delay` later.
+#[derive(Clone)]
+struct LateClaims<S> {
+    inner: S,
+    delay: Duration,
+}
+
+impl<S: IdempotencyStore> IdempotencyStore for LateClaims<S> {
+    async fn claim(
+        &self,
+        request: &ClaimRequest,
+    ) -> Result<ClaimOutcome, axum_idempotency::StoreError> {
+        let outcome = self.inner.claim(request).await;
+        tokio::time::sleep(self.delay).await;
+        outcome
+    }
+
+    fn complete(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        response: Arc<StoredResponse>,
+        retention: Duration,
+    ) -> impl std::future::Future<Output = Result<bool, axum_idempotency::StoreError>> + Send {
+        self.inner.complete(key, lease, response, retention)
+    }
+
+    fn renew(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        lifetime: Duration,
+    ) -> impl std::future::Future<Output = Result<bool, axum_idempotency::StoreError>> + Send {
+        self.inner.renew(key, lease, lifetime)
+    }
+
+    fn release(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> impl std::future::Future<Output = Result<bool, axum_idempotency::StoreError>> + Send {
+        self.inner.release(key, lease)
+    }
+
+    fn purge_expired(
+        &self,
+    ) -> impl std::future::Future<Output = Result<u64, axum_idempotency::StoreError>> + Send {
+        self.inner.purge_expired()
+    }
+
+    fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
+        self.inner.settled_elsewhere(key, lease);
+    }
+
+    fn operation_timeout(&self) -> Option<Duration> {
+        self.inner.operation_timeout()
+    }
+}
+
+/// A claim whose answer reaches its instance only after the in-progress TTL: meanwhile another
+/// instance found the record stale and retook it. The late instance must not trust its answer: it
+/// proves the lease with a guarded renewal, which fails, and answers 503 without running the
+/// handler. One run.
+pub async fn claim_answered_after_the_ttl_does_not_run_twice<S: IdempotencyStore>(store: S) {
+    let ttl = short_ttl(&store, Duration::from_millis(300));
+    let late = IdempotencyLayer::builder(LateClaims {
+        inner: store.clone(),
+        delay: ttl * 2,
+    })
+    .in_progress_ttl(ttl)
+    .build()
+    .expect("layer");
+    let prompt = IdempotencyLayer::builder(store)
+        .in_progress_ttl(ttl)
+        .build()
+        .expect("layer");
+    let (late_router, late_counters) = app(late);
+    let (router, counters) = app(prompt);
+    let req = || post("/pay").key("k").user("alice");
+    let slow = tokio::spawn({
+        let late_router = late_router.clone();
+        let req = req();
+        async move { send(&late_router, req).await }
+    });
+    // The late instance's claim is in the store, never renewed: stale after the TTL.
+    tokio::time::sleep(ttl + ttl / 3).await;
+    let retaken = until_not_in_progress(&router, req, 100).await;
+    assert_eq!(retaken.status, StatusCode::CREATED, "{retaken:?}");
+    let slow = slow.await.expect("late instance");
+    assert_eq!(
+        slow.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "a claim answered too late is not used: {slow:?}"
+    );
+    assert_eq!(
+        late_counters.started() + counters.started(),
+        1,
+        "the handler ran once"
+    );
+    let replay = send(&router, req()).await;
+    assert!(replay.replayed());
 }

@@ -32,6 +32,24 @@ const MIGRATE_LOCK: i64 = 0x6178_6964_656d_0001; // "axidem" + 1
 pub const MIN_MIGRATE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a store that found the claim function missing waits before looking for it again.
 const FUNCTION_PROBE: Duration = Duration::from_secs(60);
+/// The condition that makes a statement apply its lock timeout (see [`lock_bound_cte`]) before it
+/// touches a row.
+const LOCK_BOUND: &str = "(SELECT bound FROM lock_bound) IS NOT NULL";
+
+/// A common table expression that sets `lock_timeout` for the statement's own (implicit)
+/// transaction from the text parameter `$n` (`"4000ms"`), evaluated before the statement waits on
+/// any row lock (the statement's condition refers to it through [`LOCK_BOUND`]). Every statement on
+/// a record carries it, so that no wait on a row lock (a handler's transaction whose connection
+/// died between its completion and its commit, say) outlives the client's timeout: the server gives
+/// up first and answers, and the connection goes back to the pool instead of being held until the
+/// server finishes. A `statement_timeout` cannot be set this way (it is armed when the statement
+/// starts); the statements are single-row index lookups, and lock waits are what can last.
+fn lock_bound_cte(n: u8) -> String {
+    format!(
+        "WITH lock_bound AS MATERIALIZED (SELECT set_config('lock_timeout', ${n}, true) AS bound)"
+    )
+}
+
 /// Rows removed per statement by `purge_expired`, so no single statement holds locks for long.
 const PURGE_BATCH: i64 = 10_000;
 
@@ -53,6 +71,8 @@ pub struct PostgresStore {
     transactions: Option<PgPool>,
     sql: Arc<Statements>,
     timeout: Duration,
+    /// The server-side `lock_timeout` of every statement: four fifths of `timeout`, as text.
+    lock_timeout: Arc<str>,
 }
 
 /// How long one store operation may take before it counts as failed (`503`), by default.
@@ -121,8 +141,11 @@ impl Statements {
                 None => format!("\"{unqualified}_claim_v1\""),
             },
             function_missing: std::sync::Mutex::new(None),
+            // $9: the lock timeout (see `LOCK_BOUND`).
             claim: format!(
-                "SELECT * FROM {}($1, $2, $3, $4, $5, $6, $7, $8)",
+                "{} SELECT c.* FROM {}($1, $2, $3, $4, $5, $6, $7, $8) c \
+                 WHERE {LOCK_BOUND}",
+                lock_bound_cte(9),
                 match table.rsplit_once('.') {
                     Some((schema, _)) => format!("\"{schema}\".\"{unqualified}_claim_v1\""),
                     None => format!("\"{unqualified}_claim_v1\""),
@@ -160,37 +183,44 @@ impl Statements {
             // The staleness is checked again against the row as it is now (READ COMMITTED rechecks
             // the newest version), so a heartbeat that landed since the claim read it wins.
             // $1 scope, $2 fingerprint, $3 new lease, $4 lifetime (µs), $5 old lease, $6 old status,
-            // $7 in-progress TTL (µs).
+            // $7 in-progress TTL (µs), $8 lock timeout.
             retake: format!(
-                "UPDATE {t} SET fingerprint = $2, status = 'in_progress', lease_token = $3, \
+                "{LOCK_BOUND_CTE} UPDATE {t} SET fingerprint = $2, status = 'in_progress', lease_token = $3, \
                    response_status = NULL, header_names = NULL, header_values = NULL, \
                    response_body = NULL, created_at = now(), updated_at = now(), \
                    expires_at = now() + $4::float8 * interval '1 microsecond' \
                  WHERE scope = $1 AND lease_token = $5 AND status = $6 \
                    AND (expires_at <= now() \
                         OR (status = 'in_progress' \
-                            AND updated_at <= now() - $7::float8 * interval '1 microsecond'))"
+                            AND updated_at <= now() - $7::float8 * interval '1 microsecond')) \
+                   AND {LOCK_BOUND}",
+                LOCK_BOUND_CTE = lock_bound_cte(8)
             ),
-            // The heartbeat. $1 scope, $2 lease, $3 lifetime (µs).
+            // The heartbeat. $1 scope, $2 lease, $3 lifetime (µs), $4 lock timeout.
             renew: format!(
-                "UPDATE {t} SET updated_at = now(), \
+                "{} UPDATE {t} SET updated_at = now(), \
                    expires_at = now() + $3::float8 * interval '1 microsecond' \
-                 WHERE scope = $1 AND lease_token = $2 AND status = 'in_progress'"
+                 WHERE scope = $1 AND lease_token = $2 AND status = 'in_progress' \
+                   AND {LOCK_BOUND}",
+                lock_bound_cte(4)
             ),
             // Finish the record if the lease holds it in progress; a record this lease already
             // finished (an earlier attempt committed but its answer was lost) also counts as done.
             // $1 scope, $2 lease, $3 status, $4 response status, $5 names, $6 values, $7 body,
-            // $8 retention (µs).
+            // $8 retention (µs), $9 lock timeout. The statement's own clock, not `now()`: inside
+            // a handler's transaction `now()` is when the transaction began, which may be long ago.
             complete: format!(
-                "WITH done AS ( \
+                "{}, done AS ( \
                    UPDATE {t} SET status = $3, response_status = $4, header_names = $5, \
-                     header_values = $6, response_body = $7, updated_at = now(), \
-                     expires_at = now() + $8::float8 * interval '1 microsecond' \
+                     header_values = $6, response_body = $7, updated_at = clock_timestamp(), \
+                     expires_at = clock_timestamp() + $8::float8 * interval '1 microsecond' \
                    WHERE scope = $1 AND lease_token = $2 AND status = 'in_progress' \
+                     AND {LOCK_BOUND} \
                    RETURNING 1) \
                  SELECT EXISTS (SELECT 1 FROM done) \
                      OR EXISTS (SELECT 1 FROM {t} WHERE scope = $1 AND lease_token = $2 \
-                                AND status <> 'in_progress') AS held"
+                                AND status <> 'in_progress') AS held",
+                lock_bound_cte(9)
             ),
             // Whether `lease` finished the record: asked again, in a statement of its own, when a
             // completion matched nothing (a concurrent attempt by the same lease may have finished
@@ -199,12 +229,18 @@ impl Statements {
                 "SELECT EXISTS (SELECT 1 FROM {t} WHERE scope = $1 AND lease_token = $2 \
                                 AND status <> 'in_progress')"
             ),
+            // $3 lock timeout.
             release: format!(
-                "DELETE FROM {t} WHERE scope = $1 AND lease_token = $2 AND status = 'in_progress'"
+                "{} DELETE FROM {t} WHERE scope = $1 AND lease_token = $2 \
+                   AND status = 'in_progress' AND {LOCK_BOUND}",
+                lock_bound_cte(3)
             ),
+            // $1 lock timeout.
             purge: format!(
-                "DELETE FROM {t} WHERE ctid IN \
-                   (SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT {PURGE_BATCH})"
+                "{} DELETE FROM {t} WHERE ctid IN \
+                   (SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT {PURGE_BATCH}) \
+                   AND {LOCK_BOUND}",
+                lock_bound_cte(1)
             ),
             check_shape: format!("SELECT scope, idempotency_key, lease_token FROM {t} LIMIT 0"),
             quoted,
@@ -220,6 +256,7 @@ impl PostgresStore {
             transactions: None,
             sql: Arc::new(Statements::new(DEFAULT_TABLE)),
             timeout: DEFAULT_OPERATION_TIMEOUT,
+            lock_timeout: lock_timeout_for(DEFAULT_OPERATION_TIMEOUT),
         }
     }
 
@@ -247,6 +284,7 @@ impl PostgresStore {
             transactions: None,
             sql: Arc::new(Statements::new(table)),
             timeout: DEFAULT_OPERATION_TIMEOUT,
+            lock_timeout: lock_timeout_for(DEFAULT_OPERATION_TIMEOUT),
         })
     }
 
@@ -258,6 +296,7 @@ impl PostgresStore {
     /// worker and is retaken after the in-progress TTL: the handler still runs at most once.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout.max(MIN_OPERATION_TIMEOUT);
+        self.lock_timeout = lock_timeout_for(self.timeout);
         self
     }
 
@@ -268,11 +307,15 @@ impl PostgresStore {
     ) -> Result<T, StoreError> {
         match tokio::time::timeout(self.timeout, operation).await {
             Ok(result) => result.map_err(db(what)),
-            Err(_) => Err(StoreError::msg(format!(
-                "postgres {what}: no answer within {:?}",
-                self.timeout
-            ))),
+            Err(_) => Err(self.no_answer(what)),
         }
+    }
+
+    fn no_answer(&self, what: &str) -> StoreError {
+        StoreError::msg(format!(
+            "postgres {what}: no answer within {:?}",
+            self.timeout
+        ))
     }
 
     /// Takes the handlers' transactions ([`IdempotentTx`]) from `pool` rather than from the store's
@@ -401,20 +444,19 @@ impl PostgresStore {
         old_lease: i64,
         old_status: &str,
     ) -> Result<bool, StoreError> {
-        let done = self
-            .timed(
-                "retake",
-                sqlx::query(sqlx::AssertSqlSafe(self.sql.retake.as_str()))
-                    .bind(&scope[..])
-                    .bind(&request.fingerprint.as_bytes()[..])
-                    .bind(request.lease.0)
-                    .bind(micros(request.in_progress_ttl + request.retention))
-                    .bind(old_lease)
-                    .bind(old_status)
-                    .bind(micros(request.in_progress_ttl))
-                    .execute(&self.pool),
-            )
-            .await?;
+        let done = on_connection!(self, "retake", conn => {
+            sqlx::query(sqlx::AssertSqlSafe(self.sql.retake.as_str()))
+                .bind(&scope[..])
+                .bind(&request.fingerprint.as_bytes()[..])
+                .bind(request.lease.0)
+                .bind(micros(request.in_progress_ttl + request.retention))
+                .bind(old_lease)
+                .bind(old_status)
+                .bind(micros(request.in_progress_ttl))
+                .bind(&*self.lock_timeout)
+                .execute(&mut *conn)
+        })?
+        .map_err(db("retake"))?;
         Ok(done.rows_affected() == 1)
     }
 
@@ -511,8 +553,10 @@ impl PostgresStore {
             Some(since) => (since.elapsed() >= FUNCTION_PROBE, true),
         };
         if use_function {
-            let call = self.claim_statement(&self.sql.claim, request, scope);
-            match tokio::time::timeout(self.timeout, call.fetch_optional(&self.pool)).await {
+            let call = self
+                .claim_statement(&self.sql.claim, request, scope)
+                .bind(&*self.lock_timeout);
+            match on_connection!(self, "claim", conn => call.fetch_optional(&mut *conn)) {
                 Ok(Err(sqlx::Error::Database(e))) if e.code().as_deref() == Some("42883") => {
                     tracing::warn!(
                         table = %self.sql.table,
@@ -533,12 +577,7 @@ impl PostgresStore {
                     return Ok(row);
                 }
                 Ok(Err(e)) => return Err(db("claim")(e)),
-                Err(_) => {
-                    return Err(StoreError::msg(format!(
-                        "postgres claim: no answer within {:?}",
-                        self.timeout
-                    )));
-                }
+                Err(e) => return Err(e),
             }
         }
         let direct = || {
@@ -600,6 +639,7 @@ impl PostgresStore {
             .bind(values)
             .bind(body)
             .bind(micros(retention))
+            .bind(&*self.lock_timeout)
     }
 
     /// Begins a transaction for a handler, within the operation timeout.
@@ -609,12 +649,22 @@ impl PostgresStore {
     /// A `BEGIN` cut short by a timeout would leave its connection in the pool inside an open
     /// transaction, so it is never cut short: it runs on a task of its own, and if it outlives the
     /// timeout, the transaction it opens is dropped there, which rolls it back.
-    async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
+    ///
+    /// The transaction may not stay idle longer than `idle` (the in-progress TTL): a connection
+    /// that dies quietly between the completion and the commit holds the record's row lock, and
+    /// the server ends its session after that long, so the key is stuck for at most about a TTL.
+    async fn begin(
+        &self,
+        idle: Duration,
+    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
         let pool = self.transactions.as_ref().unwrap_or(&self.pool).clone();
-        let mut begun = tokio::spawn(async move {
-            pool.begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
-                .await
-        });
+        let statement = format!(
+            "BEGIN ISOLATION LEVEL READ COMMITTED; \
+             SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
+            idle.as_millis().max(1)
+        );
+        let mut begun =
+            tokio::spawn(async move { pool.begin_with(sqlx::AssertSqlSafe(statement)).await });
         match tokio::time::timeout(self.timeout, &mut begun).await {
             Ok(Ok(result)) => result.map_err(db("begin")),
             Ok(Err(e)) => Err(StoreError::new("postgres begin: the task failed", e)),
@@ -665,15 +715,17 @@ impl PostgresStore {
         if self.release(key, lease).await? {
             return Ok(false);
         }
-        let (finished,): (bool,) = self
-            .timed(
-                "complete",
-                sqlx::query_as(sqlx::AssertSqlSafe(self.sql.finished_by.as_str()))
-                    .bind(&key.digest()[..])
-                    .bind(lease.0)
-                    .fetch_one(&self.pool),
-            )
-            .await?;
+        self.finished_by(&key.digest(), lease).await
+    }
+
+    /// Whether `lease` finished the record (see `Statements::finished_by`).
+    async fn finished_by(&self, scope: &[u8; 32], lease: LeaseToken) -> Result<bool, StoreError> {
+        let query = sqlx::query_as(sqlx::AssertSqlSafe(self.sql.finished_by.as_str()))
+            .bind(&scope[..])
+            .bind(lease.0);
+        let (finished,): (bool,) =
+            on_connection!(self, "complete", conn => query.fetch_one(&mut *conn))?
+                .map_err(db("complete"))?;
         Ok(finished)
     }
 
@@ -721,30 +773,22 @@ impl IdempotencyStore for PostgresStore {
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let scope = key.digest();
-        let (held,): (bool,) = self
-            .timed(
-                "complete",
-                self.completion(&scope, lease, &response, retention)
-                    .fetch_one(&self.pool),
-            )
-            .await?;
+        let completion = self.completion(&scope, lease, &response, retention);
+        let (held,): (bool,) =
+            on_connection!(self, "complete", conn => completion.fetch_one(&mut *conn))?
+                .map_err(db("complete"))?;
         if held {
             return Ok(true);
         }
-        let (finished,): (bool,) = self
-            .timed(
-                "complete",
-                sqlx::query_as(sqlx::AssertSqlSafe(self.sql.finished_by.as_str()))
-                    .bind(&scope[..])
-                    .bind(lease.0)
-                    .fetch_one(&self.pool),
-            )
-            .await?;
-        Ok(finished)
+        self.finished_by(&scope, lease).await
     }
 
     fn postgres(&self) -> Option<&PostgresStore> {
         Some(self)
+    }
+
+    fn operation_timeout(&self) -> Option<Duration> {
+        Some(self.timeout)
     }
 
     async fn renew(
@@ -754,38 +798,32 @@ impl IdempotencyStore for PostgresStore {
         lifetime: Duration,
     ) -> Result<bool, StoreError> {
         let scope = key.digest();
-        let done = self
-            .timed(
-                "renew",
-                self.leased(&self.sql.renew, &scope, lease)
-                    .bind(micros(lifetime))
-                    .execute(&self.pool),
-            )
-            .await?;
+        let renewal = self
+            .leased(&self.sql.renew, &scope, lease)
+            .bind(micros(lifetime))
+            .bind(&*self.lock_timeout);
+        let done = on_connection!(self, "renew", conn => renewal.execute(&mut *conn))?
+            .map_err(db("renew"))?;
         Ok(done.rows_affected() == 1)
     }
 
     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
         let scope = key.digest();
-        let done = self
-            .timed(
-                "release",
-                self.leased(&self.sql.release, &scope, lease)
-                    .execute(&self.pool),
-            )
-            .await?;
+        let release = self
+            .leased(&self.sql.release, &scope, lease)
+            .bind(&*self.lock_timeout);
+        let done = on_connection!(self, "release", conn => release.execute(&mut *conn))?
+            .map_err(db("release"))?;
         Ok(done.rows_affected() == 1)
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
-            let done = self
-                .timed(
-                    "purge",
-                    sqlx::query(sqlx::AssertSqlSafe(self.sql.purge.as_str())).execute(&self.pool),
-                )
-                .await?;
+            let purge =
+                sqlx::query(sqlx::AssertSqlSafe(self.sql.purge.as_str())).bind(&*self.lock_timeout);
+            let done = on_connection!(self, "purge", conn => purge.execute(&mut *conn))?
+                .map_err(db("purge"))?;
             total += done.rows_affected();
             if done.rows_affected() < PURGE_BATCH as u64 {
                 return Ok(total);
@@ -848,6 +886,40 @@ fn needs_retake(row: &PgRow) -> bool {
         .as_deref()
         == Some("in_progress");
     !flag("inserted") && (flag("expired") || (in_progress && flag("stale")))
+}
+
+/// Runs `$op` (an expression using the connection `$conn`) on a connection of `$store`'s pool,
+/// pool wait included, within the operation timeout; gives `Result<Result<T, sqlx::Error>,
+/// StoreError>`, the outer error for a timeout or a failed acquire. A connection whose statement
+/// was cut short by the timeout is closed rather than returned: sqlx would keep it out of the pool
+/// until the server finished the statement, which for a connection that died quietly is hours, so
+/// a few such timeouts would empty the pool.
+macro_rules! on_connection {
+    ($store:expr, $what:expr, $conn:ident => $op:expr) => {{
+        let store = $store;
+        let deadline = tokio::time::Instant::now() + store.timeout;
+        match tokio::time::timeout_at(deadline, store.pool.acquire()).await {
+            Err(_) => Err(store.no_answer($what)),
+            Ok(Err(e)) => Err(db($what)(e)),
+            Ok(Ok(mut $conn)) => {
+                let done = tokio::time::timeout_at(deadline, $op).await;
+                match done {
+                    Ok(result) => Ok(result),
+                    Err(_) => {
+                        drop($conn.detach());
+                        Err(store.no_answer($what))
+                    }
+                }
+            }
+        }
+    }};
+}
+use on_connection;
+
+/// The server-side lock timeout for a client timeout: four fifths of it, so the server gives up
+/// (and answers) before the client does.
+fn lock_timeout_for(timeout: Duration) -> Arc<str> {
+    format!("{}ms", (timeout.as_millis() * 4 / 5).max(1)).into()
 }
 
 fn micros(d: Duration) -> f64 {

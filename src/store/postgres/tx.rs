@@ -134,7 +134,7 @@ async fn take(slot: Arc<TxSlot>) -> Result<IdempotentTx, Response> {
         }
         *state = SlotState::Taken;
     }
-    match slot.store.begin().await {
+    match slot.store.begin(slot.idle).await {
         Ok(tx) => Ok(IdempotentTx { tx: Some(tx), slot }),
         Err(e) => {
             *slot.lock() = SlotState::Unused;
@@ -151,6 +151,8 @@ async fn take(slot: Arc<TxSlot>) -> Result<IdempotentTx, Response> {
 /// Where the layer hands the transaction to the handler and gets it back.
 pub(crate) struct TxSlot {
     store: PostgresStore,
+    /// The longest the transaction may stay idle: the in-progress TTL.
+    idle: std::time::Duration,
     state: Mutex<SlotState>,
 }
 
@@ -177,9 +179,10 @@ pub(crate) enum Left {
 }
 
 impl TxSlot {
-    pub(crate) fn new(store: PostgresStore) -> Arc<Self> {
+    pub(crate) fn new(store: PostgresStore, idle: std::time::Duration) -> Arc<Self> {
         Arc::new(TxSlot {
             store,
+            idle,
             state: Mutex::new(SlotState::Unused),
         })
     }
@@ -217,10 +220,10 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
     };
     let (parts, body) = response.into_parts();
     let head = recording::head_of(config, outcome, &parts);
-    let deadline = tokio::time::Instant::now() + config.in_progress_ttl;
-    let read = lease
-        .hold(recording::read_up_to(body, config.response_limit, deadline))
-        .await;
+    let deadline = lease
+        .deadline()
+        .min(tokio::time::Instant::now() + config.in_progress_ttl);
+    let read = recording::read_up_to(body, config.response_limit, deadline).await;
     let stored = Arc::new(StoredResponse {
         body_omitted: read.copy.is_none(),
         body: read.copy.clone().unwrap_or_default(),

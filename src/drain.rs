@@ -1,0 +1,172 @@
+//! [`Drain`]: the work a layer runs on tasks of its own, counted, so that a shutdown can wait for it
+//! and admission can be bounded by it.
+//!
+//! The layer moves work off the request's own future in five places: a request whose client went
+//! away (its claim, handler and recording go on detached), a completion retried after the store
+//! failed, a streamed body's recorder, a release retried in the background and the clean-up of a
+//! claim whose answer was lost. Each of them, if killed with the runtime at shutdown, can leave an
+//! effect without its record, and the retry after the restart would run it again. Every such task
+//! is spawned through a [`Drain`], which counts it until it ends (or is dropped by a dying runtime),
+//! so the application can wait for the count to reach zero after its server stopped accepting.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tracing::Instrument;
+
+/// Counts what a layer (or several, sharing one) still runs on tasks of its own, and waits for it at
+/// shutdown.
+///
+/// Get it from [`IdempotencyLayer::drain`](crate::IdempotencyLayer::drain), or make one and give it
+/// to several layers with [`IdempotencyLayerBuilder::drain`](crate::IdempotencyLayerBuilder::drain).
+/// After the server stopped (axum's graceful shutdown returned), wait for it with a deadline:
+///
+/// ```no_run
+/// # use std::time::Duration;
+/// # use axum::{Router, routing::post};
+/// # use axum_idempotency::{IdempotencyLayer, MemoryStore};
+/// # async fn run(listener: tokio::net::TcpListener) -> std::io::Result<()> {
+/// let layer = IdempotencyLayer::new(MemoryStore::new());
+/// let drain = layer.drain();
+/// let app = Router::new().route("/checkout", post(|| async { "charged" }).layer(layer));
+/// axum::serve(listener, app)
+///     .with_graceful_shutdown(async { let _ = tokio::signal::ctrl_c().await; })
+///     .await?;
+/// // Requests whose clients went away, completions still being retried, recorders of streamed
+/// // bodies: finish them before the runtime ends, or their effects may be repeated by a retry.
+/// if !drain.wait(Duration::from_secs(30)).await {
+///     eprintln!("{} idempotent requests were still running at exit", drain.running());
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// Clones share the count.
+#[derive(Clone, Default)]
+pub struct Drain {
+    inner: Arc<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    running: AtomicUsize,
+    idle: Notify,
+}
+
+impl fmt::Debug for Drain {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Drain")
+            .field("running", &self.running())
+            .finish()
+    }
+}
+
+impl Drain {
+    /// A drain with nothing running.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How many tasks of the layer are running now.
+    pub fn running(&self) -> usize {
+        self.inner.running.load(Ordering::Acquire)
+    }
+
+    /// Waits until nothing is running, or `deadline` has passed; true when nothing is running.
+    /// Work started while it waits is waited for too.
+    pub async fn wait(&self, deadline: Duration) -> bool {
+        let until = tokio::time::Instant::now() + deadline;
+        loop {
+            let idle = self.inner.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.running() == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(until, idle).await.is_err() {
+                return self.running() == 0;
+            }
+        }
+    }
+
+    /// Spawns `work` on the current runtime, counted until it ends or is dropped. Nothing is spawned
+    /// outside a runtime.
+    pub(crate) fn spawn<F>(&self, work: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let guard = self.track();
+        runtime.spawn(
+            async move {
+                work.await;
+                drop(guard);
+            }
+            .in_current_span(),
+        );
+    }
+
+    /// Counts one running task until the guard is dropped.
+    fn track(&self) -> Tracked {
+        self.inner.running.fetch_add(1, Ordering::AcqRel);
+        Tracked {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+/// One counted task; dropping it (the task ended, or the runtime dropped it) uncounts it.
+struct Tracked {
+    inner: Arc<Inner>,
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        if self.inner.running.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.inner.idle.notify_waiters();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn waits_for_work_and_the_work_it_starts() {
+        let drain = Drain::new();
+        let inner = drain.clone();
+        drain.spawn(async move {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            // Work started by counted work is counted before its parent ends.
+            inner.spawn(async {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            });
+        });
+        assert_eq!(drain.running(), 1);
+        let started = tokio::time::Instant::now();
+        assert!(drain.wait(Duration::from_secs(60)).await);
+        assert_eq!(started.elapsed(), Duration::from_secs(10));
+        assert_eq!(drain.running(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn gives_up_at_the_deadline() {
+        let drain = Drain::new();
+        drain.spawn(std::future::pending());
+        let started = tokio::time::Instant::now();
+        assert!(!drain.wait(Duration::from_secs(3)).await);
+        assert_eq!(started.elapsed(), Duration::from_secs(3));
+        assert_eq!(drain.running(), 1);
+    }
+
+    #[tokio::test]
+    async fn an_empty_drain_returns_at_once() {
+        assert!(Drain::new().wait(Duration::ZERO).await);
+    }
+}
