@@ -531,3 +531,85 @@ async fn transactional_checkout_killed_after_the_commit_replays() {
     assert!(replay.replayed());
     assert_eq!(charges(addr, "jack").await, (1, 1));
 }
+
+/// A deploy stops the instance gracefully (SIGTERM) while a separate (non-transactional) checkout
+/// has written its charge and not yet its record. The server finishes what it has, then waits for
+/// the idempotency layer's drain, so the record is written before the process exits, whether the
+/// client is still waiting or gave up already; the retry after the restart replays: one charge.
+async fn stopped_gracefully_between_charge_and_record(client_waits: bool) {
+    let (schema, pool) = schema_pool().await;
+    let body = r#"{"amount":650}"#;
+    let user = if client_waits { "kate" } else { "liam" };
+    let key = "term-1";
+    let hold = [
+        ("CHECKOUT_HOLD_MS", "1500"),
+        ("CHECKOUT_TRANSACTIONAL", "0"),
+    ];
+    let (mut first, addr) = start_example_with(&schema, 90, 0, &hold).await;
+    let patience = if client_waits {
+        Duration::from_secs(60)
+    } else {
+        Duration::from_millis(400)
+    };
+    let in_flight = tokio::spawn(async move {
+        example::request(addr, "POST", "/checkout", user, Some(key), body, patience).await
+    });
+    // The charge is written; the handler pauses before answering.
+    wait_for(
+        &pool,
+        &format!("SELECT count(*)::text FROM provider_payments WHERE subject = '{user}'"),
+        "1",
+    )
+    .await;
+    if !client_waits {
+        assert!(
+            in_flight.is_finished()
+                || tokio::time::timeout(Duration::from_secs(5), async {
+                    while !in_flight.is_finished() {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                })
+                .await
+                .is_ok()
+        );
+    } else {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let pid = first.id().expect("pid").to_string();
+    let sent = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill -TERM");
+    assert!(sent.success());
+    let exit = tokio::time::timeout(Duration::from_secs(30), first.wait())
+        .await
+        .expect("the instance exits after draining")
+        .expect("exit status");
+    assert!(exit.success(), "{exit:?}");
+    let answer = in_flight.await.expect("client");
+    if client_waits {
+        let answer = answer.expect("the waiting client gets its answer");
+        assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
+    } else {
+        assert!(answer.is_err(), "the client gave up: {answer:?}");
+    }
+    let (_second, addr) =
+        start_example_with(&schema, 90, 0, &[("CHECKOUT_TRANSACTIONAL", "0")]).await;
+    let retry = checkout_req(addr, user, key, body).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(
+        retry.replayed(),
+        "the record was written before the exit: {retry:?}"
+    );
+    assert_eq!(charges(addr, user).await, (1, 1), "one charge, one run");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn graceful_stop_with_the_client_gone_charges_once() {
+    stopped_gracefully_between_charge_and_record(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn graceful_stop_with_the_client_waiting_charges_once() {
+    stopped_gracefully_between_charge_and_record(true).await;
+}

@@ -1,7 +1,7 @@
 //! Soak under faults (RELIABILITY.md): three instances of the checkout example on one PostgreSQL,
 //! clients sending checkouts with duplicates spread across the instances and retrying on 409, 503
-//! and connection errors, while instances are killed (SIGKILL) and restarted at random and
-//! PostgreSQL itself is restarted. At the end, per key: one charge for every key that got a 2xx,
+//! and connection errors, while instances are killed (SIGKILL) or stopped gracefully (SIGTERM,
+//! as a deploy does) and restarted at random, and PostgreSQL itself is restarted. At the end, per key: one charge for every key that got a 2xx,
 //! none charged twice, every replay equal to the first 2xx body.
 //!
 //! Bounded: each mode runs `SOAK_SECS` seconds (default 35), then the clients get 30 s to settle
@@ -37,6 +37,7 @@ struct Report {
     unavailable: u64,
     connection_errors: u64,
     kills: u64,
+    graceful_stops: u64,
     db_restarts: u64,
     keys_with_2xx: u64,
     unfinished_keys: u64,
@@ -175,7 +176,31 @@ async fn restart_postgres() {
     panic!("PostgreSQL did not come back within 10 s");
 }
 
-async fn soak(secs: u64, transactional: bool) -> Report {
+/// How instances are stopped during a run.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Chaos {
+    /// SIGKILL or SIGTERM at random, and one PostgreSQL restart.
+    Mixed,
+    /// SIGTERM only (a rolling deploy), no database restart.
+    GracefulOnly,
+}
+
+/// Stops `child` with SIGTERM and waits for it to exit (it drains first), at most 30 s.
+async fn stop_gracefully(child: &mut tokio::process::Child) {
+    let pid = child.id().expect("pid").to_string();
+    let sent = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill -TERM");
+    assert!(sent.success(), "kill -TERM {pid}");
+    let exit = tokio::time::timeout(Duration::from_secs(30), child.wait())
+        .await
+        .expect("a stopped instance exits within 30 s")
+        .expect("exit status");
+    assert!(exit.success(), "a graceful stop exits cleanly: {exit:?}");
+}
+
+async fn soak(secs: u64, transactional: bool, chaos: Chaos) -> Report {
     let admin = PgPool::connect(&example::database_url())
         .await
         .expect("PostgreSQL must be running (see .ci/run)");
@@ -186,7 +211,7 @@ async fn soak(secs: u64, transactional: bool) -> Report {
             .expect("clock")
             .as_secs(),
         std::process::id(),
-        u8::from(transactional)
+        u8::from(transactional) + 2 * u8::from(chaos == Chaos::GracefulOnly)
     );
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
         .execute(&admin)
@@ -263,8 +288,8 @@ async fn soak(secs: u64, transactional: bool) -> Report {
         });
     }
 
-    // Chaos: kill -9 and restart a random instance every 1 to 3 s; restart PostgreSQL once, a
-    // third of the way in.
+    // Chaos: every 1 to 3 s, stop a random instance (kill -9, or SIGTERM and wait for its drain)
+    // and restart it; in the mixed mode, restart PostgreSQL once, a third of the way in.
     let mut rng = Rng::seeded(7);
     let mut restarted_db = false;
     while Instant::now() < deadline {
@@ -272,15 +297,23 @@ async fn soak(secs: u64, transactional: bool) -> Report {
         if Instant::now() >= deadline {
             break;
         }
-        if !restarted_db && Instant::now() >= start + Duration::from_secs(secs / 3) {
+        if chaos == Chaos::Mixed
+            && !restarted_db
+            && Instant::now() >= start + Duration::from_secs(secs / 3)
+        {
             restart_postgres().await;
             restarted_db = true;
             report.db_restarts += 1;
             continue;
         }
         let victim = rng.below(INSTANCES as u64) as usize;
-        children[victim].kill().await.expect("kill -9");
-        report.kills += 1;
+        if chaos == Chaos::GracefulOnly || rng.below(2) == 0 {
+            stop_gracefully(&mut children[victim]).await;
+            report.graceful_stops += 1;
+        } else {
+            children[victim].kill().await.expect("kill -9");
+            report.kills += 1;
+        }
         tokio::time::sleep(Duration::from_millis(rng.below(500))).await;
         let (child, addr) = example::start(&schema, &env).await;
         children[victim] = child;
@@ -348,7 +381,8 @@ async fn soak(secs: u64, transactional: bool) -> Report {
 fn print(mode: &str, secs: u64, r: &Report) {
     println!(
         "soak {mode} ({secs} s, {INSTANCES} instances, TTL {TTL_SECS} s): requests {}, keys {}, \
-         duplicates {}, 409 {}, 503 {}, connection errors {}, kills {}, database restarts {}, \
+         duplicates {}, 409 {}, 503 {}, connection errors {}, kills {}, graceful stops {}, \
+         database restarts {}, \
          keys with 2xx {}, unfinished {}, double charges {}, lost charges {}, provider double \
          payments {}, replay mismatches {}",
         r.requests,
@@ -358,6 +392,7 @@ fn print(mode: &str, secs: u64, r: &Report) {
         r.unavailable,
         r.connection_errors,
         r.kills,
+        r.graceful_stops,
         r.db_restarts,
         r.keys_with_2xx,
         r.unfinished_keys,
@@ -376,9 +411,9 @@ async fn soak_under_kills_and_a_database_restart() {
         .unwrap_or(35);
 
     // The transactional checkout: effect and record commit together.
-    let tx = soak(secs, true).await;
+    let tx = soak(secs, true, Chaos::Mixed).await;
     print("transactional", secs, &tx);
-    assert!(tx.kills >= 3, "{tx:?}");
+    assert!(tx.kills + tx.graceful_stops >= 3, "{tx:?}");
     assert_eq!(tx.db_restarts, 1, "{tx:?}");
     assert!(tx.keys_with_2xx >= 20, "enough traffic got through: {tx:?}");
     assert_eq!(tx.double_charges, 0, "{tx:?}");
@@ -389,10 +424,27 @@ async fn soak_under_kills_and_a_database_restart() {
     // The charge committed on its own, then the record: a kill between the two can charge twice
     // (reported, not asserted); the provider, called with the derived key, still charges once,
     // and a 2xx still means a charge.
-    let separate = soak(secs, false).await;
+    let separate = soak(secs, false, Chaos::Mixed).await;
     print("separate", secs, &separate);
-    assert!(separate.kills >= 3, "{separate:?}");
+    assert!(
+        separate.kills + separate.graceful_stops >= 3,
+        "{separate:?}"
+    );
     assert_eq!(separate.lost_charges, 0, "{separate:?}");
     assert_eq!(separate.replay_mismatches, 0, "{separate:?}");
     assert_eq!(separate.provider_double_payments, 0, "{separate:?}");
+
+    // A rolling deploy: the separate checkout, instances only ever stopped with SIGTERM. Each one
+    // drains before it exits, so no stop leaves a charge without its record: no double charge.
+    let deploys = soak(secs, false, Chaos::GracefulOnly).await;
+    print("separate, graceful stops only", secs, &deploys);
+    assert!(deploys.graceful_stops >= 3, "{deploys:?}");
+    assert_eq!(deploys.kills, 0);
+    assert_eq!(
+        deploys.double_charges, 0,
+        "a graceful stop never charges twice: {deploys:?}"
+    );
+    assert_eq!(deploys.lost_charges, 0, "{deploys:?}");
+    assert_eq!(deploys.replay_mismatches, 0, "{deploys:?}");
+    assert_eq!(deploys.unfinished_keys, 0, "{deploys:?}");
 }
