@@ -269,3 +269,127 @@ async fn outage_spanning_the_original_ttl_still_records_once() {
     assert_eq!(s.outcomes.get(Outcome::Recorded), 1);
     assert_eq!(s.outcomes.get(Outcome::Retaken), 0);
 }
+
+/// A handler transaction whose connection dies quietly between the record's completion (which
+/// locks the record's row) and its commit. No server-side wait outlives the client's: claims of
+/// that key answer at once (503) instead of waiting on the row lock, the pool keeps serving other
+/// keys after three times its size in retries, and once the server ends the idle transaction (one
+/// TTL), its effect rolled back, the key runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transaction_frozen_before_its_commit_blocks_its_key_for_about_a_ttl_only() {
+    use axum::extract::State;
+    use axum::routing::post as route_post;
+    use axum_idempotency::{IdempotentTx, Subject};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    const CONNECTIONS: u32 = 4;
+    let ttl = Duration::from_secs(2);
+    let options = PgConnectOptions::from_str(&database_url()).expect("url");
+    let upstream: SocketAddr = tokio::net::lookup_host((options.get_host(), options.get_port()))
+        .await
+        .expect("resolve")
+        .next()
+        .expect("an address");
+    let admin = sqlx::PgPool::connect(&database_url())
+        .await
+        .expect("PostgreSQL");
+    let schema = format!(
+        "idem_t_{}_{}_frozen{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_secs(),
+        std::process::id(),
+        next()
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+        .execute(&admin)
+        .await
+        .expect("schema");
+    let in_schema = options.clone().options([("search_path", schema.as_str())]);
+    let records = PgPoolOptions::new()
+        .max_connections(CONNECTIONS)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(in_schema.clone())
+        .await
+        .expect("records pool");
+    // Handler transactions go through the proxy, which freezes a connection at its COMMIT.
+    let proxy = Proxy::start(upstream).await;
+    let transactions = PgPoolOptions::new()
+        .max_connections(CONNECTIONS)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(in_schema.host("127.0.0.1").port(proxy.port()))
+        .await
+        .expect("transaction pool");
+    let store = PostgresStore::new(records)
+        .with_transaction_pool(transactions)
+        .with_timeout(Duration::from_millis(500));
+    store.migrate().await.expect("migrate");
+    let layer = IdempotencyLayer::builder(store)
+        .in_progress_ttl(ttl)
+        .build()
+        .expect("layer");
+    let runs = Arc::new(AtomicUsize::new(0));
+    async fn handler(State(runs): State<Arc<AtomicUsize>>, mut tx: IdempotentTx) -> StatusCode {
+        runs.fetch_add(1, Ordering::SeqCst);
+        sqlx::query("SELECT 1")
+            .execute(&mut *tx)
+            .await
+            .expect("the handler's statement");
+        StatusCode::CREATED
+    }
+    let router = axum::Router::new()
+        .route("/pay", route_post(handler).layer(layer))
+        .with_state(runs.clone())
+        .layer(axum::middleware::from_fn(
+            |mut request: axum::extract::Request, next: axum::middleware::Next| async move {
+                request.extensions_mut().insert(Subject("alice".into()));
+                next.run(request).await
+            },
+        ));
+    let req = |key: &str| post("/pay").key(key).user("alice");
+
+    proxy.freeze_at_commit();
+    let frozen = send(&router, req("k")).await;
+    let frozen_at = std::time::Instant::now();
+    assert_eq!(frozen.status, StatusCode::SERVICE_UNAVAILABLE, "{frozen:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // Retries of the stuck key, three times the pool's size: each answers within the operation
+    // timeout (the server gives up on the row lock first) and none runs the handler while the
+    // frozen transaction holds the row; once the server has ended that session (one TTL idle in
+    // its transaction), its effect rolled back, a retry may run the key again.
+    for _ in 0..3 * CONNECTIONS {
+        let started = std::time::Instant::now();
+        let retry = send(&router, req("k")).await;
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "a retry waited {:?}",
+            started.elapsed()
+        );
+        match retry.status {
+            StatusCode::SERVICE_UNAVAILABLE | StatusCode::CONFLICT => {}
+            StatusCode::CREATED => assert!(
+                frozen_at.elapsed() >= ttl / 2,
+                "the row lock was held for about a TTL"
+            ),
+            _ => panic!("{retry:?}"),
+        }
+    }
+    // The pool still serves other keys.
+    let other = send(&router, req("other")).await;
+    assert_eq!(other.status, StatusCode::CREATED, "{other:?}");
+    // The key runs again, once: its first run rolled back.
+    let again = settle(&router, || req("k")).await;
+    assert_eq!(again.status, StatusCode::CREATED, "{again:?}");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        3,
+        "k, k again after the rollback, other"
+    );
+    assert!(
+        frozen_at.elapsed() < ttl * 4,
+        "usable again after {:?}",
+        frozen_at.elapsed()
+    );
+}

@@ -2,6 +2,7 @@
 //! a store and its server (PostgreSQL, Redis).
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -24,6 +25,9 @@ pub struct Proxy {
     pub addr: SocketAddr,
     mode: watch::Sender<Mode>,
     connections: Arc<Mutex<Vec<AbortHandle>>>,
+    /// When set, the next client bytes that hold `COMMIT` are never delivered, and nothing after them
+    /// on that connection: a connection that dies quietly just before its commit.
+    freeze_at_commit: Arc<AtomicBool>,
 }
 
 impl Proxy {
@@ -34,6 +38,8 @@ impl Proxy {
         let (mode, _) = watch::channel(Mode::Pass);
         let connections: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
         let (tx, conns) = (mode.clone(), connections.clone());
+        let freeze_at_commit = Arc::new(AtomicBool::new(false));
+        let freeze = freeze_at_commit.clone();
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 if *tx.borrow() == Mode::Cut {
@@ -45,8 +51,8 @@ impl Proxy {
                 };
                 let (cr, cw) = client.into_split();
                 let (sr, sw) = server.into_split();
-                let up = tokio::spawn(pipe(cr, sw, tx.subscribe()));
-                let down = tokio::spawn(pipe(sr, cw, tx.subscribe()));
+                let up = tokio::spawn(pipe(cr, sw, tx.subscribe(), Some(freeze.clone())));
+                let down = tokio::spawn(pipe(sr, cw, tx.subscribe(), None));
                 let mut list = conns.lock().expect("lock");
                 list.push(up.abort_handle());
                 list.push(down.abort_handle());
@@ -56,7 +62,16 @@ impl Proxy {
             addr,
             mode,
             connections,
+            freeze_at_commit,
         }
+    }
+
+    /// The next connection that sends `COMMIT` freezes there (once): the commit never reaches the
+    /// server, and the connection stays open with no byte moving (the server sees its session
+    /// idle in its transaction, holding its locks).
+    #[allow(dead_code)]
+    pub fn freeze_at_commit(&self) {
+        self.freeze_at_commit.store(true, Ordering::SeqCst);
     }
 
     /// The port clients connect to.
@@ -79,6 +94,7 @@ async fn pipe(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     mut mode: watch::Receiver<Mode>,
+    freeze_at_commit: Option<Arc<AtomicBool>>,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -86,6 +102,19 @@ async fn pipe(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
+        if freeze_at_commit
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::SeqCst))
+            && buf[..n].windows(7).any(|w| w == b"COMMIT\0")
+            && freeze_at_commit
+                .as_ref()
+                .is_some_and(|f| f.swap(false, Ordering::SeqCst))
+        {
+            // Hold the connection open, delivering nothing more, until the proxy is dropped.
+            let _to = to;
+            std::future::pending::<()>().await;
+            return;
+        }
         loop {
             let now = *mode.borrow_and_update();
             match now {
