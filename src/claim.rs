@@ -305,7 +305,12 @@ where
     };
     match answer {
         Ok(Ok(response)) => {
-            let response = response.map(Body::new);
+            let mut response = response.map(Body::new);
+            // A fresh answer never says it is a replay: a client told so would take a new charge
+            // for an old one.
+            let headers = response.headers_mut();
+            headers.remove(&config.replay_header);
+            headers.remove(crate::replay::IDEMPOTENCY_REPLAY);
             #[cfg(feature = "postgres")]
             match left {
                 Some((pg, crate::store::Left::Transaction(tx))) => {

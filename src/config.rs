@@ -25,19 +25,27 @@ pub const DEFAULT_STORED_HEADERS: [&str; 5] = [
     "cache-control",
 ];
 
-/// Response headers never recorded, whatever the configuration says: credentials, cookies, and
-/// headers that describe one transfer rather than the response.
-pub const DENIED_HEADERS: [&str; 13] = [
+/// Response headers never recorded nor replayed, whatever the configuration says: credentials,
+/// cookies, headers that describe one transfer or one hop rather than the response (RFC 9110
+/// section 7.6.1), and the layer's own markers.
+pub const DENIED_HEADERS: [&str; 20] = [
     "set-cookie",
     "set-cookie2",
     "authorization",
     "proxy-authorization",
     "proxy-authenticate",
     "www-authenticate",
+    "authentication-info",
+    "proxy-authentication-info",
     "cookie",
     "content-length",
     "transfer-encoding",
     "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
     "idempotent-replayed",
     "idempotency-replay",
     "idempotency-key",

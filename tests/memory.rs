@@ -611,3 +611,67 @@ async fn a_ttl_below_twice_the_store_timeout_is_refused() {
             .is_ok()
     );
 }
+
+/// A handler that sets the replay marker (or `Idempotency-Replay`) on a fresh answer: the client
+/// must not be told that a new charge is a replay. Hop-by-hop headers are never recorded nor
+/// replayed, even when configured.
+#[tokio::test]
+async fn fresh_answers_never_carry_a_replay_marker_and_hop_headers_are_not_stored() {
+    use axum::routing::post as route_post;
+    for hop in [
+        "keep-alive",
+        "upgrade",
+        "te",
+        "trailer",
+        "proxy-connection",
+        "authentication-info",
+    ] {
+        let refused = IdempotencyLayer::builder(MemoryStore::new())
+            .store_header(hop)
+            .build()
+            .err()
+            .expect("refused");
+        assert!(
+            refused.to_string().contains("never stored"),
+            "{hop}: {refused}"
+        );
+    }
+    let layer = IdempotencyLayer::new(MemoryStore::new());
+    let router = axum::Router::new()
+        .route(
+            "/pay",
+            route_post(|| async {
+                (
+                    StatusCode::CREATED,
+                    [
+                        ("idempotent-replayed", "true"),
+                        ("idempotency-replay", "omitted"),
+                        ("keep-alive", "timeout=5"),
+                        ("content-type", "text/plain"),
+                    ],
+                    "charged",
+                )
+            })
+            .layer(layer),
+        )
+        .layer(axum::middleware::from_fn(
+            |mut request: axum::extract::Request, next: axum::middleware::Next| async move {
+                request
+                    .extensions_mut()
+                    .insert(axum_idempotency::Subject("alice".into()));
+                next.run(request).await
+            },
+        ));
+    let fresh = send(&router, post("/pay").key("k")).await;
+    assert_eq!(fresh.status, StatusCode::CREATED);
+    assert!(fresh.header("idempotent-replayed").is_none(), "{fresh:?}");
+    assert!(fresh.header("idempotency-replay").is_none(), "{fresh:?}");
+    let replay = send(&router, post("/pay").key("k")).await;
+    assert!(replay.replayed());
+    assert!(
+        replay.header("idempotency-replay").is_none(),
+        "the body was recorded: {replay:?}"
+    );
+    assert!(replay.header("keep-alive").is_none(), "{replay:?}");
+    assert_eq!(replay.header("content-type"), Some("text/plain"));
+}
