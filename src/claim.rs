@@ -17,7 +17,7 @@ use crate::body::{self, RequestBodyError};
 use crate::config::Config;
 use crate::context::IdempotencyContext;
 use crate::key;
-use crate::lease::{self, Lease};
+use crate::lease::{self, Lease, renewal_bound};
 use crate::metrics::Label;
 use crate::outcome::{Outcome, report};
 use crate::problem::{ErrorKind, problem};
@@ -74,10 +74,10 @@ where
     };
     // Admission: what runs detached is bounded, so a client that resets requests in a loop cannot
     // make the server run unbounded work. Refused before the body is read or anything claimed.
-    if config.drain.running() >= config.max_running {
+    if config.drain.detached() >= config.max_running {
         report(&config, &label, Outcome::Overloaded);
         tracing::warn!(
-            running = config.drain.running(),
+            detached = config.drain.detached(),
             "too many idempotent requests running on their own; refusing a new one"
         );
         return Ok(problem(
@@ -187,7 +187,7 @@ where
             }
             // A record that exists but cannot be read (it does not decrypt) records an operation
             // that happened: running the handler unguarded would repeat it.
-            Err(e) if config.fail_open && !e.is_unreadable_record() => {
+            Err(e) if config.fail_open && !e.is_unreadable_record() && !e.is_refused_claim() => {
                 lease::abandon(&config, store, claim.key, claim.lease);
                 report(&config, &label, Outcome::FailedOpen);
                 tracing::warn!(error = %e, "idempotency store failed; running unguarded");
@@ -196,7 +196,7 @@ where
             Err(e) => {
                 // An unreadable record was read whole: the store answered, and made no claim that
                 // could need cleaning up.
-                if !e.is_unreadable_record() {
+                if !e.is_unreadable_record() && !e.is_refused_claim() {
                     lease::abandon(&config, store, claim.key, claim.lease);
                 }
                 report(&config, &label, Outcome::StoreUnavailable);
@@ -281,12 +281,15 @@ where
     #[cfg(feature = "postgres")]
     let left = slot.map(|(pg, slot)| (pg, slot.take_back()));
     let Ok(answer) = answer else {
-        // Cancelled at the maximum hold. A transaction it took was never committed: dropping it
-        // rolls it back, and the key is released. Otherwise its effect may have happened: the
-        // timeout is recorded as the key's definitive answer.
+        // Cancelled at the maximum hold. A transaction it took was never committed: it is rolled
+        // back, then the key released. Otherwise (or when the handler moved its transaction into
+        // a task that may still commit it) its effect may have happened: the timeout is recorded
+        // as the key's definitive answer.
+        lease.timed_out();
         #[cfg(feature = "postgres")]
-        if let Some((_, crate::store::Left::Transaction(_) | crate::store::Left::Kept)) = left {
+        if let Some((pg, crate::store::Left::Transaction(tx))) = left {
             tracing::warn!("the handler was still running at the maximum hold; rolled back");
+            crate::store::rollback(&pg, tx).await;
             lease.release("the handler ran past the maximum hold").await;
             return Ok(problem(
                 ErrorKind::HandlerTimeout,
@@ -355,8 +358,13 @@ async fn fresh<St: IdempotencyStore>(
     }
     let renewing = Instant::now();
     let renewal = store.renew(&claim.key, claim.lease, ttl + config.retention);
-    match tokio::time::timeout(ttl / 6, renewal).await {
-        Ok(Ok(true)) => Some(renewing),
+    match tokio::time::timeout(renewal_bound(config, store), renewal).await {
+        // A renewal answered late is no better than the claim: give up rather than trust it.
+        Ok(Ok(true)) if renewing.elapsed() <= ttl / FRESH_FRACTION => Some(renewing),
+        Ok(Ok(true)) => {
+            tracing::warn!("a late claim answer was confirmed too late to be trusted");
+            None
+        }
         Ok(Ok(false)) => {
             tracing::warn!("a late claim answer: the record was retaken meanwhile");
             None

@@ -66,9 +66,8 @@ pub const MAX_RESPONSE_LIMIT: usize = 64 * 1024 * 1024;
 /// How long a claim may be held by its handler and its body, by default: ten minutes.
 pub const DEFAULT_MAX_HOLD: Duration = Duration::from_secs(10 * 60);
 
-/// How many tasks a layer's [`Drain`] may run (requests whose clients went away, completions
-/// being retried, streamed bodies being recorded) before new guarded requests get
-/// `503 idempotency_overloaded`, by default.
+/// How many requests whose clients went away a layer's [`Drain`] may run on their own before new
+/// guarded requests get `503 idempotency_overloaded`, by default.
 pub const DEFAULT_MAX_RUNNING: usize = 1024;
 
 /// How many times the store's operation timeout the in-progress TTL must be at least: a claim
@@ -185,6 +184,7 @@ pub struct IdempotencyLayerBuilder<S> {
     extra_headers: Vec<String>,
     replay_header_name: Option<String>,
     ignored_fields: Vec<String>,
+    max_hold_set: bool,
 }
 
 impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
@@ -195,6 +195,7 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
             extra_headers: Vec::new(),
             replay_header_name: None,
             ignored_fields: Vec::new(),
+            max_hold_set: false,
         }
     }
 
@@ -341,15 +342,17 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
     /// replays, and the handler never runs again for that key; on the transactional path
     /// (`IdempotentTx`) nothing was committed, so the transaction is rolled back and the key
     /// released instead. From the in-progress TTL to [`MAX_DURATION`]. Default:
-    /// [`DEFAULT_MAX_HOLD`] (10 minutes).
+    /// [`DEFAULT_MAX_HOLD`] (10 minutes), or the in-progress TTL when that is longer. A streamed body
+    /// still running then is cut, and the response recorded without its body (its client saw the
+    /// handler's status).
     pub fn max_hold(mut self, hold: Duration) -> Self {
         self.config.max_hold = hold;
+        self.max_hold_set = true;
         self
     }
 
-    /// How many tasks of this layer (its [`Drain`]: requests whose clients went away and that run
-    /// on, completions being retried, streamed bodies being recorded) may run before new guarded
-    /// requests get `503 idempotency_overloaded` with `Retry-After`, before any claim. Bounds what a
+    /// How many requests of this layer whose clients went away ([`Drain::detached`]) may run on
+    /// their own before new guarded requests get `503 idempotency_overloaded` with `Retry-After`, before any claim. Bounds what a
     /// client that resets requests in a loop can make the server run. At least 1. Default:
     /// [`DEFAULT_MAX_RUNNING`].
     pub fn max_running(mut self, tasks: usize) -> Self {
@@ -387,6 +390,10 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
                  time to prove it holds the record",
                 config.in_progress_ttl
             )));
+        }
+        if !self.max_hold_set {
+            // The default never refuses a long TTL: it is at least the TTL.
+            config.max_hold = DEFAULT_MAX_HOLD.max(config.in_progress_ttl);
         }
         if config.max_hold < config.in_progress_ttl || config.max_hold > MAX_DURATION {
             return err("max_hold must be from the in-progress TTL to ten years");

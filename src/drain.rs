@@ -53,6 +53,8 @@ pub struct Drain {
 #[derive(Default)]
 struct Inner {
     running: AtomicUsize,
+    /// Of `running`, the requests detached from clients that went away: what admission bounds.
+    detached: AtomicUsize,
     idle: Notify,
 }
 
@@ -73,6 +75,13 @@ impl Drain {
     /// How many tasks of the layer are running now.
     pub fn running(&self) -> usize {
         self.inner.running.load(Ordering::Acquire)
+    }
+
+    /// How many requests whose clients went away are running on their own now (part of
+    /// [`running`](Self::running)); what [`max_running`](crate::IdempotencyLayerBuilder::max_running)
+    /// bounds.
+    pub fn detached(&self) -> usize {
+        self.inner.detached.load(Ordering::Acquire)
     }
 
     /// Waits until nothing is running, or `deadline` has passed; true when nothing is running.
@@ -111,11 +120,33 @@ impl Drain {
         );
     }
 
+    /// Spawns the rest of a request whose client went away: counted as [`spawn`](Self::spawn)
+    /// does, and as [`detached`](Self::detached) too.
+    pub(crate) fn spawn_detached<F>(&self, work: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let mut guard = self.track();
+        guard.detached = true;
+        self.inner.detached.fetch_add(1, Ordering::AcqRel);
+        runtime.spawn(
+            async move {
+                work.await;
+                drop(guard);
+            }
+            .in_current_span(),
+        );
+    }
+
     /// Counts one running task until the guard is dropped.
     fn track(&self) -> Tracked {
         self.inner.running.fetch_add(1, Ordering::AcqRel);
         Tracked {
             inner: self.inner.clone(),
+            detached: false,
         }
     }
 }
@@ -123,10 +154,14 @@ impl Drain {
 /// One counted task; dropping it (the task ended, or the runtime dropped it) uncounts it.
 struct Tracked {
     inner: Arc<Inner>,
+    detached: bool,
 }
 
 impl Drop for Tracked {
     fn drop(&mut self) {
+        if self.detached {
+            self.inner.detached.fetch_sub(1, Ordering::AcqRel);
+        }
         if self.inner.running.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.inner.idle.notify_waiters();
         }

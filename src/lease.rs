@@ -62,6 +62,9 @@ struct Held<St> {
     token: LeaseToken,
     /// Renewals that got through.
     renewals: AtomicU64,
+    /// When the lease was last proven held (the claim, or the last renewal that got through, as
+    /// sent): a lease made anew for the same claim (on the drop path) starts its schedule there.
+    held_since: std::sync::Mutex<Instant>,
 }
 
 impl<St: IdempotencyStore> Lease<St> {
@@ -81,6 +84,7 @@ impl<St: IdempotencyStore> Lease<St> {
             key,
             token,
             renewals: AtomicU64::new(0),
+            held_since: std::sync::Mutex::new(held_since),
         });
         let heartbeat = tokio::runtime::Handle::try_current().ok().map(|runtime| {
             runtime
@@ -110,6 +114,11 @@ impl<St: IdempotencyStore> Lease<St> {
             body_omitted: true,
             ..head.clone()
         });
+    }
+
+    /// The handler or its body ran past the maximum hold.
+    pub(crate) fn timed_out(&self) {
+        report(&self.held.config, &self.label, Outcome::TimedOut);
     }
 
     /// The endpoint label of the request's outcomes.
@@ -304,10 +313,14 @@ async fn heartbeat<St: IdempotencyStore>(held: Arc<Held<St>>, since: Instant) {
         tokio::time::sleep_until(due).await;
         let started = Instant::now();
         let renewal = held.store.renew(&held.key, held.token, lifetime);
-        due = match tokio::time::timeout(ttl / 6, renewal).await {
+        due = match tokio::time::timeout(renewal_bound(&held.config, &held.store), renewal).await {
             Ok(Ok(true)) => {
                 tracing::trace!("lease renewed");
                 held.renewals.fetch_add(1, Ordering::Relaxed);
+                *held
+                    .held_since
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner()) = started;
                 started + ttl / 3
             }
             Ok(Ok(false)) => {
@@ -329,6 +342,16 @@ async fn heartbeat<St: IdempotencyStore>(held: Arc<Held<St>>, since: Instant) {
     }
 }
 
+/// How long one renewal may take: a sixth of the TTL, or the store's own operation timeout when that
+/// is longer (a healthy but slow store must not have every renewal cut short), at most half the TTL.
+pub(crate) fn renewal_bound<St: IdempotencyStore>(config: &Config, store: &St) -> Duration {
+    let ttl = config.in_progress_ttl;
+    store
+        .operation_timeout()
+        .map_or(ttl / 6, |t| t.max(ttl / 6))
+        .min(ttl / 2)
+}
+
 impl<St: IdempotencyStore> Drop for Lease<St> {
     fn drop(&mut self) {
         if let Some(heartbeat) = self.heartbeat.take() {
@@ -346,11 +369,15 @@ impl<St: IdempotencyStore> Drop for Lease<St> {
             held.token,
         );
         let answered = self.answered.take();
+        let held_since = *held
+            .held_since
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         // The new lease is made inside the task: a task the runtime drops unpolled (it is shutting
         // down) then owns no lease whose drop would spawn again.
         let drain = config.drain.clone();
         drain.spawn(async move {
-            let lease = Lease::new(store, config, label, key, token, Instant::now());
+            let lease = Lease::new(store, config, label, key, token, held_since);
             match answered {
                 Some(head) => {
                     tracing::error!(

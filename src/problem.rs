@@ -25,7 +25,7 @@ pub enum ErrorKind {
     /// `503`: the layer is running as many requests on tasks of their own as it may
     /// ([`max_running`](crate::IdempotencyLayerBuilder::max_running)); nothing was claimed.
     Overloaded,
-    /// `504`: the handler (or its streamed body) was still running at the maximum hold
+    /// `504`: the handler was still running at the maximum hold
     /// ([`max_hold`](crate::IdempotencyLayerBuilder::max_hold)) and was cancelled. Recorded and
     /// replayed for the key (its effect may have happened), except on the transactional path, where
     /// it was rolled back and the key released.

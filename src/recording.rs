@@ -238,16 +238,18 @@ fn stream<St: IdempotencyStore>(
         };
         // The body, like the handler, must be done by the maximum hold.
         if tokio::time::timeout_at(deadline, drained).await.is_err() {
+            // The client has seen the handler's status: that is the answer, recorded without its
+            // body (as a body whose stream fails is), never a timeout it was not told.
             tracing::warn!(
-                "the response body was still streaming at the maximum hold; cut, and recorded as a \
-                 timeout"
+                "the response body was still streaming at the maximum hold; cut, and recorded \
+                 without its body"
             );
+            lease.timed_out();
             if let Some(tx) = client.take() {
-                let _ = tx.try_send(Err(axum::Error::new(
-                    "the response ran past the maximum hold",
-                )));
+                let cut = Err(axum::Error::new("the response ran past the maximum hold"));
+                let _ = tokio::time::timeout(Duration::from_secs(1), tx.send(cut)).await;
             }
-            lease.complete(Arc::new(handler_timeout())).await;
+            lease.complete(Arc::new(with_body(head, None))).await;
             return;
         }
         let recorded = copy.finish();

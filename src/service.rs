@@ -64,7 +64,7 @@ impl<E: 'static> Future for ResponseFuture<E> {
 impl<E: 'static> Drop for ResponseFuture<E> {
     fn drop(&mut self) {
         if let (Some(rest), Some(drain)) = (self.inner.take(), self.detach_to.take()) {
-            drain.spawn(async move {
+            drain.spawn_detached(async move {
                 let _ = rest.await;
             });
         }

@@ -252,7 +252,7 @@ impl MemoryStore {
             drop(shard);
             self.sweep_all(now);
             if self.bytes() + size > self.inner.capacity {
-                return Err(StoreError::msg(format!(
+                return Err(StoreError::refused_claim(format!(
                     "the memory store is full ({} of {} bytes); no live record is evicted",
                     self.bytes(),
                     self.inner.capacity

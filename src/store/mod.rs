@@ -23,7 +23,7 @@ pub use postgres::{
     PostgresStore, PostgresStoreError,
 };
 #[cfg(feature = "postgres")]
-pub(crate) use postgres::{Left, TxSlot, record_in};
+pub(crate) use postgres::{Left, TxSlot, record_in, rollback};
 
 #[cfg(feature = "encryption")]
 mod encrypted;
@@ -42,6 +42,7 @@ pub struct StoreError {
     message: String,
     source: Option<Box<dyn std::error::Error + Send + Sync>>,
     unreadable: bool,
+    refused: bool,
 }
 
 impl StoreError {
@@ -54,6 +55,7 @@ impl StoreError {
             message: message.into(),
             source: Some(source.into()),
             unreadable: false,
+            refused: false,
         }
     }
 
@@ -63,6 +65,7 @@ impl StoreError {
             message: message.into(),
             source: None,
             unreadable: false,
+            refused: false,
         }
     }
 
@@ -74,6 +77,21 @@ impl StoreError {
             unreadable: true,
             ..StoreError::msg(message)
         }
+    }
+
+    /// The store refused the claim and wrote nothing (it is full): the layer answers `503`, even
+    /// when configured to fail open (running unguarded would let every retry run again), and
+    /// starts no clean-up of a claim that was never made.
+    pub fn refused_claim(message: impl Into<String>) -> Self {
+        StoreError {
+            refused: true,
+            ..StoreError::msg(message)
+        }
+    }
+
+    /// True for an error made by [`StoreError::refused_claim`].
+    pub fn is_refused_claim(&self) -> bool {
+        self.refused
     }
 
     /// True for an error made by [`StoreError::unreadable_record`].

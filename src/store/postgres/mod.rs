@@ -13,7 +13,7 @@ use sqlx::{PgPool, Row};
 
 mod tx;
 pub use tx::IdempotentTx;
-pub(crate) use tx::{Left, TxSlot, record_in};
+pub(crate) use tx::{Left, TxSlot, record_in, rollback};
 
 use super::{IdempotencyStore, StoreError};
 use crate::config::DENIED_HEADERS;
@@ -288,7 +288,8 @@ impl PostgresStore {
         })
     }
 
-    /// How long one claim, complete, release or purge statement (pool wait included) may take
+    /// How long the wait for a connection, and then one claim, complete, release or purge
+    /// statement, may each take
     /// before it fails. Without it, a database that stops answering (a stalled network) would hold
     /// requests forever. Default: [`DEFAULT_OPERATION_TIMEOUT`].
     ///
@@ -661,7 +662,7 @@ impl PostgresStore {
         let statement = format!(
             "BEGIN ISOLATION LEVEL READ COMMITTED; \
              SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
-            idle.as_millis().max(1)
+            pg_millis(idle)
         );
         let mut begun =
             tokio::spawn(async move { pool.begin_with(sqlx::AssertSqlSafe(statement)).await });
@@ -889,7 +890,7 @@ fn needs_retake(row: &PgRow) -> bool {
 }
 
 /// Runs `$op` (an expression using the connection `$conn`) on a connection of `$store`'s pool,
-/// pool wait included, within the operation timeout; gives `Result<Result<T, sqlx::Error>,
+/// the pool wait and the statement each within the operation timeout; gives `Result<Result<T, sqlx::Error>,
 /// StoreError>`, the outer error for a timeout or a failed acquire. A connection whose statement
 /// was cut short by the timeout is closed rather than returned: sqlx would keep it out of the pool
 /// until the server finished the statement, which for a connection that died quietly is hours, so
@@ -897,12 +898,13 @@ fn needs_retake(row: &PgRow) -> bool {
 macro_rules! on_connection {
     ($store:expr, $what:expr, $conn:ident => $op:expr) => {{
         let store = $store;
-        let deadline = tokio::time::Instant::now() + store.timeout;
-        match tokio::time::timeout_at(deadline, store.pool.acquire()).await {
+        match tokio::time::timeout(store.timeout, store.pool.acquire()).await {
             Err(_) => Err(store.no_answer($what)),
             Ok(Err(e)) => Err(db($what)(e)),
             Ok(Ok(mut $conn)) => {
-                let done = tokio::time::timeout_at(deadline, $op).await;
+                // The statement has a whole timeout of its own: one that waited long for its
+                // connection must not cut a healthy statement short (and close its connection).
+                let done = tokio::time::timeout(store.timeout, $op).await;
                 match done {
                     Ok(result) => Ok(result),
                     Err(_) => {
@@ -919,7 +921,13 @@ use on_connection;
 /// The server-side lock timeout for a client timeout: four fifths of it, so the server gives up
 /// (and answers) before the client does.
 fn lock_timeout_for(timeout: Duration) -> Arc<str> {
-    format!("{}ms", (timeout.as_millis() * 4 / 5).max(1)).into()
+    format!("{}ms", pg_millis(timeout * 4 / 5)).into()
+}
+
+/// Milliseconds for a PostgreSQL time setting: at least 1 (0 turns the setting off), at most what
+/// an `int` setting holds (about 24 days).
+fn pg_millis(d: Duration) -> u128 {
+    d.as_millis().clamp(1, i32::MAX as u128)
 }
 
 fn micros(d: Duration) -> f64 {

@@ -220,9 +220,11 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
     };
     let (parts, body) = response.into_parts();
     let head = recording::head_of(config, outcome, &parts);
+    // Half a TTL at most: the transaction may stay idle for one TTL (the server ends it after
+    // that), and the completion and commit must come before.
     let deadline = lease
         .deadline()
-        .min(tokio::time::Instant::now() + config.in_progress_ttl);
+        .min(tokio::time::Instant::now() + config.in_progress_ttl / 2);
     let read = recording::read_up_to(body, config.response_limit, deadline).await;
     let stored = Arc::new(StoredResponse {
         body_omitted: read.copy.is_none(),
@@ -330,7 +332,7 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
 }
 
 /// Rolls back the handler's transaction, or leaves it to be rolled back when its connection closes.
-async fn rollback(store: &PostgresStore, tx: Transaction<'static, Postgres>) {
+pub(crate) async fn rollback(store: &PostgresStore, tx: Transaction<'static, Postgres>) {
     if let Err(e) = store.rollback(tx).await {
         tracing::warn!(error = %e, "rollback failed; the connection is dropped instead");
     }
