@@ -199,6 +199,7 @@ fn direct_sql(store: PostgresStore) -> Router {
             },
             fingerprint: Fingerprint::of(None, &body),
             lease: LeaseToken::generate(),
+            generation: axum_idempotency::Generation::generate(),
             in_progress_ttl: Duration::from_secs(90),
             retention: Duration::from_secs(86_400),
         };
@@ -464,6 +465,7 @@ async fn duplicate_in_progress(schema: &str) {
         },
         fingerprint: Fingerprint::of(None, b""),
         lease: LeaseToken::generate(),
+        generation: axum_idempotency::Generation::generate(),
         in_progress_ttl: Duration::from_secs(90),
         retention: Duration::from_secs(86_400),
     };
@@ -603,6 +605,7 @@ fn filler_claim(i: usize) -> ClaimRequest {
         },
         fingerprint: Fingerprint::of(None, b"{}"),
         lease: LeaseToken::generate(),
+        generation: axum_idempotency::Generation::generate(),
         in_progress_ttl: Duration::from_secs(90),
         retention: Duration::from_secs(86_400),
     }

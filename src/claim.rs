@@ -21,7 +21,7 @@ use crate::lease::{self, Lease, renewal_bound};
 use crate::metrics::Label;
 use crate::outcome::{Outcome, report};
 use crate::problem::{ErrorKind, problem};
-use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey};
+use crate::record::{ClaimOutcome, ClaimRequest, Generation, LeaseToken, RecordKey};
 use crate::recording;
 use crate::replay;
 use crate::store::IdempotencyStore;
@@ -119,6 +119,7 @@ where
             },
             fingerprint: config.fingerprint.of(&parts, &bytes),
             lease: LeaseToken::generate(),
+            generation: Generation::generate(),
             in_progress_ttl: config.in_progress_ttl,
             retention: config.retention,
         };
@@ -127,7 +128,11 @@ where
         let outcome = store.claim(&claim).await;
         let retry_after = config.retry_after_secs;
         match outcome {
-            Ok(ClaimOutcome::Claimed { lease, retaken }) => {
+            Ok(ClaimOutcome::Claimed {
+                lease,
+                retaken,
+                generation,
+            }) => {
                 let claim = ClaimRequest { lease, ..claim };
                 let Some(held_since) = fresh(&config, &store, &claim, sent).await else {
                     lease::abandon(&config, store, claim.key, claim.lease);
@@ -159,6 +164,7 @@ where
                 let held = Held {
                     retaken,
                     held_since,
+                    generation,
                 };
                 run(config, label, store, inner, request, claim, held).await
             }
@@ -239,6 +245,7 @@ async fn run<S, St, ResBody>(
     Held {
         retaken,
         held_since,
+        generation,
     }: Held,
 ) -> Result<Response<Body>, S::Error>
 where
@@ -253,6 +260,8 @@ where
         claim.key.clone(),
         claim.fingerprint,
         retaken,
+        generation,
+        config.derived_key_secret.clone(),
     ));
     #[cfg(feature = "postgres")]
     let slot = store.postgres().map(|pg| {
@@ -383,6 +392,8 @@ struct Held {
     retaken: bool,
     /// When it was last proven held: the claim, or the renewal that confirmed a late claim.
     held_since: Instant,
+    /// The record's generation, for the derived key.
+    generation: Option<Generation>,
 }
 
 /// A claim answered within this fraction of the in-progress TTL is used at once.

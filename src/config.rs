@@ -75,6 +75,9 @@ pub const DEFAULT_MAX_RUNNING: usize = 1024;
 /// the record.
 pub const TTL_PER_OPERATION_TIMEOUT: u32 = 2;
 
+/// The shortest deployment secret [`IdempotencyLayerBuilder::derived_key_secret`] accepts.
+const MIN_SECRET_LEN: usize = 16;
+
 /// Why a configuration was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError(String);
@@ -136,6 +139,8 @@ pub(crate) struct Config {
     pub max_running: usize,
     /// Counts the work the layer runs on tasks of its own.
     pub drain: Drain,
+    /// The deployment secret mixed into derived keys (HMAC), if any.
+    pub derived_key_secret: Option<Arc<[u8]>>,
 }
 
 impl Default for Config {
@@ -163,6 +168,7 @@ impl Default for Config {
             max_hold: DEFAULT_MAX_HOLD,
             max_running: DEFAULT_MAX_RUNNING,
             drain: Drain::new(),
+            derived_key_secret: None,
         }
     }
 }
@@ -368,6 +374,18 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
         self
     }
 
+    /// A deployment secret (at least 16 bytes) mixed into
+    /// [`IdempotencyContext::derived_key`](crate::IdempotencyContext::derived_key) as an
+    /// HMAC-SHA-256 key. Set one per deployment whenever two deployments (staging and production,
+    /// two tenants' apps, two services) share one account at a downstream provider: without it, the
+    /// same subject, key, endpoint and body would give both the same provider key, and one would
+    /// get the other's result. Keep it stable: changing it changes every derived key, so a retake
+    /// after the change is a new operation at the provider. Default: none.
+    pub fn derived_key_secret(mut self, secret: impl AsRef<[u8]>) -> Self {
+        self.config.derived_key_secret = Some(Arc::from(secret.as_ref()));
+        self
+    }
+
     /// Checks the settings and builds the layer.
     pub fn build(self) -> Result<IdempotencyLayer<S>, ConfigError> {
         let mut config = self.config;
@@ -397,6 +415,13 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
         }
         if config.max_hold < config.in_progress_ttl || config.max_hold > MAX_DURATION {
             return err("max_hold must be from the in-progress TTL to ten years");
+        }
+        if config
+            .derived_key_secret
+            .as_ref()
+            .is_some_and(|s| s.len() < MIN_SECRET_LEN)
+        {
+            return err("derived_key_secret must be at least 16 bytes");
         }
         if config.max_running == 0 {
             return err("max_running must be at least 1");

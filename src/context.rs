@@ -1,6 +1,7 @@
 //! [`IdempotencyContext`]: what a guarded handler knows about the operation it runs.
 
 use std::fmt;
+use std::sync::Arc;
 
 use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum::response::Response;
@@ -9,7 +10,7 @@ use sha2::{Digest, Sha256};
 
 use crate::fingerprint::Fingerprint;
 use crate::problem::{ErrorKind, problem};
-use crate::record::RecordKey;
+use crate::record::{Generation, RecordKey};
 
 /// The idempotent operation a guarded handler is running, in its request extensions whenever the
 /// layer claimed a record for the request.
@@ -25,15 +26,31 @@ pub struct IdempotencyContext {
     scope: RecordKey,
     fingerprint: Fingerprint,
     retake: bool,
+    generation: Option<Generation>,
+    secret: Option<Arc<[u8]>>,
 }
 
 impl IdempotencyContext {
-    pub(crate) fn new(scope: RecordKey, fingerprint: Fingerprint, retake: bool) -> Self {
+    pub(crate) fn new(
+        scope: RecordKey,
+        fingerprint: Fingerprint,
+        retake: bool,
+        generation: Option<Generation>,
+        secret: Option<Arc<[u8]>>,
+    ) -> Self {
         IdempotencyContext {
             scope,
             fingerprint,
             retake,
+            generation,
+            secret,
         }
+    }
+
+    /// The record's generation (see [`Generation`]); `None` for a record written before
+    /// generations were kept.
+    pub fn generation(&self) -> Option<Generation> {
+        self.generation
     }
 
     /// The `Idempotency-Key` of the request, as validated (trimmed, unquoted).
@@ -58,24 +75,68 @@ impl IdempotencyContext {
         self.retake
     }
 
-    /// A key for downstream providers: 64 lower-case hex characters, the same for every run of this
-    /// operation (same key, subject, endpoint and request fingerprint), in every instance, retakes
-    /// included; different when any of them differs, so a key reused after retention for another
-    /// body is another operation downstream too. It is a SHA-256 of the scope and the fingerprint
-    /// under a fixed label: whoever receives it learns nothing of them, short of guessing the key,
-    /// subject, endpoint and body together.
+    /// A key for downstream providers (a payment provider's own `Idempotency-Key`, say): 64
+    /// lower-case hex characters naming this one operation.
+    ///
+    /// **Stable across** every run of this operation: retakes after its process died (the same
+    /// record, so the same [`Generation`]), every instance, restarts. So a provider that
+    /// deduplicates by it does not repeat an effect a dead run started.
+    ///
+    /// **Different** whenever any of these differs: the key, the subject, the endpoint, the request
+    /// fingerprint, the record's generation (a key claimed again after its retention, or after its
+    /// record was deleted, is a new operation, even with the same body, so a provider that
+    /// remembers keys longer than this layer does not answer it with the old charge), and the
+    /// deployment secret ([`derived_key_secret`](crate::IdempotencyLayerBuilder::derived_key_secret):
+    /// two deployments sharing a provider account do not collide).
+    ///
+    /// It is SHA-256 (HMAC-SHA-256 under the deployment secret, when one is set) of the scope's
+    /// digest, the fingerprint and the generation under a fixed label: whoever receives it learns
+    /// nothing of them. A record written before generations were kept (an older version of this
+    /// crate, retaken after the upgrade) has no generation and keeps the key it had then, so its
+    /// retake still matches its first run at the provider.
     pub fn derived_key(&self) -> String {
-        let mut hasher = Sha256::new();
-        hasher.update(b"axum-idempotency derived key v1\0");
-        hasher.update(self.scope.digest());
-        hasher.update(self.fingerprint.as_bytes());
+        let scope = self.scope.digest();
+        let (label, generation): (&[u8], &[u8]) = match &self.generation {
+            Some(generation) => (b"axum-idempotency derived key v2\0", &generation.0),
+            None => (b"axum-idempotency derived key v1\0", &[]),
+        };
+        let parts: [&[u8]; 4] = [label, &scope, self.fingerprint.as_bytes(), generation];
+        let digest = match &self.secret {
+            Some(secret) => hmac_sha256(secret, &parts),
+            None => {
+                let mut hasher = Sha256::new();
+                for part in parts {
+                    hasher.update(part);
+                }
+                hasher.finalize().into()
+            }
+        };
         let mut hex = String::with_capacity(64);
-        for b in hasher.finalize() {
+        for b in digest {
             hex.push(char::from(HEX[usize::from(b >> 4)]));
             hex.push(char::from(HEX[usize::from(b & 15)]));
         }
         hex
     }
+}
+
+/// HMAC-SHA-256 (RFC 2104) of the concatenated `parts` under `key`.
+fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    let mut block = [0u8; 64];
+    if key.len() > block.len() {
+        block[..32].copy_from_slice(&Sha256::digest(key));
+    } else {
+        block[..key.len()].copy_from_slice(key);
+    }
+    let mut inner = Sha256::new();
+    inner.update(block.map(|b| b ^ 0x36));
+    for part in parts {
+        inner.update(part);
+    }
+    let mut outer = Sha256::new();
+    outer.update(block.map(|b| b ^ 0x5c));
+    outer.update(inner.finalize());
+    outer.finalize().into()
 }
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
@@ -121,5 +182,80 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyContext {
         _state: &S,
     ) -> Result<Option<Self>, Self::Rejection> {
         Ok(parts.extensions.get::<IdempotencyContext>().cloned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn context(generation: Option<Generation>, secret: Option<&[u8]>) -> IdempotencyContext {
+        IdempotencyContext::new(
+            RecordKey {
+                key: "order-1".into(),
+                subject: "alice".into(),
+                endpoint: "POST /checkout".into(),
+            },
+            Fingerprint::of(None, br#"{"amount":100}"#),
+            false,
+            generation,
+            secret.map(Arc::from),
+        )
+    }
+
+    #[test]
+    fn hmac_matches_rfc_4231() {
+        // Test case 2 of RFC 4231.
+        let mac = hmac_sha256(b"Jefe", &[b"what do ya ", b"want for nothing?"]);
+        let hex: String = mac.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex,
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+        // A key longer than the block is hashed first (test case 6).
+        let long = [0xaa_u8; 131];
+        let mac = hmac_sha256(
+            &long,
+            &[b"Test Using Larger Than Block-Size Key - Hash Key First"],
+        );
+        let hex: String = mac.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex,
+            "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"
+        );
+    }
+
+    #[test]
+    fn derived_keys_name_one_operation() {
+        let (g1, g2) = (Generation([1; 16]), Generation([2; 16]));
+        let key = context(Some(g1), None).derived_key();
+        assert_eq!(key.len(), 64);
+        assert_eq!(key, context(Some(g1), None).derived_key(), "stable");
+        assert_ne!(
+            key,
+            context(Some(g2), None).derived_key(),
+            "another generation"
+        );
+        assert_ne!(key, context(None, None).derived_key());
+        let a = context(Some(g1), Some(b"production-secret-0001")).derived_key();
+        let b = context(Some(g1), Some(b"staging-secret-00000001")).derived_key();
+        assert_ne!(a, b, "another deployment secret");
+        assert_ne!(a, key);
+    }
+
+    #[test]
+    fn a_record_without_generation_keeps_the_key_of_earlier_versions() {
+        // The formula of version 0.1 (label v1, scope digest, fingerprint), pinned.
+        let ctx = context(None, None);
+        let mut hasher = Sha256::new();
+        hasher.update(b"axum-idempotency derived key v1\0");
+        hasher.update(ctx.scope.digest());
+        hasher.update(ctx.fingerprint.as_bytes());
+        let expected: String = hasher
+            .finalize()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(ctx.derived_key(), expected);
     }
 }

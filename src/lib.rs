@@ -107,7 +107,9 @@ pub use layer::IdempotencyLayer;
 pub use outcome::{Outcome, OutcomeCounters};
 pub use policy::{Disposition, default_policy};
 pub use problem::ErrorKind;
-pub use record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
+pub use record::{
+    ClaimOutcome, ClaimRequest, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
+};
 pub use replay::{IDEMPOTENCY_REPLAY, IDEMPOTENT_REPLAYED};
 pub use service::{IdempotencyService, ResponseFuture};
 #[cfg(feature = "redis")]

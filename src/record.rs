@@ -58,6 +58,40 @@ impl LeaseToken {
     }
 }
 
+/// The generation of a record: 128 random bits chosen when its key is first claimed, kept by retakes
+/// of that record, new when the key is claimed again after expiry or deletion. It tells apart two
+/// operations that share a scope and a body (a key reused after retention), so that
+/// [`IdempotencyContext::derived_key`](crate::IdempotencyContext::derived_key) names one operation
+/// only.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Generation(pub [u8; 16]);
+
+impl Generation {
+    /// A fresh generation, unique with overwhelming probability across processes and machines.
+    pub fn generate() -> Self {
+        let (a, b) = (LeaseToken::generate().0, LeaseToken::generate().0);
+        let mut bytes = [0u8; 16];
+        bytes[..8].copy_from_slice(&a.to_be_bytes());
+        bytes[8..].copy_from_slice(&b.to_be_bytes());
+        Generation(bytes)
+    }
+
+    /// A generation read back from a store, if it has the right length.
+    pub fn from_slice(bytes: &[u8]) -> Option<Self> {
+        bytes.try_into().ok().map(Generation)
+    }
+}
+
+impl std::fmt::Debug for Generation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Generation(")?;
+        for b in self.0 {
+            write!(f, "{b:02x}")?;
+        }
+        write!(f, ")")
+    }
+}
+
 /// Whether a finished record holds a success or a definitive failure. Both are replayed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Finished {
@@ -110,6 +144,8 @@ pub struct ClaimRequest {
     /// so that a claim whose answer was lost (a timeout after the store committed it) can still be
     /// released by its token.
     pub lease: LeaseToken,
+    /// The generation a record made by this claim gets (a retake keeps the record's own).
+    pub generation: Generation,
     /// How long an `in_progress` record may stand before another request may retake it.
     pub in_progress_ttl: Duration,
     /// How long a record lives; a claim that is never completed is purged after
@@ -126,6 +162,10 @@ pub enum ClaimOutcome {
         lease: LeaseToken,
         /// True when a stale `in_progress` record was taken over from a worker presumed dead.
         retaken: bool,
+        /// The record's generation: the claim's own for a record it made, the record's for a
+        /// retake. `None` for a record written before generations were kept (its derived key is
+        /// the one it had then).
+        generation: Option<Generation>,
     },
     /// A record exists with another fingerprint: the key was reused for a different request.
     FingerprintMismatch,

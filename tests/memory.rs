@@ -266,6 +266,7 @@ async fn memory_is_bounded_by_retention() {
         },
         fingerprint: Fingerprint::of(None, b"{}"),
         lease: LeaseToken::generate(),
+        generation: axum_idempotency::Generation::generate(),
         in_progress_ttl: Duration::from_millis(10),
         retention,
     };
@@ -676,4 +677,66 @@ async fn fresh_answers_never_carry_a_replay_marker_and_hop_headers_are_not_store
     );
     assert!(replay.header("keep-alive").is_none(), "{replay:?}");
     assert_eq!(replay.header("content-type"), Some("text/plain"));
+}
+
+/// The derived key a handler forwards to a provider: the same request under two layers with
+/// different deployment secrets gets different keys (two deployments sharing a provider account
+/// do not collide); the same key reused after its record was deleted (a new operation) gets a new
+/// one; a replay runs nothing.
+#[tokio::test]
+async fn derived_keys_differ_across_deployment_secrets_and_generations() {
+    use axum::routing::post as route_post;
+    use axum_idempotency::IdempotencyContext;
+    fn router(layer: IdempotencyLayer<MemoryStore>) -> axum::Router {
+        axum::Router::new()
+            .route(
+                "/pay",
+                route_post(|ctx: IdempotencyContext| async move { ctx.derived_key() }).layer(layer),
+            )
+            .layer(axum::middleware::from_fn(
+                |mut request: axum::extract::Request, next: axum::middleware::Next| async move {
+                    request
+                        .extensions_mut()
+                        .insert(axum_idempotency::Subject("alice".into()));
+                    next.run(request).await
+                },
+            ))
+    }
+    let layer = |secret: &str| {
+        IdempotencyLayer::builder(MemoryStore::new())
+            .derived_key_secret(secret)
+            .build()
+            .expect("layer")
+    };
+    let production = router(layer("production-secret-0001"));
+    let staging = router(layer("staging-secret-00000001"));
+    let req = || post("/pay").key("order-1").json(r#"{"amount":100}"#);
+    let a = send(&production, req()).await;
+    let b = send(&staging, req()).await;
+    assert_eq!((a.status, b.status), (StatusCode::OK, StatusCode::OK));
+    assert_eq!(a.body.len(), 64);
+    assert_ne!(a.body, b.body, "two deployments, two provider keys");
+    assert_eq!(send(&production, req()).await.body, a.body, "the replay");
+    let short = IdempotencyLayer::builder(MemoryStore::new())
+        .derived_key_secret("too short")
+        .build()
+        .err()
+        .expect("refused");
+    assert!(short.to_string().contains("16 bytes"), "{short}");
+    // Reused after retention: another operation, another provider key.
+    let retention = Duration::from_millis(200);
+    let expiring = router(
+        IdempotencyLayer::builder(MemoryStore::new())
+            .retention(retention)
+            .build()
+            .expect("layer"),
+    );
+    let first = send(&expiring, req()).await;
+    tokio::time::sleep(retention + Duration::from_millis(100)).await;
+    let reused = send(&expiring, req()).await;
+    assert!(!reused.replayed());
+    assert_ne!(
+        first.body, reused.body,
+        "a key reused after retention is a new operation"
+    );
 }

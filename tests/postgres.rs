@@ -281,6 +281,7 @@ fn claim_request(key: &str, body: &[u8]) -> ClaimRequest {
         },
         fingerprint: Fingerprint::of(None, body),
         lease: LeaseToken::generate(),
+        generation: axum_idempotency::Generation::generate(),
         in_progress_ttl: Duration::from_secs(60),
         retention: Duration::from_secs(3600),
     }
@@ -509,7 +510,7 @@ async fn claims_work_without_the_claim_function_until_migrate_adds_it() {
     let store = store().await;
     let table = store.table().to_owned();
     let (schema, _) = table.split_once('.').expect("qualified");
-    let function = format!("{schema}.idempotency_records_claim_v1");
+    let function = format!("{schema}.idempotency_records_claim_v2");
     let exists = |pool: PgPool, function: String| async move {
         let (present,): (bool,) = sqlx::query_as("SELECT to_regproc($1) IS NOT NULL")
             .bind(function)
@@ -533,4 +534,63 @@ async fn claims_work_without_the_claim_function_until_migrate_adds_it() {
     let other = send(&router, post("/pay").key("k2").user("alice").json("{}")).await;
     assert_eq!(other.status, StatusCode::CREATED);
     assert_eq!(counters.started(), 2);
+}
+
+/// A table made by the previous version (migrations 0001 and 0002 only: no generation column)
+/// holding a claim of that version whose holder died. `migrate()` adds the column without touching
+/// the record; the retake answers no generation, so the handler's derived key is the one the
+/// previous version gave the first run (a provider still sees one operation across the upgrade).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn records_of_the_previous_version_keep_their_derived_key_after_migrate() {
+    let pool = pool(4).await;
+    let schema = fresh_schema(&pool).await;
+    let table = format!("{schema}.idempotency_records");
+    let quoted = format!("\"{schema}\".\"idempotency_records\"");
+    let old_sql = include_str!("../migrations/0001_idempotency_records.sql")
+        .replace("idempotency_records_expires_at_idx", "\u{0}")
+        .replace("idempotency_records", &quoted)
+        .replace('\u{0}', "\"idempotency_records_expires_at_idx\"");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(old_sql))
+        .execute(&pool)
+        .await
+        .expect("the previous version's table");
+    let dead = claim_request("old", b"{}");
+    // The previous version's claim: no generation column to write.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {quoted} (scope, idempotency_key, subject, endpoint, fingerprint, status, \
+           lease_token, updated_at, expires_at) \
+         VALUES ($1, 'old', 'alice', 'POST /pay', $2, 'in_progress', $3, now() - interval '1 hour', \
+           now() + interval '1 day')"
+    )))
+    .bind(&dead.key.digest()[..])
+    .bind(&dead.fingerprint.as_bytes()[..])
+    .bind(dead.lease.0)
+    .execute(&pool)
+    .await
+    .expect("an old claim");
+    let store = PostgresStore::with_table(pool.clone(), &table).expect("table");
+    store
+        .migrate()
+        .await
+        .expect("migrate adds the generation column");
+    let mut retake = claim_request("old", b"{}");
+    retake.key = dead.key.clone();
+    let outcome = store.claim(&retake).await.expect("retake");
+    assert!(
+        matches!(
+            outcome,
+            ClaimOutcome::Claimed {
+                retaken: true,
+                generation: None,
+                ..
+            }
+        ),
+        "{outcome:?}"
+    );
+    // New claims get a generation.
+    let fresh = claim_request("new", b"{}");
+    assert!(matches!(
+        store.claim(&fresh).await.expect("claim"),
+        ClaimOutcome::Claimed { generation: Some(g), .. } if g == fresh.generation
+    ));
 }

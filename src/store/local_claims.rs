@@ -347,6 +347,7 @@ mod tests {
             Ok(&ClaimOutcome::Claimed {
                 lease,
                 retaken: false,
+                generation: None,
             }),
         );
         assert_eq!(
@@ -462,6 +463,7 @@ mod tests {
         let claimed = ClaimOutcome::Claimed {
             lease: LeaseToken(1),
             retaken: false,
+            generation: None,
         };
         leader.settle(fp(1), ttl, Ok(&claimed));
         assert!(matches!(

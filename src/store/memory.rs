@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use super::{IdempotencyStore, StoreError};
 use crate::Fingerprint;
-use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
+use crate::record::{
+    ClaimOutcome, ClaimRequest, Generation, LeaseToken, RecordKey, StoredResponse,
+};
 
 const SHARDS: usize = 16;
 
@@ -77,6 +79,7 @@ struct Record {
     expires_at: Instant,
     /// What the record counts against the capacity.
     size: usize,
+    generation: Generation,
 }
 
 enum State {
@@ -208,17 +211,29 @@ impl MemoryStore {
             state: State::InProgress { lease, since: now },
             expires_at: now + request.in_progress_ttl + request.retention,
             size,
+            generation: request.generation,
         };
+        let generation = Some(request.generation);
         // Look up before inserting, so that replays and 409s never copy the key.
         if let Some(record) = shard.records.get_mut(&request.key) {
             if record.expires_at <= now {
                 // Past retention: the key is new again. An in-progress record that expired was
                 // abandoned by its holder: its effect may have started, so this is a retake.
+                // A finished record's key is a new operation (a new generation); an in-progress
+                // one is the same operation, never finished, and keeps its own.
                 let retaken = matches!(record.state, State::InProgress { .. });
+                let kept = record.generation;
                 let old = std::mem::replace(record, fresh());
+                if retaken {
+                    record.generation = kept;
+                }
                 self.sub(old.size);
                 self.add(size);
-                return Ok(ClaimOutcome::Claimed { lease, retaken });
+                return Ok(ClaimOutcome::Claimed {
+                    lease,
+                    retaken,
+                    generation: Some(record.generation),
+                });
             }
             if record.fingerprint != request.fingerprint {
                 return Ok(ClaimOutcome::FingerprintMismatch);
@@ -229,6 +244,7 @@ impl MemoryStore {
                 State::InProgress { lease: held, .. } if *held == lease => ClaimOutcome::Claimed {
                     lease,
                     retaken: false,
+                    generation: Some(record.generation),
                 },
                 State::InProgress { since, .. }
                     if now.duration_since(*since) < request.in_progress_ttl =>
@@ -236,13 +252,17 @@ impl MemoryStore {
                     ClaimOutcome::InProgress
                 }
                 State::InProgress { .. } => {
-                    // The shard lock makes this compare-and-swap atomic.
+                    // The shard lock makes this compare-and-swap atomic. The operation is the same
+                    // one: the retake keeps its generation.
+                    let kept = record.generation;
                     let old = std::mem::replace(record, fresh());
+                    record.generation = kept;
                     self.sub(old.size);
                     self.add(size);
                     ClaimOutcome::Claimed {
                         lease,
                         retaken: true,
+                        generation: Some(kept),
                     }
                 }
             });
@@ -270,6 +290,7 @@ impl MemoryStore {
         Ok(ClaimOutcome::Claimed {
             lease,
             retaken: false,
+            generation,
         })
     }
 }

@@ -12,7 +12,9 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisFuture, Script, ServerErrorKind, Value};
 
 use super::{IdempotencyStore, StoreError, header_list};
-use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
+use crate::record::{
+    ClaimOutcome, ClaimRequest, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
+};
 
 /// How long one store operation may take before it counts as failed (`503`), by default.
 pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(2);
@@ -20,26 +22,29 @@ pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(2);
 /// Claim, atomically: insert; or answer mismatch, finished (with the response), in progress; or
 /// retake a record whose claim (or last renewal) is older than the in-progress TTL. A record in
 /// progress under this very lease is this claim's own, sent twice (a resend after a lost reply):
-/// claimed. Times are the server's `TIME`.
-/// KEYS[1] record; ARGV fingerprint, new lease, in-progress TTL (ms), TTL + retention (ms).
+/// claimed. Times are the server's `TIME`. A claimed or retaken answer carries the record's
+/// generation (a retake keeps it; a record written before generations has none).
+/// KEYS[1] record; ARGV fingerprint, new lease, in-progress TTL (ms), TTL + retention (ms),
+/// generation of a new record.
 const CLAIM: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local rec = redis.call('HMGET', KEYS[1], 'fp', 'st', 'ts', 'lease')
+local rec = redis.call('HMGET', KEYS[1], 'fp', 'st', 'ts', 'lease', 'gen')
 if not rec[1] then
-  redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'st', 'in_progress', 'lease', ARGV[2], 'ts', now)
+  redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'st', 'in_progress', 'lease', ARGV[2], 'ts', now,
+    'gen', ARGV[5])
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
-  return {'claimed'}
+  return {'claimed', ARGV[5]}
 end
 if rec[1] ~= ARGV[1] then return {'mismatch'} end
 if rec[2] ~= 'in_progress' then
   return {'finished', redis.call('HGET', KEYS[1], 'resp'), redis.call('PTTL', KEYS[1])}
 end
-if rec[4] == ARGV[2] then return {'claimed'} end
+if rec[4] == ARGV[2] then return {'claimed', rec[5]} end
 if now - tonumber(rec[3]) < tonumber(ARGV[3]) then return {'in_progress'} end
 redis.call('HSET', KEYS[1], 'lease', ARGV[2], 'ts', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
-return {'retaken'}
+return {'retaken', rec[5]}
 ";
 
 /// Complete, if the lease still holds an in-progress record; a record this lease already finished
@@ -335,9 +340,14 @@ impl IdempotencyStore for RedisStore {
                 cmd.arg(&request.fingerprint.as_bytes()[..])
                     .arg(lease.0)
                     .arg(millis(request.in_progress_ttl))
-                    .arg(millis(request.in_progress_ttl + request.retention));
+                    .arg(millis(request.in_progress_ttl + request.retention))
+                    .arg(&request.generation.0[..]);
             })
             .await?;
+        let generation = match reply.get(1) {
+            Some(Value::BulkString(bytes)) => Generation::from_slice(bytes),
+            _ => None,
+        };
         let tag = match reply.first() {
             Some(Value::BulkString(tag)) => tag.as_slice(),
             Some(Value::SimpleString(tag)) => tag.as_bytes(),
@@ -347,10 +357,12 @@ impl IdempotencyStore for RedisStore {
             b"claimed" => ClaimOutcome::Claimed {
                 lease,
                 retaken: false,
+                generation,
             },
             b"retaken" => ClaimOutcome::Claimed {
                 lease,
                 retaken: true,
+                generation,
             },
             b"mismatch" => ClaimOutcome::FingerprintMismatch,
             b"in_progress" => ClaimOutcome::InProgress,

@@ -59,6 +59,7 @@ macro_rules! store_suite {
             panicking_body_is_recorded_without_its_body,
             a_claim_sent_twice_by_its_lease_is_still_claimed,
             handler_blocking_its_thread_is_not_retaken,
+            generation_is_kept_by_retakes_and_new_after_expiry_or_release,
             claim_answered_after_the_ttl_does_not_run_twice,
         );
     };
@@ -115,6 +116,7 @@ fn claim_request(key: &str, ttl: Duration) -> ClaimRequest {
         key: record_key(key),
         fingerprint: Fingerprint::of(None, b"{}"),
         lease: LeaseToken::generate(),
+        generation: axum_idempotency::Generation::generate(),
         in_progress_ttl: ttl,
         retention: Duration::from_secs(60),
     }
@@ -336,6 +338,7 @@ pub async fn late_completion_with_superseded_lease_changes_nothing<S: Idempotenc
     let ClaimOutcome::Claimed {
         lease: new,
         retaken: true,
+        ..
     } = store.claim(&retry).await.expect("retake")
     else {
         panic!("a stale claim must be retaken");
@@ -437,6 +440,7 @@ pub async fn purge_removes_expired_records<S: IdempotencyStore>(store: S, purged
     assert_eq!(store.purge_expired().await.expect("purge"), 0);
     let another = ClaimRequest {
         lease: LeaseToken::generate(),
+        generation: axum_idempotency::Generation::generate(),
         ..keep.clone()
     };
     assert_eq!(
@@ -1116,11 +1120,13 @@ pub async fn a_claim_sent_twice_by_its_lease_is_still_claimed<S: IdempotencyStor
         store.claim(&request).await.expect("claim again"),
         ClaimOutcome::Claimed {
             lease: request.lease,
-            retaken: false
+            retaken: false,
+            generation: Some(request.generation),
         }
     );
     let other = ClaimRequest {
         lease: LeaseToken::generate(),
+        generation: axum_idempotency::Generation::generate(),
         ..request.clone()
     };
     assert_eq!(
@@ -1285,4 +1291,79 @@ pub async fn claim_answered_after_the_ttl_does_not_run_twice<S: IdempotencyStore
     );
     let replay = send(&router, req()).await;
     assert!(replay.replayed());
+}
+
+fn generation_of(outcome: ClaimOutcome) -> axum_idempotency::Generation {
+    match outcome {
+        ClaimOutcome::Claimed {
+            generation: Some(generation),
+            ..
+        } => generation,
+        other => panic!("expected a claim with a generation, got {other:?}"),
+    }
+}
+
+/// The record's generation (what the derived key names): a retake of a record whose holder died
+/// keeps it (the provider must see the same operation); a key claimed again after its record
+/// expired, or after it was released, gets the new claim's (another operation).
+pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: IdempotencyStore>(
+    store: S,
+) {
+    let ttl = Duration::from_millis(200);
+    // Claimed, holder dies, retaken after the TTL: the same generation.
+    let first = claim_request("g", ttl);
+    let g1 = generation_of(store.claim(&first).await.expect("claim"));
+    assert_eq!(g1, first.generation);
+    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    let mut retaker = claim_request("g", ttl);
+    assert_ne!(retaker.generation, g1);
+    retaker.generation = axum_idempotency::Generation::generate();
+    let outcome = store.claim(&retaker).await.expect("retake");
+    assert!(
+        matches!(outcome, ClaimOutcome::Claimed { retaken: true, .. }),
+        "{outcome:?}"
+    );
+    assert_eq!(generation_of(outcome), g1, "a retake is the same operation");
+    // The same claim sent twice answers its record's generation.
+    assert_eq!(
+        generation_of(store.claim(&retaker).await.expect("again")),
+        g1
+    );
+    // Released: the key claimed again is a new operation.
+    assert!(
+        store
+            .release(&retaker.key, retaker.lease)
+            .await
+            .expect("release")
+    );
+    let after_release = claim_request("g", ttl);
+    let g2 = generation_of(
+        store
+            .claim(&after_release)
+            .await
+            .expect("claim after release"),
+    );
+    assert_eq!(g2, after_release.generation);
+    assert_ne!(g2, g1);
+    // Finished, then past its retention: the key claimed again is a new operation too.
+    let mut short = claim_request("h", ttl);
+    short.retention = Duration::from_millis(300);
+    let g3 = generation_of(store.claim(&short).await.expect("claim"));
+    assert!(
+        store
+            .complete(&short.key, short.lease, stored("done"), short.retention)
+            .await
+            .expect("complete")
+    );
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let mut reuse = claim_request("h", ttl);
+    reuse.retention = short.retention;
+    let outcome = store.claim(&reuse).await.expect("claim after retention");
+    assert!(
+        matches!(outcome, ClaimOutcome::Claimed { retaken: false, .. }),
+        "{outcome:?}"
+    );
+    let g4 = generation_of(outcome);
+    assert_eq!(g4, reuse.generation);
+    assert_ne!(g4, g3, "a key reused after retention is another operation");
 }

@@ -17,15 +17,20 @@ pub(crate) use tx::{Left, TxSlot, record_in, rollback};
 
 use super::{IdempotencyStore, StoreError};
 use crate::config::DENIED_HEADERS;
-use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
+use crate::record::{
+    ClaimOutcome, ClaimRequest, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
+};
 
 /// The migration, with `idempotency_records` as the table name.
 const MIGRATION: &str = include_str!("../../../migrations/0001_idempotency_records.sql");
-/// The claim function, with `idempotency_records` as the table name.
-const CLAIM_FUNCTION: &str = include_str!("../../../migrations/0002_idempotency_claim.sql");
+/// The generation column and the claim function that keeps it (the one claims use), with
+/// `idempotency_records` as the table name. (0002's claim function, without generations, is what
+/// earlier versions call; claims of this version do not.)
+const GENERATION_MIGRATION: &str =
+    include_str!("../../../migrations/0003_idempotency_generation.sql");
 const DEFAULT_TABLE: &str = "idempotency_records";
 /// The claim function's name for the default table; for another table, `<table>_claim_v1`.
-const DEFAULT_FUNCTION: &str = "idempotency_records_claim_v1";
+const DEFAULT_FUNCTION: &str = "idempotency_records_claim_v2";
 /// Serialises concurrent `migrate()` calls across instances (`pg_advisory_xact_lock` key).
 const MIGRATE_LOCK: i64 = 0x6178_6964_656d_0001; // "axidem" + 1
 /// The shortest time `migrate()` may take (it may wait for another instance's migration).
@@ -101,8 +106,9 @@ struct Statements {
     index: String,
     /// The expiry index's name, quoted and qualified like the table.
     qualified_index: String,
-    /// The claim function's name, quoted and qualified like the table.
-    function: String,
+    /// The claim function that keeps generations (migrations/0003), quoted and qualified like the
+    /// table.
+    function_v2: String,
     /// Since when the claim function has been found missing (the table was made by an earlier
     /// version and `migrate()` has not run since): claims then send its two queries one by one,
     /// and look for the function again a minute later (another instance may have migrated).
@@ -136,19 +142,19 @@ impl Statements {
                 Some((schema, _)) => format!("\"{schema}\".\"{unqualified}_expires_at_idx\""),
                 None => format!("\"{unqualified}_expires_at_idx\""),
             },
-            function: match table.rsplit_once('.') {
-                Some((schema, _)) => format!("\"{schema}\".\"{unqualified}_claim_v1\""),
-                None => format!("\"{unqualified}_claim_v1\""),
+            function_v2: match table.rsplit_once('.') {
+                Some((schema, _)) => format!("\"{schema}\".\"{unqualified}_claim_v2\""),
+                None => format!("\"{unqualified}_claim_v2\""),
             },
             function_missing: std::sync::Mutex::new(None),
-            // $9: the lock timeout (see `LOCK_BOUND`).
+            // $9: the generation of a new record; $10: the lock timeout (see `LOCK_BOUND`).
             claim: format!(
-                "{} SELECT c.* FROM {}($1, $2, $3, $4, $5, $6, $7, $8) c \
+                "{} SELECT c.* FROM {}($1, $2, $3, $4, $5, $6, $7, $8, $9) c \
                  WHERE {LOCK_BOUND}",
-                lock_bound_cte(9),
+                lock_bound_cte(10),
                 match table.rsplit_once('.') {
-                    Some((schema, _)) => format!("\"{schema}\".\"{unqualified}_claim_v1\""),
-                    None => format!("\"{unqualified}_claim_v1\""),
+                    Some((schema, _)) => format!("\"{schema}\".\"{unqualified}_claim_v2\""),
+                    None => format!("\"{unqualified}_claim_v2\""),
                 }
             ),
             // The claim function's first query (migrations/0002): insert, or read the record that
@@ -156,36 +162,41 @@ impl Statements {
             // replay without another query; the body is only sent back when it can be replayed.
             // $1 scope, $2 key, $3 subject, $4 endpoint, $5 fingerprint, $6 lease, $7 lifetime
             // (µs), $8 in-progress TTL (µs).
+            // $9 generation of a new record, $10 lock timeout.
             claim_direct: format!(
-                "WITH ins AS ( \
+                "{}, ins AS ( \
                    INSERT INTO {t} (scope, idempotency_key, subject, endpoint, fingerprint, status, \
-                                    lease_token, expires_at) \
-                   VALUES ($1, $2, $3, $4, $5, 'in_progress', $6, \
-                           now() + $7::float8 * interval '1 microsecond') \
+                                    lease_token, expires_at, generation) \
+                   SELECT $1, $2, $3, $4, $5, 'in_progress', $6, \
+                          now() + $7::float8 * interval '1 microsecond', $9 \
+                   WHERE {LOCK_BOUND} \
                    ON CONFLICT DO NOTHING \
                    RETURNING lease_token) \
                  SELECT true AS inserted, NULL::text AS status, NULL::bigint AS lease_token, \
                         NULL::bool AS same_fp, NULL::bool AS stale, NULL::bool AS expired, \
                         NULL::smallint AS response_status, NULL::text[] AS header_names, \
                         NULL::bytea[] AS header_values, NULL::bytea AS response_body, \
-                        NULL::float8 AS expires_in \
+                        NULL::float8 AS expires_in, $9::bytea AS generation \
                  FROM ins \
                  UNION ALL \
                  SELECT false, status, lease_token, fingerprint = $5, \
                         updated_at <= now() - $8::float8 * interval '1 microsecond', \
                         expires_at <= now(), response_status, header_names, header_values, \
                         CASE WHEN fingerprint = $5 THEN response_body END, \
-                        extract(epoch FROM expires_at - now())::float8 \
-                 FROM {t} WHERE scope = $1 AND NOT EXISTS (SELECT 1 FROM ins)"
+                        extract(epoch FROM expires_at - now())::float8, generation \
+                 FROM {t} WHERE scope = $1 AND NOT EXISTS (SELECT 1 FROM ins)",
+                lock_bound_cte(10)
             ),
             // Compare-and-swap on the lease token and the state read: of concurrent retakers only one
             // matches, and a late completion by the presumed-dead worker makes this match nothing.
             // The staleness is checked again against the row as it is now (READ COMMITTED rechecks
             // the newest version), so a heartbeat that landed since the claim read it wins.
             // $1 scope, $2 fingerprint, $3 new lease, $4 lifetime (µs), $5 old lease, $6 old status,
-            // $7 in-progress TTL (µs), $8 lock timeout.
+            // $7 in-progress TTL (µs), $8 lock timeout, $9 generation (for a finished record; an
+            // in-progress one keeps its own).
             retake: format!(
                 "{LOCK_BOUND_CTE} UPDATE {t} SET fingerprint = $2, status = 'in_progress', lease_token = $3, \
+                   generation = CASE WHEN status = 'in_progress' THEN generation ELSE $9 END, \
                    response_status = NULL, header_names = NULL, header_values = NULL, \
                    response_body = NULL, created_at = now(), updated_at = now(), \
                    expires_at = now() + $4::float8 * interval '1 microsecond' \
@@ -349,13 +360,23 @@ impl PostgresStore {
             .replace("idempotency_records_expires_at_idx", "\u{0}")
             .replace(DEFAULT_TABLE, &self.sql.quoted)
             .replace('\u{0}', &self.sql.index);
-        let function_sql = CLAIM_FUNCTION
+        let generation_sql = GENERATION_MIGRATION
             .replace(DEFAULT_FUNCTION, "\u{0}")
             .replace(DEFAULT_TABLE, &self.sql.quoted)
-            .replace('\u{0}', &self.sql.function);
+            .replace('\u{0}', &self.sql.function_v2);
+        // The column first (claims need it), then the function (claims work without it).
+        let (column_sql, function_sql) = generation_sql
+            .split_once("CREATE OR REPLACE FUNCTION")
+            .map(|(column, function)| {
+                (
+                    column.to_owned(),
+                    format!("CREATE OR REPLACE FUNCTION{function}"),
+                )
+            })
+            .unwrap_or_default();
         let signature = format!(
-            "{}(bytea,text,text,text,bytea,bigint,double precision,double precision)",
-            self.sql.function
+            "{}(bytea,text,text,text,bytea,bigint,double precision,double precision,bytea)",
+            self.sql.function_v2
         );
         let limit = self.timeout.max(MIN_MIGRATE_TIMEOUT);
         let migration = async {
@@ -395,6 +416,21 @@ impl PostgresStore {
                         e,
                     )
                 })?;
+            // `ADD COLUMN IF NOT EXISTS` locks the table even when the column exists: look first.
+            let (column,): (bool,) = sqlx::query_as(
+                "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) \
+                 AND attname = 'generation' AND NOT attisdropped)",
+            )
+            .bind(&self.sql.quoted)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db("migrate: look up the generation column"))?;
+            if !column {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(column_sql))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db("migrate: add the generation column"))?;
+            }
             let (function,): (bool,) = sqlx::query_as("SELECT to_regprocedure($1) IS NOT NULL")
                 .bind(&signature)
                 .fetch_one(&mut *tx)
@@ -416,7 +452,7 @@ impl PostgresStore {
                         tracing::warn!(
                             error = %e,
                             "migrate: no privilege to create the claim function; claims that race \
-                             will take two round trips (apply migrations/0002 as a role that may)"
+                             will take two round trips (apply migrations/0003 as a role that may)"
                         );
                         sqlx::query("ROLLBACK TO SAVEPOINT claim_function")
                             .execute(&mut *tx)
@@ -455,6 +491,7 @@ impl PostgresStore {
                 .bind(old_status)
                 .bind(micros(request.in_progress_ttl))
                 .bind(&*self.lock_timeout)
+                .bind(&request.generation.0[..])
                 .execute(&mut *conn)
         })?
         .map_err(db("retake"))?;
@@ -475,8 +512,14 @@ impl PostgresStore {
             return Ok(ClaimOutcome::Claimed {
                 lease,
                 retaken: false,
+                generation: Some(request.generation),
             });
         }
+        // The record's generation: none for a row written before generations were kept.
+        let generation = row
+            .try_get::<Option<Vec<u8>>, _>("generation")
+            .map_err(get)?
+            .and_then(|g| Generation::from_slice(&g));
         let status: String = row.try_get("status").map_err(get)?;
         let old_lease: i64 = row.try_get("lease_token").map_err(get)?;
         let same_fp: bool = row.try_get("same_fp").map_err(get)?;
@@ -485,10 +528,18 @@ impl PostgresStore {
         if expired {
             // Past retention: the key is new again, whatever was there. An in-progress record
             // that expired was abandoned by its holder, so taking it is a retake.
+            // A finished record's key is a new operation (a new generation); an in-progress one
+            // is the same operation, never finished, and keeps its own.
+            let in_progress = status == "in_progress";
             return Ok(if self.retake(request, scope, old_lease, &status).await? {
                 ClaimOutcome::Claimed {
                     lease,
-                    retaken: status == "in_progress",
+                    retaken: in_progress,
+                    generation: if in_progress {
+                        generation
+                    } else {
+                        Some(request.generation)
+                    },
                 }
             } else {
                 ClaimOutcome::InProgress
@@ -505,6 +556,7 @@ impl PostgresStore {
                 return Ok(ClaimOutcome::Claimed {
                     lease,
                     retaken: false,
+                    generation,
                 });
             }
             _ if !stale => return Ok(ClaimOutcome::InProgress),
@@ -513,6 +565,7 @@ impl PostgresStore {
                     ClaimOutcome::Claimed {
                         lease,
                         retaken: true,
+                        generation,
                     }
                 } else {
                     ClaimOutcome::InProgress
@@ -554,9 +607,7 @@ impl PostgresStore {
             Some(since) => (since.elapsed() >= FUNCTION_PROBE, true),
         };
         if use_function {
-            let call = self
-                .claim_statement(&self.sql.claim, request, scope)
-                .bind(&*self.lock_timeout);
+            let call = self.claim_statement(&self.sql.claim, request, scope);
             match on_connection!(self, "claim", conn => call.fetch_optional(&mut *conn)) {
                 Ok(Err(sqlx::Error::Database(e))) if e.code().as_deref() == Some("42883") => {
                     tracing::warn!(
@@ -615,6 +666,8 @@ impl PostgresStore {
             .bind(request.lease.0)
             .bind(micros(request.in_progress_ttl + request.retention))
             .bind(micros(request.in_progress_ttl))
+            .bind(&request.generation.0[..])
+            .bind(&*self.lock_timeout)
     }
 
     /// The completion statement, bound: see [`IdempotencyStore::complete`].
