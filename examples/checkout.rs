@@ -37,6 +37,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::extract::{Request, State};
+use axum::handler::Handler;
 use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -296,17 +297,21 @@ pub fn app<S: IdempotencyStore>(
         .build()?;
     // On Postgres the charge is written in the layer's transaction (`IdempotentTx`), so it commits
     // with its record; `CHECKOUT_TRANSACTIONAL=0` writes it on its own instead, to compare.
+    // The layer wraps each handler (`handler.layer(..)`), not the route: a method the route does not
+    // serve (`PATCH /checkout`) gets the router's own 405, untouched and never recorded.
     let routes = if settings.transactional {
         Router::new()
-            .route("/checkout", post(checkout))
-            .route("/refund", post(refund))
+            .route("/checkout", post(checkout.layer(idempotency.clone())))
+            .route("/refund", post(refund.layer(idempotency)))
     } else {
         Router::new()
-            .route("/checkout", post(checkout_separately))
-            .route("/refund", post(refund_separately))
+            .route(
+                "/checkout",
+                post(checkout_separately.layer(idempotency.clone())),
+            )
+            .route("/refund", post(refund_separately.layer(idempotency)))
     };
     let router = routes
-        .route_layer(idempotency)
         .route("/charges", get(charges))
         .layer(middleware::from_fn(demo_auth))
         .with_state(AppState { ledger, settings });

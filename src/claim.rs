@@ -20,7 +20,7 @@ use crate::key;
 use crate::lease::{self, Lease, renewal_bound};
 use crate::metrics::Label;
 use crate::outcome::{Outcome, report};
-use crate::problem::{ErrorKind, problem};
+use crate::problem::ErrorKind;
 use crate::record::{ClaimOutcome, ClaimRequest, Generation, LeaseToken, RecordKey};
 use crate::recording;
 use crate::replay;
@@ -46,7 +46,7 @@ where
         Ok(Some(key)) => key,
         Ok(None) if config.require_key => {
             report(&config, &Label::of(&parts), Outcome::Rejected);
-            return Ok(problem(
+            return Ok(config.problem(
                 ErrorKind::MissingIdempotencyKey,
                 "this endpoint requires an Idempotency-Key header",
                 None,
@@ -55,7 +55,7 @@ where
         Ok(None) => return pass_through(inner, Request::from_parts(parts, body)).await,
         Err(e) => {
             report(&config, &Label::of(&parts), Outcome::Rejected);
-            return Ok(problem(ErrorKind::InvalidIdempotencyKey, e.detail(), None));
+            return Ok(config.problem(ErrorKind::InvalidIdempotencyKey, e.detail(), None));
         }
     };
     // The endpoint label of this request's metrics (nothing without the `metrics` feature).
@@ -65,7 +65,7 @@ where
         None if config.allow_anonymous => String::new(),
         None => {
             report(&config, &label, Outcome::Rejected);
-            return Ok(problem(
+            return Ok(config.problem(
                 ErrorKind::MissingSubject,
                 "an idempotent request must come from an authenticated subject",
                 None,
@@ -80,7 +80,7 @@ where
             detached = config.drain.detached(),
             "too many idempotent requests running on their own; refusing a new one"
         );
-        return Ok(problem(
+        return Ok(config.problem(
             ErrorKind::Overloaded,
             "too many idempotent requests are running; retry later",
             Some(config.retry_after_secs),
@@ -103,12 +103,12 @@ where
                     "the request body is over the limit of {} bytes",
                     config.body_limit
                 );
-                return Ok(problem(ErrorKind::RequestTooLarge, &detail, None));
+                return Ok(config.problem(ErrorKind::RequestTooLarge, &detail, None));
             }
             Err(RequestBodyError::Unreadable(reason)) => {
                 report(&config, &label, Outcome::Rejected);
                 let detail = format!("the request body could not be read: {reason}");
-                return Ok(problem(ErrorKind::UnreadableBody, &detail, None));
+                return Ok(config.problem(ErrorKind::UnreadableBody, &detail, None));
             }
         };
         let claim = ClaimRequest {
@@ -141,7 +141,7 @@ where
                         "the claim was answered too late to be trusted and could not be proven \
                          held; released, the handler did not run"
                     );
-                    return Ok(problem(
+                    return Ok(config.problem(
                         ErrorKind::StoreUnavailable,
                         "the idempotency store answered too slowly; retry later",
                         Some(retry_after),
@@ -171,7 +171,7 @@ where
             Ok(ClaimOutcome::FingerprintMismatch) => {
                 report(&config, &label, Outcome::KeyReuse);
                 tracing::debug!("key reused for a different request");
-                Ok(problem(
+                Ok(config.problem(
                     ErrorKind::IdempotencyKeyReuse,
                     "this Idempotency-Key was used for a request with a different body or query",
                     None,
@@ -180,7 +180,7 @@ where
             Ok(ClaimOutcome::InProgress) => {
                 report(&config, &label, Outcome::InProgress);
                 tracing::debug!("duplicate while in progress");
-                Ok(problem(
+                Ok(config.problem(
                     ErrorKind::InProgress,
                     "a request with this Idempotency-Key is still being processed; retry later",
                     Some(retry_after),
@@ -207,7 +207,7 @@ where
                 }
                 report(&config, &label, Outcome::StoreUnavailable);
                 tracing::error!(error = %e, "idempotency store failed; refusing the request");
-                Ok(problem(
+                Ok(config.problem(
                     ErrorKind::StoreUnavailable,
                     "the idempotency store is unavailable; retry later",
                     Some(retry_after),
@@ -265,7 +265,7 @@ where
     ));
     #[cfg(feature = "postgres")]
     let slot = store.postgres().map(|pg| {
-        let slot = crate::store::TxSlot::new(pg.clone(), config.in_progress_ttl);
+        let slot = crate::store::TxSlot::new(pg.clone(), &config);
         request.extensions_mut().insert(slot.clone());
         (pg.clone(), slot)
     });
@@ -300,7 +300,7 @@ where
             tracing::warn!("the handler was still running at the maximum hold; rolled back");
             crate::store::rollback(&pg, tx).await;
             lease.release("the handler ran past the maximum hold").await;
-            return Ok(problem(
+            return Ok(config.problem(
                 ErrorKind::HandlerTimeout,
                 "the operation did not finish in time and was rolled back; retry later",
                 Some(config.retry_after_secs),
@@ -310,7 +310,7 @@ where
             "the handler was still running at the maximum hold; cancelled, and recorded as a \
              timeout"
         );
-        let timeout = recording::handler_timeout();
+        let timeout = recording::handler_timeout(&config);
         let response = replay::fresh(&timeout);
         lease.complete(Arc::new(timeout)).await;
         return Ok(response);
@@ -334,7 +334,7 @@ where
                          committed with the record, so the record is released"
                     );
                     lease.release("the handler kept its transaction").await;
-                    return Ok(internal_error());
+                    return Ok(internal_error(&config));
                 }
                 _ => {}
             }
@@ -346,7 +346,7 @@ where
         }
         Err(_panic) => {
             lease.release("the handler panicked").await;
-            Ok(internal_error())
+            Ok(internal_error(&config))
         }
     }
 }
@@ -399,8 +399,8 @@ struct Held {
 /// A claim answered within this fraction of the in-progress TTL is used at once.
 const FRESH_FRACTION: u32 = 10;
 
-fn internal_error() -> Response<Body> {
-    problem(
+fn internal_error(config: &Config) -> Response<Body> {
+    config.problem(
         ErrorKind::InternalError,
         "the request failed; it was not recorded and may be retried",
         None,

@@ -13,6 +13,7 @@ use crate::json_pointer::Pointer;
 use crate::layer::IdempotencyLayer;
 use crate::outcome::Outcome;
 use crate::policy::{Disposition, default_policy};
+use crate::problem::ProblemTypes;
 use crate::store::IdempotencyStore;
 use crate::subject::{SubjectExtension, SubjectExtractor};
 
@@ -141,6 +142,20 @@ pub(crate) struct Config {
     pub drain: Drain,
     /// The deployment secret mixed into derived keys (HMAC), if any.
     pub derived_key_secret: Option<Arc<[u8]>>,
+    /// Where the `type` URIs of the layer's errors point.
+    pub problems: ProblemTypes,
+}
+
+impl Config {
+    /// One of the layer's error answers (see [`ErrorKind`](crate::ErrorKind)).
+    pub(crate) fn problem(
+        &self,
+        kind: crate::ErrorKind,
+        detail: &str,
+        retry_after: Option<u32>,
+    ) -> http::Response<axum::body::Body> {
+        self.problems.problem(kind, detail, retry_after)
+    }
 }
 
 impl Default for Config {
@@ -169,6 +184,7 @@ impl Default for Config {
             max_running: DEFAULT_MAX_RUNNING,
             drain: Drain::new(),
             derived_key_secret: None,
+            problems: ProblemTypes::default(),
         }
     }
 }
@@ -191,6 +207,7 @@ pub struct IdempotencyLayerBuilder<S> {
     replay_header_name: Option<String>,
     ignored_fields: Vec<String>,
     max_hold_set: bool,
+    problem_type_base: Option<String>,
 }
 
 impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
@@ -202,6 +219,7 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
             replay_header_name: None,
             ignored_fields: Vec::new(),
             max_hold_set: false,
+            problem_type_base: None,
         }
     }
 
@@ -386,6 +404,15 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
         self
     }
 
+    /// The base of the `type` URI of the layer's error answers: the application's own
+    /// documentation, such as `https://api.example.com/errors/`, followed by the error code
+    /// (`…/errors/in_progress`). An absolute `http` or `https` URI. Default: this crate's
+    /// documentation of [`ErrorKind`](crate::ErrorKind), at each variant's anchor.
+    pub fn problem_type_base(mut self, base: impl Into<String>) -> Self {
+        self.problem_type_base = Some(base.into());
+        self
+    }
+
     /// Checks the settings and builds the layer.
     pub fn build(self) -> Result<IdempotencyLayer<S>, ConfigError> {
         let mut config = self.config;
@@ -422,6 +449,17 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
             .is_some_and(|s| s.len() < MIN_SECRET_LEN)
         {
             return err("derived_key_secret must be at least 16 bytes");
+        }
+        if let Some(base) = self.problem_type_base {
+            let absolute = http::Uri::try_from(base.as_str()).is_ok_and(|uri| {
+                matches!(uri.scheme_str(), Some("http" | "https")) && uri.authority().is_some()
+            });
+            if !absolute {
+                return Err(ConfigError(format!(
+                    "problem_type_base {base:?} is not an absolute http(s) URI"
+                )));
+            }
+            config.problems = ProblemTypes::with_base(&base);
         }
         if config.max_running == 0 {
             return err("max_running must be at least 1");

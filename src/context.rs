@@ -101,9 +101,11 @@ impl IdempotencyContext {
             None => (b"axum-idempotency derived key v1\0", &[]),
         };
         let parts: [&[u8]; 4] = [label, &scope, self.fingerprint.as_bytes(), generation];
+        // A record without generation was written by an earlier version, which knew no secret:
+        // its retake keeps the key that version gave it, whatever the secret now.
         let digest = match &self.secret {
-            Some(secret) => hmac_sha256(secret, &parts),
-            None => {
+            Some(secret) if self.generation.is_some() => hmac_sha256(secret, &parts),
+            _ => {
                 let mut hasher = Sha256::new();
                 for part in parts {
                     hasher.update(part);

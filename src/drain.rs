@@ -32,7 +32,9 @@ use tracing::Instrument;
 /// # async fn run(listener: tokio::net::TcpListener) -> std::io::Result<()> {
 /// let layer = IdempotencyLayer::new(MemoryStore::new());
 /// let drain = layer.drain();
-/// let app = Router::new().route("/checkout", post(|| async { "charged" }).layer(layer));
+/// # use axum::handler::Handler;
+/// async fn checkout() -> &'static str { "charged" }
+/// let app = Router::new().route("/checkout", post(checkout.layer(layer)));
 /// axum::serve(listener, app)
 ///     .with_graceful_shutdown(async { let _ = tokio::signal::ctrl_c().await; })
 ///     .await?;

@@ -16,16 +16,17 @@
 //! another route is another operation.
 //!
 //! ```no_run
-//! use axum::{Router, routing::post, Extension};
+//! use axum::{Router, handler::Handler, routing::post};
 //! use axum_idempotency::{IdempotencyLayer, MemoryStore};
 //!
 //! async fn checkout() -> &'static str { "charged" }
 //!
 //! # fn app() -> Router {
 //! let store = MemoryStore::new();
+//! // On the handler: a method the route does not serve gets the router's own 405.
 //! Router::new().route(
 //!     "/checkout",
-//!     post(checkout).layer(IdempotencyLayer::new(store)),
+//!     post(checkout.layer(IdempotencyLayer::new(store))),
 //! )
 //! // Your auth middleware inserts `axum_idempotency::Subject` into the request extensions.
 //! # }

@@ -4,33 +4,66 @@ use axum::body::Body;
 use http::{HeaderValue, Response, StatusCode, header};
 
 /// Every error the layer answers with, by its stable machine code.
+///
+/// Each answer is `application/problem+json` (RFC 9457) with these members:
+///
+/// | member | meaning |
+/// |---|---|
+/// | `type` | an absolute URI documenting the error: by default this page, at the variant's anchor (`…/enum.ErrorKind.html#variant.InProgress`); with [`problem_type_base`](crate::IdempotencyLayerBuilder::problem_type_base), the base followed by the `error` code |
+/// | `title`, `status`, `detail` | as RFC 9457 defines them |
+/// | `error` | the stable code, e.g. `in_progress` |
+/// | `instance` | `urn:axum-idempotency:problem:<32 hex>`, unique to this occurrence; the layer logs it with the answer (at WARN for 5xx, DEBUG otherwise), so a client's report can be matched to the server's log |
+/// | `retryable` | whether sending **the same request with the same key** again can succeed; when true the answer also has `Retry-After` (seconds) |
+/// | `retryAfterSeconds` | on `in_progress` only: the `Retry-After` value |
+///
+/// **The client contract.** When `retryable` is true, retry the same request with the same
+/// `Idempotency-Key` after `Retry-After` seconds (with backoff and a bound): it is never run twice.
+/// When false, do not retry as is: fix the request (the 400s, 401, 413), use the key only for
+/// the request it was first used for (422), or treat the answer as final (a replayed 504). A new
+/// key is a new operation: use one only for a new operation, never to get past an error of an
+/// operation that may have happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ErrorKind {
-    /// `400`: the route requires an `Idempotency-Key` and the request has none.
+    /// `400 missing_idempotency_key`: the route requires an `Idempotency-Key` and the request has
+    /// none. Not retryable: send a key (a new one for a new operation).
     MissingIdempotencyKey,
-    /// `400`: the `Idempotency-Key` header is malformed or repeated.
+    /// `400 invalid_idempotency_key`: the `Idempotency-Key` header is empty, too long, not visible
+    /// ASCII, badly quoted or repeated. Not retryable: send one valid key.
     InvalidIdempotencyKey,
-    /// `400`: the request body could not be read to its end.
+    /// `400 unreadable_request_body`: the request body could not be read to its end; nothing was
+    /// claimed. Not retryable as is: the client sent an incomplete body; send it whole.
     UnreadableBody,
-    /// `401`: no authenticated subject and anonymous scope is not enabled.
+    /// `401 missing_subject`: no authenticated subject, and anonymous scope is not enabled. Not
+    /// retryable: authenticate first.
     MissingSubject,
-    /// `413`: the request body is over the layer's limit.
+    /// `413 request_too_large`: the request body is over the layer's limit; nothing ran. Not
+    /// retryable: send a smaller body.
     RequestTooLarge,
-    /// `422`: the key was already used for a request with another fingerprint.
+    /// `422 idempotency_key_reuse`: the key was already used for a request with another
+    /// fingerprint (body or query); nothing ran. Not retryable: this key belongs to the first
+    /// request; a different operation needs a new key.
     IdempotencyKeyReuse,
-    /// `409`: a request with this key is still being processed.
+    /// `409 in_progress`: a request with this key is still being processed. Retryable: retry the
+    /// same request with the same key after `Retry-After`; you get its answer once it is done.
     InProgress,
-    /// `503`: the store could not be reached or failed.
+    /// `503 idempotency_store_unavailable`: the store could not be reached or failed (or a record
+    /// could not be decrypted); the handler did not run, or its effect was rolled back. Retryable:
+    /// same request, same key, after `Retry-After`.
     StoreUnavailable,
-    /// `503`: the layer is running as many requests on tasks of their own as it may
-    /// ([`max_running`](crate::IdempotencyLayerBuilder::max_running)); nothing was claimed.
+    /// `503 idempotency_overloaded`: the layer is running as many requests on tasks of their own as
+    /// it may ([`max_running`](crate::IdempotencyLayerBuilder::max_running)); nothing was claimed.
+    /// Retryable: same request, same key, after `Retry-After`.
     Overloaded,
-    /// `504`: the handler was still running at the maximum hold
-    /// ([`max_hold`](crate::IdempotencyLayerBuilder::max_hold)) and was cancelled. Recorded and
-    /// replayed for the key (its effect may have happened), except on the transactional path, where
-    /// it was rolled back and the key released.
+    /// `504 idempotency_handler_timeout`: the handler was still running at the maximum hold
+    /// ([`max_hold`](crate::IdempotencyLayerBuilder::max_hold)) and was cancelled. Its effect may
+    /// have happened, so this is recorded and replayed for the key: not retryable, the answer is
+    /// final for that key (find out from the service what happened). On the transactional path
+    /// the effect was rolled back and the key released: then it is retryable (same key, after
+    /// `Retry-After`).
     HandlerTimeout,
-    /// `500`: the handler panicked or its task was cancelled; the record was released.
+    /// `500 internal_error`: the handler panicked, or the route is misconfigured; the record was
+    /// released. Not retryable by contract: report it, with its `instance`.
     InternalError,
 }
 
@@ -68,6 +101,38 @@ impl ErrorKind {
         }
     }
 
+    /// The name of the variant, as docs.rs anchors it.
+    fn variant(self) -> &'static str {
+        match self {
+            ErrorKind::MissingIdempotencyKey => "MissingIdempotencyKey",
+            ErrorKind::InvalidIdempotencyKey => "InvalidIdempotencyKey",
+            ErrorKind::UnreadableBody => "UnreadableBody",
+            ErrorKind::MissingSubject => "MissingSubject",
+            ErrorKind::RequestTooLarge => "RequestTooLarge",
+            ErrorKind::IdempotencyKeyReuse => "IdempotencyKeyReuse",
+            ErrorKind::InProgress => "InProgress",
+            ErrorKind::StoreUnavailable => "StoreUnavailable",
+            ErrorKind::Overloaded => "Overloaded",
+            ErrorKind::HandlerTimeout => "HandlerTimeout",
+            ErrorKind::InternalError => "InternalError",
+        }
+    }
+
+    /// Every kind, in a fixed order.
+    pub const ALL: [ErrorKind; 11] = [
+        ErrorKind::MissingIdempotencyKey,
+        ErrorKind::InvalidIdempotencyKey,
+        ErrorKind::UnreadableBody,
+        ErrorKind::MissingSubject,
+        ErrorKind::RequestTooLarge,
+        ErrorKind::IdempotencyKeyReuse,
+        ErrorKind::InProgress,
+        ErrorKind::StoreUnavailable,
+        ErrorKind::Overloaded,
+        ErrorKind::HandlerTimeout,
+        ErrorKind::InternalError,
+    ];
+
     fn title(self) -> &'static str {
         match self {
             ErrorKind::MissingIdempotencyKey => "Idempotency-Key header required",
@@ -85,35 +150,150 @@ impl ErrorKind {
     }
 }
 
-/// The problem details response for `kind`. With `retry_after`, the response carries a `Retry-After`
-/// header, and for `in_progress` a `retryAfterSeconds` member.
-pub fn problem(kind: ErrorKind, detail: &str, retry_after: Option<u32>) -> Response<Body> {
-    let mut response = Response::new(Body::from(problem_body(kind, detail, retry_after)));
-    *response.status_mut() = kind.status();
-    let headers = response.headers_mut();
-    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-    if let Some(secs) = retry_after {
-        headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+/// Where the `type` URIs of a layer's errors point.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ProblemTypes {
+    /// The application's own base, followed by the error code; `None`: this crate's docs.
+    base: Option<std::sync::Arc<str>>,
+}
+
+impl ProblemTypes {
+    pub(crate) fn with_base(base: &str) -> Self {
+        ProblemTypes {
+            base: Some(base.into()),
+        }
     }
-    response
+
+    fn uri(&self, kind: ErrorKind) -> String {
+        match &self.base {
+            Some(base) => format!("{base}{}", kind.code()),
+            None => format!("{DOCS}#variant.{}", kind.variant()),
+        }
+    }
+
+    /// The problem details response for `kind`. With `retry_after`, the answer is retryable: it
+    /// carries `Retry-After`, `retryable: true`, and for `in_progress` `retryAfterSeconds`.
+    pub(crate) fn problem(
+        &self,
+        kind: ErrorKind,
+        detail: &str,
+        retry_after: Option<u32>,
+    ) -> Response<Body> {
+        let instance = instance();
+        let mut response =
+            Response::new(Body::from(self.body(kind, detail, retry_after, &instance)));
+        *response.status_mut() = kind.status();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        if let Some(secs) = retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if kind.status().is_server_error() {
+            tracing::warn!(error = kind.code(), %instance, detail, "answered with a problem");
+        } else {
+            tracing::debug!(error = kind.code(), %instance, detail, "answered with a problem");
+        }
+        response
+    }
+
+    /// The problem details document for `kind`.
+    pub(crate) fn body(
+        &self,
+        kind: ErrorKind,
+        detail: &str,
+        retry_after: Option<u32>,
+        instance: &str,
+    ) -> String {
+        let mut body = serde_json::json!({
+            "type": self.uri(kind),
+            "title": kind.title(),
+            "status": kind.status().as_u16(),
+            "detail": detail,
+            "error": kind.code(),
+            "instance": instance,
+            "retryable": retry_after.is_some(),
+        });
+        if let (ErrorKind::InProgress, Some(secs), Some(map)) =
+            (kind, retry_after, body.as_object_mut())
+        {
+            map.insert("retryAfterSeconds".into(), secs.into());
+        }
+        body.to_string()
+    }
+}
+
+/// The page documenting every error, by variant anchor.
+const DOCS: &str = "https://docs.rs/axum-idempotency/latest/axum_idempotency/enum.ErrorKind.html";
+
+/// A unique reference to one occurrence of a problem: `urn:axum-idempotency:problem:<32 hex>`.
+pub(crate) fn instance() -> String {
+    let mut out = String::with_capacity(30 + 32);
+    out.push_str("urn:axum-idempotency:problem:");
+    for b in crate::record::Generation::generate().0 {
+        out.push(char::from(b"0123456789abcdef"[usize::from(b >> 4)]));
+        out.push(char::from(b"0123456789abcdef"[usize::from(b & 15)]));
+    }
+    out
+}
+
+/// The problem details response for `kind`, with `type` in this crate's docs (for answers made
+/// outside a layer's settings: extractor rejections).
+pub fn problem(kind: ErrorKind, detail: &str, retry_after: Option<u32>) -> Response<Body> {
+    ProblemTypes::default().problem(kind, detail, retry_after)
 }
 
 /// The media type of the layer's error answers.
 pub(crate) const PROBLEM_JSON: &str = "application/problem+json";
 
-/// The problem details document for `kind`, as [`problem`] sends it.
-pub(crate) fn problem_body(kind: ErrorKind, detail: &str, retry_after: Option<u32>) -> String {
-    let mut body = serde_json::json!({
-        "type": format!("urn:axum-idempotency:error:{}", kind.code()),
-        "title": kind.title(),
-        "status": kind.status().as_u16(),
-        "detail": detail,
-        "error": kind.code(),
-    });
-    if let (ErrorKind::InProgress, Some(secs), Some(map)) =
-        (kind, retry_after, body.as_object_mut())
-    {
-        map.insert("retryAfterSeconds".into(), secs.into());
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parts(types: &ProblemTypes, kind: ErrorKind, retry: Option<u32>) -> serde_json::Value {
+        let body = types.body(kind, "detail", retry, &instance());
+        serde_json::from_str(&body).expect("json")
     }
-    body.to_string()
+
+    #[test]
+    fn every_kind_has_the_members_a_client_acts_on() {
+        let mut instances = std::collections::HashSet::new();
+        for kind in ErrorKind::ALL {
+            for retry in [None, Some(3)] {
+                let json = parts(&ProblemTypes::default(), kind, retry);
+                let uri = json["type"].as_str().expect("type");
+                assert!(
+                    uri.starts_with("https://docs.rs/axum-idempotency/"),
+                    "{uri}"
+                );
+                assert!(
+                    uri.ends_with(&format!("#variant.{}", kind.variant())),
+                    "{uri}"
+                );
+                assert_eq!(json["status"], kind.status().as_u16());
+                assert_eq!(json["error"], kind.code());
+                assert_eq!(json["retryable"], retry.is_some());
+                let instance = json["instance"].as_str().expect("instance").to_owned();
+                assert!(instance.starts_with("urn:axum-idempotency:problem:"));
+                assert_eq!(instance.len(), 29 + 32);
+                assert!(instances.insert(instance), "instances are unique");
+                assert_eq!(
+                    json.get("retryAfterSeconds").is_some(),
+                    kind == ErrorKind::InProgress && retry.is_some()
+                );
+            }
+        }
+        let own = ProblemTypes::with_base("https://api.example.com/errors/");
+        assert_eq!(
+            parts(&own, ErrorKind::InProgress, Some(2))["type"],
+            "https://api.example.com/errors/in_progress"
+        );
+    }
+
+    #[test]
+    fn retryable_answers_carry_retry_after() {
+        let response = problem(ErrorKind::StoreUnavailable, "down", Some(4));
+        assert_eq!(response.headers()[header::RETRY_AFTER], "4");
+        let response = problem(ErrorKind::IdempotencyKeyReuse, "reused", None);
+        assert!(response.headers().get(header::RETRY_AFTER).is_none());
+    }
 }

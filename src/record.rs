@@ -54,7 +54,11 @@ impl LeaseToken {
             hasher.write_u128(now.as_nanos());
         }
         hasher.write_u32(std::process::id());
-        LeaseToken(hasher.finish() as i64)
+        // 0 marks a released record in the stores: never a claim's token.
+        match hasher.finish() as i64 {
+            0 => LeaseToken(1),
+            token => LeaseToken(token),
+        }
     }
 }
 

@@ -34,7 +34,7 @@ use tokio::time::Instant;
 use crate::config::Config;
 use crate::lease::Lease;
 use crate::policy::Disposition;
-use crate::problem::{ErrorKind, PROBLEM_JSON, problem_body};
+use crate::problem::{ErrorKind, PROBLEM_JSON};
 use crate::record::{Finished, StoredResponse};
 use crate::replay;
 use crate::store::IdempotencyStore;
@@ -138,13 +138,16 @@ pub(crate) fn recorded_as(config: &Config, response: &Response<Body>) -> Option<
 
 /// The record of a handler (or a streamed body) cancelled at the maximum hold: a definitive
 /// `504 idempotency_handler_timeout`, replayed for the key, since its effect may have happened.
-pub(crate) fn handler_timeout() -> StoredResponse {
+pub(crate) fn handler_timeout(config: &Config) -> StoredResponse {
     let kind = ErrorKind::HandlerTimeout;
-    let body = problem_body(
+    let instance = crate::problem::instance();
+    tracing::warn!(error = kind.code(), %instance, "answered with a problem (recorded)");
+    let body = config.problems.body(
         kind,
         "the operation did not finish within the time allowed and was cancelled; it may have \
          taken effect, so it is not run again for this Idempotency-Key",
         None,
+        &instance,
     );
     StoredResponse {
         outcome: Finished::Failed,

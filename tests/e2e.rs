@@ -613,3 +613,45 @@ async fn graceful_stop_with_the_client_gone_charges_once() {
 async fn graceful_stop_with_the_client_waiting_charges_once() {
     stopped_gracefully_between_charge_and_record(true).await;
 }
+
+/// A method the route does not serve reaches the router's own 405, with and without a key: never
+/// a key error, never a recorded 405 (the key stays free for the request it is meant for). Every
+/// error the layer answers carries a documentation `type`, an `instance` and `retryable`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_unserved_method_gets_the_routers_405_untouched() {
+    let addr = serve_memory(0).await;
+    let body = r#"{"amount":300}"#;
+    let no_key = http(addr, "PATCH", "/checkout", "mia", None, body).await;
+    assert_eq!(no_key.status, StatusCode::METHOD_NOT_ALLOWED, "{no_key:?}");
+    for _ in 0..2 {
+        let keyed = http(addr, "PATCH", "/checkout", "mia", Some("m-1"), body).await;
+        assert_eq!(keyed.status, StatusCode::METHOD_NOT_ALLOWED, "{keyed:?}");
+        assert!(!keyed.replayed(), "a 405 is never recorded: {keyed:?}");
+    }
+    let charged = checkout_req(addr, "mia", "m-1", body).await;
+    assert_eq!(charged.status, StatusCode::CREATED, "{charged:?}");
+    assert!(!charged.replayed());
+    // The layer's own errors: what a client acts on.
+    let missing = http(addr, "POST", "/checkout", "mia", None, body).await;
+    let reuse = checkout_req(addr, "mia", "m-1", r#"{"amount":301}"#).await;
+    for (answer, code, retryable) in [
+        (&missing, "missing_idempotency_key", false),
+        (&reuse, "idempotency_key_reuse", false),
+    ] {
+        let json = answer.json();
+        assert_eq!(json["error"], code);
+        assert_eq!(json["retryable"], retryable);
+        assert!(
+            json["type"]
+                .as_str()
+                .is_some_and(|t| t.starts_with("https://")),
+            "{json}"
+        );
+        assert!(
+            json["instance"]
+                .as_str()
+                .is_some_and(|i| i.starts_with("urn:axum-idempotency:problem:")),
+            "{json}"
+        );
+    }
+}

@@ -92,6 +92,8 @@ enum State {
         response: Arc<StoredResponse>,
         lease: LeaseToken,
     },
+    /// Released for another try: no one holds it; the next claim takes it at once.
+    Released,
 }
 
 impl MemoryStore {
@@ -219,14 +221,10 @@ impl MemoryStore {
             if record.expires_at <= now {
                 // Past retention: the key is new again. An in-progress record that expired was
                 // abandoned by its holder: its effect may have started, so this is a retake.
-                // A finished record's key is a new operation (a new generation); an in-progress
-                // one is the same operation, never finished, and keeps its own.
+                // Its generation goes with it, as in every store (Redis and a purge delete
+                // expired records): the key is a new operation.
                 let retaken = matches!(record.state, State::InProgress { .. });
-                let kept = record.generation;
                 let old = std::mem::replace(record, fresh());
-                if retaken {
-                    record.generation = kept;
-                }
                 self.sub(old.size);
                 self.add(size);
                 return Ok(ClaimOutcome::Claimed {
@@ -235,10 +233,28 @@ impl MemoryStore {
                     generation: Some(record.generation),
                 });
             }
+            if let State::Released = record.state {
+                // Released for another try: the same request is the same operation again (its
+                // generation, so the same derived key); another request is a new one.
+                let same = record.fingerprint == request.fingerprint;
+                let kept = record.generation;
+                let old = std::mem::replace(record, fresh());
+                if same {
+                    record.generation = kept;
+                }
+                self.sub(old.size);
+                self.add(size);
+                return Ok(ClaimOutcome::Claimed {
+                    lease,
+                    retaken: false,
+                    generation: Some(record.generation),
+                });
+            }
             if record.fingerprint != request.fingerprint {
                 return Ok(ClaimOutcome::FingerprintMismatch);
             }
             return Ok(match &record.state {
+                State::Released => ClaimOutcome::InProgress, // handled above
                 State::Finished { response, .. } => ClaimOutcome::Finished(response.clone()),
                 // This claim's own record: the same claim, made twice.
                 State::InProgress { lease: held, .. } if *held == lease => ClaimOutcome::Claimed {
@@ -345,11 +361,12 @@ impl IdempotencyStore for MemoryStore {
 
     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
         let mut shard = self.shard(key);
-        match shard.records.get(key) {
+        match shard.records.get_mut(key) {
             Some(record) if holds(record, lease) => {
-                let size = record.size;
-                shard.records.remove(key);
-                self.sub(size);
+                // Kept as a tombstone until its expiry, so that the retry keeps the record's
+                // generation (and its derived key: a provider the released run called sees one
+                // operation).
+                record.state = State::Released;
                 Ok(true)
             }
             _ => Ok(false),

@@ -22,8 +22,10 @@ pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(2);
 /// Claim, atomically: insert; or answer mismatch, finished (with the response), in progress; or
 /// retake a record whose claim (or last renewal) is older than the in-progress TTL. A record in
 /// progress under this very lease is this claim's own, sent twice (a resend after a lost reply):
-/// claimed. Times are the server's `TIME`. A claimed or retaken answer carries the record's
-/// generation (a retake keeps it; a record written before generations has none).
+/// claimed. A released record (lease `0`) is claimed at once: by the same request with its
+/// generation, by another with the new one. Times are the server's `TIME`. A claimed or retaken
+/// answer carries the record's generation (a retake keeps it; a record written before generations
+/// has none).
 /// KEYS[1] record; ARGV fingerprint, new lease, in-progress TTL (ms), TTL + retention (ms),
 /// generation of a new record.
 const CLAIM: &str = r"
@@ -33,6 +35,16 @@ local rec = redis.call('HMGET', KEYS[1], 'fp', 'st', 'ts', 'lease', 'gen')
 if not rec[1] then
   redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'st', 'in_progress', 'lease', ARGV[2], 'ts', now,
     'gen', ARGV[5])
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+  return {'claimed', ARGV[5]}
+end
+if rec[2] == 'in_progress' and rec[4] == '0' then
+  if rec[1] == ARGV[1] then
+    redis.call('HSET', KEYS[1], 'lease', ARGV[2], 'ts', now)
+    redis.call('PEXPIRE', KEYS[1], ARGV[4])
+    return {'claimed', rec[5]}
+  end
+  redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'lease', ARGV[2], 'ts', now, 'gen', ARGV[5])
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
   return {'claimed', ARGV[5]}
 end
@@ -69,11 +81,14 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 ";
 
-/// Release, if the lease still holds an in-progress record. KEYS[1]; ARGV lease.
+/// Release, if the lease still holds an in-progress record: not deleted but left under lease `0`
+/// (no claim's token), which the next claim takes at once, keeping the record's generation for the
+/// same request (the retry of a released run is the same operation to a provider). KEYS[1]; ARGV
+/// lease.
 const RELEASE: &str = r"
 local rec = redis.call('HMGET', KEYS[1], 'lease', 'st')
 if rec[1] ~= ARGV[1] or rec[2] ~= 'in_progress' then return 0 end
-redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'lease', '0', 'ts', 0)
 return 1
 ";
 

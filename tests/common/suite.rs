@@ -1304,8 +1304,9 @@ fn generation_of(outcome: ClaimOutcome) -> axum_idempotency::Generation {
 }
 
 /// The record's generation (what the derived key names): a retake of a record whose holder died
-/// keeps it (the provider must see the same operation); a key claimed again after its record
-/// expired, or after it was released, gets the new claim's (another operation).
+/// keeps it, and so does the retry of a released record with the same request (the provider must
+/// see the same operation: the released run may have called it); another request after a release,
+/// and a key claimed again after its record expired, get the new claim's (another operation).
 pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: IdempotencyStore>(
     store: S,
 ) {
@@ -1329,21 +1330,43 @@ pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: Id
         generation_of(store.claim(&retaker).await.expect("again")),
         g1
     );
-    // Released: the key claimed again is a new operation.
+    // Released, then retried: the same operation, at once (no 409, no TTL to wait).
     assert!(
         store
             .release(&retaker.key, retaker.lease)
             .await
             .expect("release")
     );
-    let after_release = claim_request("g", ttl);
+    let retry = claim_request("g", ttl);
+    let outcome = store.claim(&retry).await.expect("claim after release");
+    assert!(
+        matches!(outcome, ClaimOutcome::Claimed { retaken: false, .. }),
+        "{outcome:?}"
+    );
+    assert_eq!(generation_of(outcome), g1, "the retry of a released run");
+    // The old lease holds nothing any more.
+    assert!(
+        !store
+            .renew(&retaker.key, retaker.lease, Duration::from_secs(60))
+            .await
+            .expect("renew")
+    );
+    // Released, then another request with the key: a new operation, not a 422.
+    assert!(
+        store
+            .release(&retry.key, retry.lease)
+            .await
+            .expect("release")
+    );
+    let mut other = claim_request("g", ttl);
+    other.fingerprint = Fingerprint::of(None, b"{\"other\":1}");
     let g2 = generation_of(
         store
-            .claim(&after_release)
+            .claim(&other)
             .await
-            .expect("claim after release"),
+            .expect("another request after release"),
     );
-    assert_eq!(g2, after_release.generation);
+    assert_eq!(g2, other.generation);
     assert_ne!(g2, g1);
     // Finished, then past its retention: the key claimed again is a new operation too.
     let mut short = claim_request("h", ttl);

@@ -37,6 +37,9 @@ const MIGRATE_LOCK: i64 = 0x6178_6964_656d_0001; // "axidem" + 1
 pub const MIN_MIGRATE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a store that found the claim function missing waits before looking for it again.
 const FUNCTION_PROBE: Duration = Duration::from_secs(60);
+/// The lease token of a released record: no claim holds it (`LeaseToken::generate` never gives 0).
+const RELEASED: i64 = 0;
+
 /// The condition that makes a statement apply its lock timeout (see [`lock_bound_cte`]) before it
 /// touches a row.
 const LOCK_BOUND: &str = "(SELECT bound FROM lock_bound) IS NOT NULL";
@@ -192,11 +195,13 @@ impl Statements {
             // The staleness is checked again against the row as it is now (READ COMMITTED rechecks
             // the newest version), so a heartbeat that landed since the claim read it wins.
             // $1 scope, $2 fingerprint, $3 new lease, $4 lifetime (µs), $5 old lease, $6 old status,
-            // $7 in-progress TTL (µs), $8 lock timeout, $9 generation (for a finished record; an
-            // in-progress one keeps its own).
+            // $7 in-progress TTL (µs), $8 lock timeout, $9 generation (for an expired record, or
+            // a released one taken by another request; a retake of the same operation keeps its
+            // own).
             retake: format!(
                 "{LOCK_BOUND_CTE} UPDATE {t} SET fingerprint = $2, status = 'in_progress', lease_token = $3, \
-                   generation = CASE WHEN status = 'in_progress' THEN generation ELSE $9 END, \
+                   generation = CASE WHEN status = 'in_progress' AND expires_at > now() \
+                                       AND fingerprint = $2 THEN generation ELSE $9 END, \
                    response_status = NULL, header_names = NULL, header_values = NULL, \
                    response_body = NULL, created_at = now(), updated_at = now(), \
                    expires_at = now() + $4::float8 * interval '1 microsecond' \
@@ -240,10 +245,12 @@ impl Statements {
                 "SELECT EXISTS (SELECT 1 FROM {t} WHERE scope = $1 AND lease_token = $2 \
                                 AND status <> 'in_progress')"
             ),
-            // $3 lock timeout.
+            // Not deleted: left in progress under no lease (`RELEASED`) and stale at once, so the
+            // next claim retakes it, keeping its generation for the same request (the retry of a
+            // released run is the same operation to a provider). $3 lock timeout.
             release: format!(
-                "{} DELETE FROM {t} WHERE scope = $1 AND lease_token = $2 \
-                   AND status = 'in_progress' AND {LOCK_BOUND}",
+                "{} UPDATE {t} SET lease_token = {RELEASED}, updated_at = '-infinity' \
+                 WHERE scope = $1 AND lease_token = $2 AND status = 'in_progress' AND {LOCK_BOUND}",
                 lock_bound_cte(3)
             ),
             // $1 lock timeout.
@@ -426,10 +433,30 @@ impl PostgresStore {
             .await
             .map_err(db("migrate: look up the generation column"))?;
             if !column {
+                // It takes the table's exclusive lock: wait for it only briefly (claims queue
+                // behind a waiting ALTER), and let the caller try again.
+                sqlx::query("SET LOCAL lock_timeout = '3s'")
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db("migrate: lock timeout"))?;
                 sqlx::raw_sql(sqlx::AssertSqlSafe(column_sql))
                     .execute(&mut *tx)
                     .await
-                    .map_err(db("migrate: add the generation column"))?;
+                    .map_err(|e| {
+                        StoreError::new(
+                            format!(
+                                "migrate: could not add the generation column to {} (it needs the \
+                                 table's owner, and no long transaction on it; apply \
+                                 migrations/0003 as its owner, or migrate again)",
+                                self.sql.table
+                            ),
+                            e,
+                        )
+                    })?;
+                sqlx::query("SET LOCAL lock_timeout = 0")
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db("migrate: lock timeout"))?;
             }
             let (function,): (bool,) = sqlx::query_as("SELECT to_regprocedure($1) IS NOT NULL")
                 .bind(&signature)
@@ -528,14 +555,26 @@ impl PostgresStore {
         if expired {
             // Past retention: the key is new again, whatever was there. An in-progress record
             // that expired was abandoned by its holder, so taking it is a retake.
-            // A finished record's key is a new operation (a new generation); an in-progress one
-            // is the same operation, never finished, and keeps its own.
-            let in_progress = status == "in_progress";
+            // The key is a new operation: a new generation (as in every store: Redis and a purge
+            // delete expired records).
             return Ok(if self.retake(request, scope, old_lease, &status).await? {
                 ClaimOutcome::Claimed {
                     lease,
-                    retaken: in_progress,
-                    generation: if in_progress {
+                    retaken: status == "in_progress" && old_lease != RELEASED,
+                    generation: Some(request.generation),
+                }
+            } else {
+                ClaimOutcome::InProgress
+            });
+        }
+        if status == "in_progress" && old_lease == RELEASED {
+            // Released for another try: the same request keeps the record's generation (the same
+            // operation again); another request is a new operation.
+            return Ok(if self.retake(request, scope, old_lease, &status).await? {
+                ClaimOutcome::Claimed {
+                    lease,
+                    retaken: false,
+                    generation: if same_fp {
                         generation
                     } else {
                         Some(request.generation)
@@ -632,12 +671,27 @@ impl PostgresStore {
                 Err(e) => return Err(e),
             }
         }
-        let direct = || {
-            self.timed(
-                "claim",
+        let direct = || async {
+            let row = tokio::time::timeout(
+                self.timeout,
                 self.claim_statement(&self.sql.claim_direct, request, scope)
                     .fetch_optional(&self.pool),
             )
+            .await
+            .map_err(|_| self.no_answer("claim"))?;
+            match row {
+                Ok(row) => Ok(row),
+                // The table lacks the generation column: made by an earlier version, and
+                // `migrate()` has not run. Nothing was claimed; never a reason to run unguarded.
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42703") => {
+                    Err(StoreError::refused_claim(format!(
+                        "postgres claim: the table {} lacks the generation column; run \
+                         PostgresStore::migrate() (or apply migrations/0003): {e}",
+                        self.sql.table
+                    )))
+                }
+                Err(e) => Err(db("claim")(e)),
+            }
         };
         if let Some(row) = direct().await? {
             return Ok(Some(row));
@@ -989,4 +1043,17 @@ fn micros(d: Duration) -> f64 {
 
 fn db(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
     move |e| StoreError::new(format!("postgres {what}"), e)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_generation_migration_splits_into_its_column_and_its_function() {
+        let (column, function) = super::GENERATION_MIGRATION
+            .split_once("CREATE OR REPLACE FUNCTION")
+            .expect("the function");
+        assert!(column.contains("ADD COLUMN IF NOT EXISTS generation bytea"));
+        assert!(function.contains(super::DEFAULT_FUNCTION));
+        assert!(!function.contains("CREATE OR REPLACE FUNCTION"));
+    }
 }

@@ -139,10 +139,10 @@ async fn take(slot: Arc<TxSlot>) -> Result<IdempotentTx, Response> {
         Err(e) => {
             *slot.lock() = SlotState::Unused;
             tracing::error!(error = %e, "could not begin the handler's transaction");
-            Err(problem(
+            Err(slot.problems.problem(
                 ErrorKind::StoreUnavailable,
                 "the idempotency store is unavailable; retry later",
-                Some(2),
+                Some(slot.retry_after),
             ))
         }
     }
@@ -153,6 +153,9 @@ pub(crate) struct TxSlot {
     store: PostgresStore,
     /// The longest the transaction may stay idle: the in-progress TTL.
     idle: std::time::Duration,
+    /// The layer's `Retry-After` and error types, for the extractor's rejections.
+    retry_after: u32,
+    problems: crate::problem::ProblemTypes,
     state: Mutex<SlotState>,
 }
 
@@ -179,10 +182,12 @@ pub(crate) enum Left {
 }
 
 impl TxSlot {
-    pub(crate) fn new(store: PostgresStore, idle: std::time::Duration) -> Arc<Self> {
+    pub(crate) fn new(store: PostgresStore, config: &Config) -> Arc<Self> {
         Arc::new(TxSlot {
             store,
-            idle,
+            idle: config.in_progress_ttl,
+            retry_after: config.retry_after_secs,
+            problems: config.problems.clone(),
             state: Mutex::new(SlotState::Unused),
         })
     }
@@ -262,7 +267,7 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
                 "the lease was lost before the commit (the record was retaken): the handler's \
                  transaction was rolled back"
             );
-            return problem(
+            return config.problem(
                 ErrorKind::InProgress,
                 "this request was taken over by another attempt; retry later for its answer",
                 Some(config.retry_after_secs),
@@ -284,7 +289,7 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
                  nothing was committed"
             );
             lease.release("the handler's transaction had failed").await;
-            return problem(
+            return config.problem(
                 ErrorKind::InternalError,
                 "the request failed; it was not recorded and may be retried",
                 None,
@@ -318,7 +323,7 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
                 tracing::error!(error = %e, "whether the transaction committed is unknown");
                 lease.outcome_unknown();
                 report(config, &label, Outcome::StoreUnavailable);
-                return problem(
+                return config.problem(
                     ErrorKind::StoreUnavailable,
                     "whether the operation happened is not known yet; retry with the same \
                      Idempotency-Key for its answer",
@@ -341,7 +346,7 @@ pub(crate) async fn rollback(store: &PostgresStore, tx: Transaction<'static, Pos
 /// The answer after the record was released (already reported as such): one outcome per step, so
 /// `StoreUnavailable` is not counted again for a request whose handler ran.
 fn unavailable(config: &Config) -> Response<Body> {
-    problem(
+    config.problem(
         ErrorKind::StoreUnavailable,
         "the operation could not be recorded and did not happen; retry later",
         Some(config.retry_after_secs),
