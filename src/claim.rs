@@ -43,6 +43,14 @@ where
 {
     let (parts, body) = request.into_parts();
     let key = match key::from_headers(&parts.headers) {
+        Ok(Some(key)) if key.len() < config.min_key_length => {
+            report(&config, &Label::of(&parts), Outcome::Rejected);
+            let detail = format!(
+                "the Idempotency-Key must be at least {} characters long here",
+                config.min_key_length
+            );
+            return Ok(config.problem(ErrorKind::InvalidIdempotencyKey, &detail, None));
+        }
         Ok(Some(key)) => key,
         Ok(None) if config.require_key => {
             report(&config, &Label::of(&parts), Outcome::Rejected);
@@ -87,13 +95,23 @@ where
         ));
     }
     let endpoint = (config.endpoint)(&parts);
-    let span = tracing::info_span!(
-        "idempotency",
-        key_hash = %KeyHash(&key),
-        subject = %subject,
-        endpoint = %endpoint,
-        outcome = tracing::field::Empty,
-    );
+    // Subjects and endpoints are personal data, and a forged one could fake log lines: only their
+    // hashes are logged, unless the application opts in (`log_scope`).
+    let span = if config.log_scope {
+        tracing::info_span!(
+            "idempotency",
+            key_hash = %KeyHash(&key),
+            subject = ?subject,
+            endpoint = ?endpoint,
+        )
+    } else {
+        tracing::info_span!(
+            "idempotency",
+            key_hash = %KeyHash(&key),
+            subject_hash = %KeyHash(&subject),
+            endpoint_hash = %KeyHash(&endpoint),
+        )
+    };
     async move {
         let bytes = match body::read_request(&parts.headers, body, config.body_limit).await {
             Ok(bytes) => bytes,
@@ -107,8 +125,13 @@ where
             }
             Err(RequestBodyError::Unreadable(reason)) => {
                 report(&config, &label, Outcome::Rejected);
-                let detail = format!("the request body could not be read: {reason}");
-                return Ok(config.problem(ErrorKind::UnreadableBody, &detail, None));
+                // The reason stays in the log: internal error text is not sent to clients.
+                tracing::debug!(%reason, "the request body could not be read");
+                return Ok(config.problem(
+                    ErrorKind::UnreadableBody,
+                    "the request body could not be read to its end",
+                    None,
+                ));
             }
         };
         let claim = ClaimRequest {
@@ -189,7 +212,11 @@ where
             Ok(ClaimOutcome::Finished(stored)) => {
                 report(&config, &label, Outcome::Replayed);
                 tracing::debug!(status = stored.status, "replayed");
-                Ok(replay::replay(&stored, &config.replay_header))
+                Ok(replay::replay(
+                    &stored,
+                    &config.replay_header,
+                    &config.stored_headers,
+                ))
             }
             // A record that exists but cannot be read (it does not decrypt) records an operation
             // that happened: running the handler unguarded would repeat it.

@@ -76,6 +76,15 @@ pub const DEFAULT_MAX_RUNNING: usize = 1024;
 /// the record.
 pub const TTL_PER_OPERATION_TIMEOUT: u32 = 2;
 
+/// The largest `body_limit` [`IdempotencyLayerBuilder::build`] accepts: 64 MiB (the layer buffers
+/// the whole body to fingerprint it).
+pub const MAX_BODY_LIMIT: usize = 64 * 1024 * 1024;
+
+/// The shortest retention [`IdempotencyLayerBuilder::build`] accepts: 100 ms, against a retention of
+/// zero or a few nanoseconds, which would let a retry that follows the answer at once run the
+/// handler again. In production keep it well above your clients' retry horizon (hours).
+pub const MIN_RETENTION: Duration = Duration::from_millis(100);
+
 /// The shortest deployment secret [`IdempotencyLayerBuilder::derived_key_secret`] accepts.
 const MIN_SECRET_LEN: usize = 16;
 
@@ -144,6 +153,10 @@ pub(crate) struct Config {
     pub derived_key_secret: Option<Arc<[u8]>>,
     /// Where the `type` URIs of the layer's errors point.
     pub problems: ProblemTypes,
+    /// Whether subjects and endpoints are logged as they are (otherwise hashed).
+    pub log_scope: bool,
+    /// The shortest `Idempotency-Key` accepted.
+    pub min_key_length: usize,
 }
 
 impl Config {
@@ -185,6 +198,8 @@ impl Default for Config {
             drain: Drain::new(),
             derived_key_secret: None,
             problems: ProblemTypes::default(),
+            log_scope: false,
+            min_key_length: 1,
         }
     }
 }
@@ -298,6 +313,11 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
 
     /// With `true`, requests without a subject share one anonymous scope instead of getting
     /// `401 missing_subject`. Only for routes that have no authenticated users at all.
+    ///
+    /// **The anonymous scope is shared by every anonymous caller**: anyone who sends the same
+    /// key (and body) gets the same recorded answer, and anyone who sends it with another body
+    /// gets `422` for the retention. Require long random keys there
+    /// ([`min_key_length`](Self::min_key_length)), and do not return anything private.
     pub fn allow_anonymous(mut self, allow: bool) -> Self {
         self.config.allow_anonymous = allow;
         self
@@ -404,6 +424,24 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
         self
     }
 
+    /// With `true`, the request's span logs the subject and the endpoint as they are; by default
+    /// it logs their hashes (the first 8 bytes of their SHA-256), since subjects and paths are
+    /// personal data and a forged one could fake log lines.
+    pub fn log_scope(mut self, raw: bool) -> Self {
+        self.config.log_scope = raw;
+        self
+    }
+
+    /// The shortest `Idempotency-Key` accepted (shorter: `400 invalid_idempotency_key`), at most
+    /// 255. Default: 1. Raise it where keys must be unguessable: with
+    /// [`allow_anonymous`](Self::allow_anonymous) every anonymous caller shares one scope, so a
+    /// guessed key replays another caller's answer or blocks their request with `422`; require
+    /// random keys (16 characters or more, a UUID) there.
+    pub fn min_key_length(mut self, chars: usize) -> Self {
+        self.config.min_key_length = chars;
+        self
+    }
+
     /// The base of the `type` URI of the layer's error answers: the application's own
     /// documentation, such as `https://api.example.com/errors/`, followed by the error code
     /// (`…/errors/in_progress`). An absolute `http` or `https` URI. Default: this crate's
@@ -467,8 +505,14 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
         if config.retry_after_secs == 0 {
             return err("retry_after_secs must be at least 1");
         }
-        if config.body_limit == 0 {
-            return err("body_limit must be at least 1 byte");
+        if config.body_limit == 0 || config.body_limit > MAX_BODY_LIMIT {
+            return err("body_limit must be from 1 byte to 64 MiB");
+        }
+        if config.retention < MIN_RETENTION {
+            return err("retention must be at least 100 ms");
+        }
+        if config.min_key_length == 0 || config.min_key_length > crate::key::MAX_KEY_LEN {
+            return err("min_key_length must be from 1 to 255");
         }
         if config.response_limit == 0 || config.response_limit > MAX_RESPONSE_LIMIT {
             return err("response_limit must be from 1 byte to 64 MiB");

@@ -98,8 +98,8 @@ mod subject;
 pub use canonical_json::{MAX_DEPTH, canonicalize};
 pub use config::{
     ConfigError, DEFAULT_MAX_HOLD, DEFAULT_MAX_RUNNING, DEFAULT_STORED_HEADERS, DENIED_HEADERS,
-    IdempotencyLayerBuilder, MAX_DURATION, MAX_RESPONSE_LIMIT, MIN_IN_PROGRESS_TTL,
-    TTL_PER_OPERATION_TIMEOUT,
+    IdempotencyLayerBuilder, MAX_BODY_LIMIT, MAX_DURATION, MAX_RESPONSE_LIMIT, MIN_IN_PROGRESS_TTL,
+    MIN_RETENTION, TTL_PER_OPERATION_TIMEOUT,
 };
 pub use context::IdempotencyContext;
 pub use drain::Drain;

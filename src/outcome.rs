@@ -1,4 +1,5 @@
-//! What the layer did with each guarded request: reported to the tracing span and to an optional
+//! What the layer did with each guarded request: logged (a DEBUG event in the request's span) and
+//! reported to an optional
 //! hook, and counted by [`OutcomeCounters`] for export to any metrics system; with the `metrics`
 //! feature, also counted by endpoint through the `metrics` facade.
 
@@ -8,10 +9,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::config::Config;
 use crate::metrics::Label;
 
-/// Reports an outcome to the current span, to the configured hook and, with the `metrics`
-/// feature, to the outcome counter under the request's endpoint `label`.
+/// Reports an outcome as a DEBUG event of the current span (one per outcome: a span field recorded
+/// twice would print twice), to the configured hook and, with the `metrics` feature, to the
+/// outcome counter under the request's endpoint `label`.
 pub(crate) fn report(config: &Config, label: &Label, outcome: Outcome) {
-    tracing::Span::current().record("outcome", outcome.as_str());
+    tracing::debug!(outcome = outcome.as_str(), "idempotency outcome");
     if let Some(hook) = &config.on_outcome {
         hook(outcome);
     }

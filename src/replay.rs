@@ -43,8 +43,12 @@ pub(crate) fn capture(
 /// `Idempotent-Replayed`). A stored status that is not a valid HTTP status (a store the layer does not
 /// own may hold anything) becomes 500; denied headers and the marker are never sent back from the
 /// record.
-pub(crate) fn replay(stored: &StoredResponse, marker: &HeaderName) -> Response<Body> {
-    let mut response = fresh_with(stored, Some(marker));
+pub(crate) fn replay(
+    stored: &StoredResponse,
+    marker: &HeaderName,
+    allowed: &[HeaderName],
+) -> Response<Body> {
+    let mut response = fresh_with(stored, Some(marker), Some(allowed));
     let headers = response.headers_mut();
     // `try_insert`: a map that is full (a record that holds tens of thousands of headers) is
     // answered without the marker rather than with a panic.
@@ -58,10 +62,16 @@ pub(crate) fn replay(stored: &StoredResponse, marker: &HeaderName) -> Response<B
 /// The response a record describes, as a fresh answer (no replay marker): for answers the layer
 /// records itself, such as a handler cancelled at the maximum hold.
 pub(crate) fn fresh(stored: &StoredResponse) -> Response<Body> {
-    fresh_with(stored, None)
+    fresh_with(stored, None, None)
 }
 
-fn fresh_with(stored: &StoredResponse, marker: Option<&HeaderName>) -> Response<Body> {
+/// `allowed`: the allow-list applied again on the way out, so a record written by anyone with
+/// access to the store carries no header the layer would not have recorded.
+fn fresh_with(
+    stored: &StoredResponse,
+    marker: Option<&HeaderName>,
+    allowed: Option<&[HeaderName]>,
+) -> Response<Body> {
     let mut response = Response::new(Body::from(stored.body.clone()));
     *response.status_mut() =
         StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -71,6 +81,7 @@ fn fresh_with(stored: &StoredResponse, marker: Option<&HeaderName>) -> Response<
     for (name, value) in &stored.headers {
         if !DENIED_HEADERS.contains(&name.as_str())
             && Some(name) != marker
+            && allowed.is_none_or(|allowed| allowed.contains(name))
             && headers.try_append(name.clone(), value.clone()).is_err()
         {
             tracing::warn!("a stored response holds more headers than a response can carry");
@@ -116,7 +127,11 @@ mod tests {
             .collect();
         assert_eq!(links, [b"<a>", b"<b>", b"<c>"]);
 
-        let response = replay(&stored, &HeaderName::from_static(IDEMPOTENT_REPLAYED));
+        let response = replay(
+            &stored,
+            &HeaderName::from_static(IDEMPOTENT_REPLAYED),
+            &allowed,
+        );
         assert_eq!(response.status(), StatusCode::CREATED);
         let replayed: Vec<_> = response.headers().get_all(header::LINK).iter().collect();
         assert_eq!(replayed, ["<a>", "<b>", "<c>"]);
@@ -137,10 +152,45 @@ mod tests {
             body_omitted: false,
             expires_in: None,
         };
-        let response = replay(&stored, &HeaderName::from_static(IDEMPOTENT_REPLAYED));
+        let response = replay(
+            &stored,
+            &HeaderName::from_static(IDEMPOTENT_REPLAYED),
+            &[header::ETAG],
+        );
         assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
         assert_eq!(response.headers().len(), 2); // etag and idempotent-replayed
         assert_eq!(response.headers()["etag"], "\"1\"");
+    }
+
+    #[test]
+    fn a_replay_carries_only_headers_on_the_allow_list_whatever_the_record_holds() {
+        // A record written by someone with access to the store, not by the layer.
+        let stored = StoredResponse {
+            outcome: Finished::Completed,
+            status: 200,
+            headers: vec![
+                (header::CONTENT_TYPE, HeaderValue::from_static("text/plain")),
+                (
+                    header::REFRESH,
+                    HeaderValue::from_static("0; url=https://evil.example"),
+                ),
+                (header::UPGRADE, HeaderValue::from_static("h2c")),
+            ],
+            body: Bytes::new(),
+            body_omitted: false,
+            expires_in: None,
+        };
+        let marker = HeaderName::from_static(IDEMPOTENT_REPLAYED);
+        let response = replay(&stored, &marker, &[header::CONTENT_TYPE, header::UPGRADE]);
+        assert_eq!(response.headers()[header::CONTENT_TYPE], "text/plain");
+        assert!(
+            response.headers().get(header::REFRESH).is_none(),
+            "not on the allow-list"
+        );
+        assert!(
+            response.headers().get(header::UPGRADE).is_none(),
+            "hop-by-hop: never"
+        );
     }
 
     #[test]
@@ -155,7 +205,11 @@ mod tests {
             body_omitted: false,
             expires_in: None,
         };
-        let response = replay(&stored, &HeaderName::from_static(IDEMPOTENT_REPLAYED));
+        let response = replay(
+            &stored,
+            &HeaderName::from_static(IDEMPOTENT_REPLAYED),
+            &[header::LINK],
+        );
         assert_eq!(response.status(), StatusCode::OK);
         assert!(response.headers().len() > 1000);
     }
@@ -172,7 +226,7 @@ mod tests {
                 headers.append(names[*n].clone(), HeaderValue::from_str(value).expect("value"));
             }
             let stored = capture(Finished::Completed, StatusCode::OK, &headers, &allowed, Some(Bytes::new()));
-            let response = replay(&stored, &HeaderName::from_static(IDEMPOTENT_REPLAYED));
+            let response = replay(&stored, &HeaderName::from_static(IDEMPOTENT_REPLAYED), &allowed);
             for (n, name) in names.iter().enumerate() {
                 let expected: Vec<&str> = if n < 2 {
                     sent.iter().filter(|(i, _)| *i == n).map(|(_, v)| v.as_str()).collect()

@@ -740,3 +740,78 @@ async fn derived_keys_differ_across_deployment_secrets_and_generations() {
         "a key reused after retention is a new operation"
     );
 }
+
+/// Hardening of the settings: a minimum key length (for the shared anonymous scope), bounds on
+/// `body_limit` and retention.
+#[tokio::test]
+async fn short_keys_can_be_refused_and_settings_are_bounded() {
+    let layer = IdempotencyLayer::builder(MemoryStore::new())
+        .allow_anonymous(true)
+        .min_key_length(16)
+        .build()
+        .expect("layer");
+    let (router, counters) = app(layer);
+    let short = send(&router, post("/pay").key("order-1")).await;
+    assert_eq!(short.status, StatusCode::BAD_REQUEST);
+    assert_eq!(short.problem(), "invalid_idempotency_key");
+    let long = send(&router, post("/pay").key("5f0c2a0e-8f5e-4c1b-9d3a")).await;
+    assert_eq!(long.status, StatusCode::CREATED);
+    assert_eq!(counters.started(), 1);
+    let refused = |b: axum_idempotency::IdempotencyLayerBuilder<MemoryStore>| {
+        b.build().err().expect("refused").to_string()
+    };
+    assert!(
+        refused(IdempotencyLayer::builder(MemoryStore::new()).body_limit(65 * 1024 * 1024))
+            .contains("64 MiB")
+    );
+    assert!(
+        refused(IdempotencyLayer::builder(MemoryStore::new()).retention(Duration::from_millis(5)))
+            .contains("100 ms")
+    );
+    assert!(
+        refused(IdempotencyLayer::builder(MemoryStore::new()).min_key_length(0))
+            .contains("min_key_length")
+    );
+}
+
+/// Subjects and endpoints are not logged as they are (personal data, forged log lines): the span
+/// carries their hashes, unless the application opts in.
+#[tokio::test]
+async fn subjects_and_endpoints_are_logged_as_hashes_by_default() {
+    use std::sync::{Arc, Mutex};
+    #[derive(Clone, Default)]
+    struct Buffer(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Buffer {
+        fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().expect("buffer").extend_from_slice(data);
+            Ok(data.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let logs = |raw: bool| async move {
+        let buffer = Buffer::default();
+        let writer = buffer.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let layer = IdempotencyLayer::builder(MemoryStore::new())
+            .log_scope(raw)
+            .build()
+            .expect("layer");
+        let (router, _) = app(layer);
+        send(&router, post("/pay").key("k").user("alice@example.com")).await;
+        let text = String::from_utf8(buffer.0.lock().expect("buffer").clone()).expect("utf-8");
+        text
+    };
+    let hashed = logs(false).await;
+    assert!(hashed.contains("subject_hash="), "{hashed}");
+    assert!(!hashed.contains("alice@example.com"), "{hashed}");
+    assert!(!hashed.contains("/pay"), "{hashed}");
+    let raw = logs(true).await;
+    assert!(raw.contains("alice@example.com"), "{raw}");
+}

@@ -82,11 +82,14 @@ impl EncryptionKeys {
         keys: impl IntoIterator<Item = (KeyId, [u8; 32])>,
     ) -> Result<Self, EncryptionKeysError> {
         let mut out: Vec<(KeyId, Aes256Gcm)> = Vec::new();
-        for (id, material) in keys {
+        for (id, mut material) in keys {
             if out.iter().any(|(known, _)| *known == id) {
+                zeroize::Zeroize::zeroize(&mut material);
                 return Err(EncryptionKeysError::DuplicateId(id));
             }
             out.push((id, Aes256Gcm::new(&material.into())));
+            // The cipher holds its own (zeroized on drop) key schedule; this copy goes now.
+            zeroize::Zeroize::zeroize(&mut material);
         }
         if out.is_empty() {
             return Err(EncryptionKeysError::Empty);
@@ -95,10 +98,10 @@ impl EncryptionKeys {
     }
 
     /// One key, which seals and opens every record.
-    pub fn single(id: KeyId, key: [u8; 32]) -> Self {
-        EncryptionKeys {
-            keys: vec![(id, Aes256Gcm::new(&key.into()))],
-        }
+    pub fn single(id: KeyId, mut key: [u8; 32]) -> Self {
+        let keys = vec![(id, Aes256Gcm::new(&key.into()))];
+        zeroize::Zeroize::zeroize(&mut key);
+        EncryptionKeys { keys }
     }
 
     /// The id of the key that seals new records.
