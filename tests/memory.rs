@@ -805,8 +805,7 @@ async fn subjects_and_endpoints_are_logged_as_hashes_by_default() {
             .expect("layer");
         let (router, _) = app(layer);
         send(&router, post("/pay").key("k").user("alice@example.com")).await;
-        let text = String::from_utf8(buffer.0.lock().expect("buffer").clone()).expect("utf-8");
-        text
+        String::from_utf8(buffer.0.lock().expect("buffer").clone()).expect("utf-8")
     };
     let hashed = logs(false).await;
     assert!(hashed.contains("subject_hash="), "{hashed}");
