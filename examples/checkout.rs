@@ -11,11 +11,11 @@
 //! latency, default 0), `CHECKOUT_HOLD_MS` (a pause after the charge is written, before the answer,
 //! to watch a crash at that point; default 0), `CHECKOUT_TRANSACTIONAL` (on Postgres, write the
 //! charge in the layer's transaction so it commits with its record; default 1, 0 to write it on its
-//! own as a handler without `IdempotentTx` would).
+//! own as a handler without `IdempotencyTx` would).
 //!
 //! `REDIS_URL` (feature `redis`) puts the idempotency records in that Redis, whatever
 //! `DATABASE_URL` says; the charges stay in Postgres when `DATABASE_URL` is set, in memory
-//! otherwise. Redis has no transaction to share with a handler: `IdempotentTx` is `None` there,
+//! otherwise. Redis has no transaction to share with a handler: `IdempotencyTx` is `None` there,
 //! and the charge is written on its own.
 //!
 //! The simulated payment provider deduplicates by the `Idempotency-Key` it is given, as real ones
@@ -44,7 +44,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use axum_idempotency::{
-    Drain, IdempotencyContext, IdempotencyLayer, IdempotencyStore, IdempotentTx, MemoryStore,
+    Drain, IdempotencyContext, IdempotencyLayer, IdempotencyStore, IdempotencyTx, MemoryStore,
     PostgresStore, Subject,
 };
 use serde_json::{Value, json};
@@ -295,7 +295,7 @@ pub fn app<S: IdempotencyStore>(
         .in_progress_ttl(settings.in_progress_ttl)
         .drain(drain())
         .build()?;
-    // On Postgres the charge is written in the layer's transaction (`IdempotentTx`), so it commits
+    // On Postgres the charge is written in the layer's transaction (`IdempotencyTx`), so it commits
     // with its record; `CHECKOUT_TRANSACTIONAL=0` writes it on its own instead, to compare.
     // The layer wraps each handler (`handler.layer(..)`), not the route: a method the route does not
     // serve (`PATCH /checkout`) gets the router's own 405, untouched and never recorded.
@@ -378,13 +378,13 @@ async fn demo_auth(mut request: Request, next: Next) -> Response {
     }
 }
 
-/// `POST /checkout`. `IdempotentTx` is `None` on the memory and Redis stores, where there is no
+/// `POST /checkout`. `IdempotencyTx` is `None` on the memory and Redis stores, where there is no
 /// transaction.
 async fn checkout(
     State(state): State<AppState>,
     Extension(subject): Extension<Subject>,
     context: IdempotencyContext,
-    tx: Option<IdempotentTx>,
+    tx: Option<IdempotencyTx>,
     body: axum::body::Bytes,
 ) -> Response {
     pay(&state, &subject.0, "charge", &context, tx, &body).await
@@ -394,7 +394,7 @@ async fn refund(
     State(state): State<AppState>,
     Extension(subject): Extension<Subject>,
     context: IdempotencyContext,
-    tx: Option<IdempotentTx>,
+    tx: Option<IdempotencyTx>,
     body: axum::body::Bytes,
 ) -> Response {
     pay(&state, &subject.0, "refund", &context, tx, &body).await
@@ -426,7 +426,7 @@ async fn pay(
     subject: &str,
     kind: &str,
     context: &IdempotencyContext,
-    mut tx: Option<IdempotentTx>,
+    mut tx: Option<IdempotencyTx>,
     body: &[u8],
 ) -> Response {
     let request: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
@@ -543,7 +543,7 @@ pub async fn router_from_env(settings: Settings) -> Result<Router, Box<dyn Error
 }
 
 /// Idempotency records in the Redis at `url`; charges in Postgres (`DATABASE_URL`) or memory. The
-/// layer has no transaction to give on Redis: `Option<IdempotentTx>` is `None`, and the charge is
+/// layer has no transaction to give on Redis: `Option<IdempotencyTx>` is `None`, and the charge is
 /// written on its own, as with `CHECKOUT_TRANSACTIONAL=0` on Postgres.
 #[cfg(feature = "redis")]
 async fn redis_router(url: &str, settings: Settings) -> Result<Router, Box<dyn Error>> {

@@ -357,7 +357,7 @@ where
                 }
                 Some((_, crate::store::Left::Kept)) => {
                     tracing::error!(
-                        "the handler kept its IdempotentTx beyond its answer; it cannot be \
+                        "the handler kept its IdempotencyTx beyond its answer; it cannot be \
                          committed with the record, so the record is released"
                     );
                     lease.release("the handler kept its transaction").await;

@@ -384,7 +384,7 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
     /// has ended. A handler (or a streamed body) still running then is cancelled. Its effect may
     /// have happened, so the record becomes a definitive `504 idempotency_handler_timeout` that
     /// replays, and the handler never runs again for that key; on the transactional path
-    /// (`IdempotentTx`) nothing was committed, so the transaction is rolled back and the key
+    /// (`IdempotencyTx`) nothing was committed, so the transaction is rolled back and the key
     /// released instead. From the in-progress TTL to [`MAX_DURATION`]. Default:
     /// [`DEFAULT_MAX_HOLD`] (10 minutes), or the in-progress TTL when that is longer. A streamed body
     /// still running then is cut, and the response recorded without its body (its client saw the

@@ -32,6 +32,53 @@
 //! # }
 //! ```
 //!
+//! A complete setup on Postgres: two pools, the migration, a cache of finished records, purging,
+//! a handler whose effects commit with their record, and the drain to wait for at shutdown.
+//!
+//! ```no_run
+//! # #[cfg(feature = "postgres")]
+//! # async fn setup(url: &str) -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::Duration;
+//! use axum::{Json, Router, handler::Handler, http::StatusCode, routing::post};
+//! use axum_idempotency::sqlx::{self, postgres::PgPoolOptions};
+//! use axum_idempotency::store::{CachedStore, spawn_purge};
+//! use axum_idempotency::{IdempotencyContext, IdempotencyLayer, IdempotencyTx, PostgresStore};
+//! use serde_json::Value;
+//!
+//! // Two pools: claims, heartbeats and completions never wait behind handlers' transactions.
+//! let records = PgPoolOptions::new().max_connections(10).connect(url).await?;
+//! let transactions = PgPoolOptions::new().max_connections(20).connect(url).await?;
+//! let postgres = PostgresStore::new(records).with_transaction_pool(transactions);
+//! postgres.migrate().await?; // on the store itself, before wrapping it
+//! spawn_purge(postgres.clone(), Duration::from_secs(3600));
+//! // Replays and duplicates at this instance without a round trip; clones share the cache.
+//! let store = CachedStore::new(postgres);
+//! let idempotency = IdempotencyLayer::builder(store).require_key(true).build()?;
+//! let drain = idempotency.drain();
+//!
+//! async fn checkout(
+//!     ctx: IdempotencyContext,
+//!     mut tx: IdempotencyTx,
+//!     Json(order): Json<Value>,
+//! ) -> Result<(StatusCode, Json<Value>), StatusCode> {
+//!     // An outside provider gets ctx.derived_key() as its own idempotency key.
+//!     let _provider_key = ctx.derived_key();
+//!     // Effects in the layer's transaction: committed with the record of this answer, or not.
+//!     sqlx::query("INSERT INTO charges (amount) VALUES ($1)")
+//!         .bind(order["amount"].as_i64())
+//!         .execute(&mut *tx)
+//!         .await
+//!         .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+//!     Ok((StatusCode::CREATED, Json(order)))
+//! }
+//!
+//! let app: Router = Router::new().route("/checkout", post(checkout.layer(idempotency)));
+//! // Add your auth layer (it inserts `Subject`), serve with a graceful shutdown, then:
+//! drain.wait(Duration::from_secs(30)).await;
+//! # let _ = app;
+//! # Ok(()) }
+//! ```
+//!
 //! Settings are changed through [`IdempotencyLayer::builder`]:
 //!
 //! ```
@@ -56,7 +103,7 @@
 //! and duplicates arriving at the same instance, without a round trip. What counts as the same
 //! request can be narrowed ([`IdempotencyLayerBuilder::fingerprint_ignore`]). While a request holds
 //! its claim, the layer renews it
-//! (a heartbeat), so only a claim whose holder died is retaken. On a `PostgresStore`, a handler that takes `IdempotentTx` writes
+//! (a heartbeat), so only a claim whose holder died is retaken. On a `PostgresStore`, a handler that takes `IdempotencyTx` writes
 //! its effects in the same transaction as the record of its answer: they commit together or not at
 //! all. Every claimed request carries an [`IdempotencyContext`], whose derived key is meant for
 //! downstream providers. With the feature `encryption`, `EncryptedStore` wraps any store and
@@ -119,5 +166,25 @@ pub use store::{CachedStore, IdempotencyStore, MemoryStore, StoreError};
 #[cfg(feature = "encryption")]
 pub use store::{EncryptedStore, EncryptionKeys, EncryptionKeysError, KeyId};
 #[cfg(feature = "postgres")]
-pub use store::{IdempotentTx, PostgresStore, PostgresStoreError};
+pub use store::{IdempotencyTx, PostgresStore, PostgresStoreError};
+
+/// The former name of [`IdempotencyTx`], kept for one release.
+#[cfg(feature = "postgres")]
+#[deprecated(
+    since = "0.2.0",
+    note = "renamed IdempotencyTx: every type of the crate is Idempotency…"
+)]
+pub type IdempotentTx = IdempotencyTx;
+
+/// The sqlx the Postgres store is built on: build your `PgPool` with it (or with sqlx of the same
+/// major version).
+#[cfg(feature = "postgres")]
+#[doc(no_inline)]
+pub use sqlx;
+
+/// The redis crate the Redis store is built on: build your `redis::Client` with it (or with redis
+/// of the same major version).
+#[cfg(feature = "redis")]
+#[doc(no_inline)]
+pub use redis;
 pub use subject::{Subject, SubjectExtension, SubjectExtractor};

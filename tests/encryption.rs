@@ -95,7 +95,7 @@ async fn pay(State(world): State<World>, body: Bytes) -> Response {
 #[cfg(feature = "postgres")]
 async fn pay_in_transaction(
     State(world): State<World>,
-    mut tx: axum_idempotency::IdempotentTx,
+    mut tx: axum_idempotency::IdempotencyTx,
     headers: axum::http::HeaderMap,
     body: Bytes,
 ) -> Response {

@@ -279,7 +279,7 @@ async fn outage_spanning_the_original_ttl_still_records_once() {
 async fn a_transaction_frozen_before_its_commit_blocks_its_key_for_about_a_ttl_only() {
     use axum::extract::State;
     use axum::routing::post as route_post;
-    use axum_idempotency::{IdempotentTx, Subject};
+    use axum_idempotency::{IdempotencyTx, Subject};
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -331,7 +331,7 @@ async fn a_transaction_frozen_before_its_commit_blocks_its_key_for_about_a_ttl_o
         .build()
         .expect("layer");
     let runs = Arc::new(AtomicUsize::new(0));
-    async fn handler(State(runs): State<Arc<AtomicUsize>>, mut tx: IdempotentTx) -> StatusCode {
+    async fn handler(State(runs): State<Arc<AtomicUsize>>, mut tx: IdempotencyTx) -> StatusCode {
         runs.fetch_add(1, Ordering::SeqCst);
         sqlx::query("SELECT 1")
             .execute(&mut *tx)

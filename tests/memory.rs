@@ -814,3 +814,49 @@ async fn subjects_and_endpoints_are_logged_as_hashes_by_default() {
     let raw = logs(true).await;
     assert!(raw.contains("alice@example.com"), "{raw}");
 }
+
+/// Two routes with layers of different settings, each attached to its handler: each route keeps
+/// its own (with `Router::route_layer` the first route would get both layers).
+#[tokio::test]
+async fn two_routes_keep_their_own_layers_settings() {
+    use axum::handler::Handler;
+    use axum::routing::post as route_post;
+    let store = MemoryStore::new();
+    let strict = IdempotencyLayer::new(store.clone());
+    let lenient = IdempotencyLayer::builder(store)
+        .fingerprint_ignore(["/ts"])
+        .build()
+        .expect("layer");
+    async fn ok() -> &'static str {
+        "done"
+    }
+    let router = axum::Router::new()
+        .route("/payments", route_post(ok.layer(strict)))
+        .route("/refunds", route_post(ok.layer(lenient)))
+        .layer(axum::middleware::from_fn(
+            |mut request: axum::extract::Request, next: axum::middleware::Next| async move {
+                request
+                    .extensions_mut()
+                    .insert(axum_idempotency::Subject("alice".into()));
+                next.run(request).await
+            },
+        ));
+    let first = |path: &str| post(path).key("k").json(r#"{"a":1,"ts":1}"#);
+    let later = |path: &str| post(path).key("k").json(r#"{"a":1,"ts":2}"#);
+    assert_eq!(
+        send(&router, first("/payments")).await.status,
+        StatusCode::OK
+    );
+    let strict_retry = send(&router, later("/payments")).await;
+    assert_eq!(
+        strict_retry.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{strict_retry:?}"
+    );
+    assert_eq!(
+        send(&router, first("/refunds")).await.status,
+        StatusCode::OK
+    );
+    let lenient_retry = send(&router, later("/refunds")).await;
+    assert!(lenient_retry.replayed(), "{lenient_retry:?}");
+}

@@ -1,5 +1,5 @@
 //! Transactional completion on a real PostgreSQL: a handler's effects, written through
-//! `IdempotentTx`, commit together with the record of its answer, or not at all.
+//! `IdempotencyTx`, commit together with the record of its answer, or not at all.
 #![cfg(feature = "postgres")]
 
 mod common;
@@ -16,7 +16,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum_idempotency::{
-    IdempotencyContext, IdempotencyLayer, IdempotentTx, MemoryStore, Outcome, OutcomeCounters,
+    IdempotencyContext, IdempotencyLayer, IdempotencyTx, MemoryStore, Outcome, OutcomeCounters,
     PostgresStore, Subject,
 };
 use http_body_util::BodyExt;
@@ -46,7 +46,7 @@ struct World {
 async fn charge(
     State(world): State<World>,
     ctx: IdempotencyContext,
-    mut tx: IdempotentTx,
+    mut tx: IdempotencyTx,
     headers: HeaderMap,
 ) -> Response {
     let run = world.runs.fetch_add(1, Ordering::SeqCst);

@@ -50,6 +50,11 @@ const ENTRY_OVERHEAD: usize = 160;
 ///   answered `409` at once. Only the store ever grants a claim, so this cannot make a handler run
 ///   twice; a burst of duplicates costs the store one claim.
 ///
+/// **Clones share** the cache and the in-process claims: clone it into every layer of the process
+/// (two `CachedStore::new` over one store are two caches, each answering only what it saw).
+/// Migrate the store it wraps before wrapping it (`PostgresStore::migrate`): the cache has no
+/// migration of its own.
+///
 /// ```no_run
 /// # #[cfg(feature = "postgres")]
 /// # async fn demo(pool: sqlx::PgPool) {

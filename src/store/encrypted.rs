@@ -191,7 +191,7 @@ impl std::error::Error for EncryptionKeysError {}
 /// table (or key prefix), or accept `503` for those keys until they expire.
 ///
 /// **Transactions** (feature `postgres`). `IdempotencyStore::postgres` is forwarded, so handlers
-/// keep their `IdempotentTx` over an encrypted Postgres store: the record written in the handler's
+/// keep their `IdempotencyTx` over an encrypted Postgres store: the record written in the handler's
 /// transaction is sealed the same way (`IdempotencyStore::prepare_response`).
 #[derive(Clone)]
 pub struct EncryptedStore<S> {

@@ -19,7 +19,7 @@ pub use memory::{DEFAULT_MEMORY_CAPACITY, MemoryStore};
 mod postgres;
 #[cfg(feature = "postgres")]
 pub use postgres::{
-    DEFAULT_OPERATION_TIMEOUT, IdempotentTx, MIN_MIGRATE_TIMEOUT, MIN_OPERATION_TIMEOUT,
+    DEFAULT_OPERATION_TIMEOUT, IdempotencyTx, MIN_MIGRATE_TIMEOUT, MIN_OPERATION_TIMEOUT,
     PostgresStore, PostgresStoreError,
 };
 #[cfg(feature = "postgres")]
@@ -186,7 +186,7 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     }
 
     /// Tells the store that `lease` no longer holds the record for a reason it did not see: the
-    /// record was completed in the handler's transaction (`IdempotentTx`), released by a statement
+    /// record was completed in the handler's transaction (`IdempotencyTx`), released by a statement
     /// of the Postgres store's own, or found lost. Nothing to do for a store that keeps nothing about
     /// its claims in this process; [`CachedStore`] forgets its hold on the key. A store that wraps
     /// another must forward it (as it forwards `postgres()`): otherwise a `CachedStore` inside it
@@ -197,14 +197,14 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     }
 
     /// The Postgres store behind this one, if any, whose transactions handlers can take as
-    /// [`IdempotentTx`]. A store that wraps a `PostgresStore` forwards it.
+    /// [`IdempotencyTx`]. A store that wraps a `PostgresStore` forwards it.
     #[cfg(feature = "postgres")]
     fn postgres(&self) -> Option<&PostgresStore> {
         None
     }
 
     /// The response as this store would write it, for a record that the layer completes itself in
-    /// a handler's transaction ([`IdempotentTx`]) through the store that
+    /// a handler's transaction ([`IdempotencyTx`]) through the store that
     /// [`postgres`](Self::postgres) answers, rather than through [`complete`](Self::complete).
     /// The identity by default.
     ///

@@ -12,7 +12,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
 
 mod tx;
-pub use tx::IdempotentTx;
+pub use tx::IdempotencyTx;
 pub(crate) use tx::{Left, TxSlot, record_in, rollback};
 
 use super::{IdempotencyStore, StoreError};
@@ -337,7 +337,7 @@ impl PostgresStore {
         ))
     }
 
-    /// Takes the handlers' transactions ([`IdempotentTx`]) from `pool` rather than from the store's
+    /// Takes the handlers' transactions ([`IdempotencyTx`]) from `pool` rather than from the store's
     /// own pool, so that transactions held while handlers run can never use up the connections that
     /// claims, heartbeats and completions need (with one pool, as many slow transactional requests
     /// as the pool has connections stop every other request of the instance, and the heartbeats of
@@ -362,6 +362,10 @@ impl PostgresStore {
     /// the application's (no `_sqlx_migrations` rows). It fails, rather than waiting forever, after
     /// the operation timeout or [`MIN_MIGRATE_TIMEOUT`], whichever is longer; and it fails with a
     /// clear error when the table exists in a shape this version cannot use.
+    ///
+    /// Call it on the `PostgresStore` itself, before wrapping it in a `CachedStore` or an
+    /// `EncryptedStore` (they have no `migrate()`), and before this version serves claims: a
+    /// table without the generation column (migrations/0003) answers every claim `503`.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let sql = MIGRATION
             .replace("idempotency_records_expires_at_idx", "\u{0}")

@@ -1,7 +1,7 @@
 //! Transactional completion: a handler's effects and its record commit together.
 //!
 //! The claim stays in its own committed statement. A handler behind a [`PostgresStore`] layer that
-//! takes an [`IdempotentTx`] writes its effects through that transaction; once it has answered, the
+//! takes an [`IdempotencyTx`] writes its effects through that transaction; once it has answered, the
 //! layer writes the record's completion in the same transaction (conditional on the lease) and
 //! commits, and only then does the client see the response. So the effect and the record that says
 //! it happened commit together or not at all.
@@ -28,14 +28,23 @@ use crate::store::IdempotencyStore;
 /// The transaction of an idempotent request on a [`PostgresStore`]: write the handler's effects
 /// through it, and the layer commits them together with the record of the response.
 ///
-/// ```ignore
-/// async fn checkout(mut tx: IdempotentTx, Json(order): Json<Order>) -> impl IntoResponse {
-///     sqlx::query("INSERT INTO charges (amount) VALUES ($1)")
-///         .bind(order.amount)
-///         .execute(&mut *tx)
-///         .await?;
-///     (StatusCode::CREATED, Json(receipt))
+/// ```
+/// use axum::{Json, http::StatusCode};
+/// use axum_idempotency::{IdempotencyTx, sqlx};
+/// use serde_json::{Value, json};
+///
+/// async fn checkout(
+///     mut tx: IdempotencyTx,
+///     Json(order): Json<Value>,
+/// ) -> Result<(StatusCode, Json<Value>), StatusCode> {
+///     let (id,): (i64,) = sqlx::query_as("INSERT INTO charges (amount) VALUES ($1) RETURNING id")
+///         .bind(order["amount"].as_i64())
+///         .fetch_one(&mut *tx)
+///         .await
+///         .map_err(|_| StatusCode::SERVICE_UNAVAILABLE)?;
+///     Ok((StatusCode::CREATED, Json(json!({ "id": id }))))
 /// }
+/// # let _ = checkout;
 /// ```
 ///
 /// - Do not commit it: the layer does, after writing the record in it. It dereferences to the
@@ -51,32 +60,32 @@ use crate::store::IdempotencyStore;
 /// - On a route whose layer is not on a `PostgresStore` (or that the layer did not claim: no key,
 ///   or a failing store with `fail_open`), extracting it answers `500 internal_error` and logs why;
 ///   the handler does not run without its transaction.
-pub struct IdempotentTx {
+pub struct IdempotencyTx {
     tx: Option<Transaction<'static, Postgres>>,
     slot: Arc<TxSlot>,
 }
 
-impl Deref for IdempotentTx {
+impl Deref for IdempotencyTx {
     type Target = PgConnection;
 
     fn deref(&self) -> &PgConnection {
         match &self.tx {
             Some(tx) => tx,
-            None => unreachable!("the transaction is only taken when IdempotentTx is dropped"),
+            None => unreachable!("the transaction is only taken when IdempotencyTx is dropped"),
         }
     }
 }
 
-impl DerefMut for IdempotentTx {
+impl DerefMut for IdempotencyTx {
     fn deref_mut(&mut self) -> &mut PgConnection {
         match &mut self.tx {
             Some(tx) => tx,
-            None => unreachable!("the transaction is only taken when IdempotentTx is dropped"),
+            None => unreachable!("the transaction is only taken when IdempotencyTx is dropped"),
         }
     }
 }
 
-impl Drop for IdempotentTx {
+impl Drop for IdempotencyTx {
     fn drop(&mut self) {
         if let Some(tx) = self.tx.take() {
             *self.slot.lock() = SlotState::Returned(tx);
@@ -84,13 +93,13 @@ impl Drop for IdempotentTx {
     }
 }
 
-impl<S: Send + Sync> FromRequestParts<S> for IdempotentTx {
+impl<S: Send + Sync> FromRequestParts<S> for IdempotencyTx {
     type Rejection = Response;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
         let Some(slot) = parts.extensions.get::<Arc<TxSlot>>().cloned() else {
             tracing::error!(
-                "IdempotentTx needs this route's IdempotencyLayer to be on a PostgresStore and the \
+                "IdempotencyTx needs this route's IdempotencyLayer to be on a PostgresStore and the \
                  request to be claimed (an Idempotency-Key, a working store); the handler was not \
                  run without its transaction"
             );
@@ -104,9 +113,9 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotentTx {
     }
 }
 
-/// `Option<IdempotentTx>`: `None` where the layer offers no transaction (its store is not a
+/// `Option<IdempotencyTx>`: `None` where the layer offers no transaction (its store is not a
 /// `PostgresStore`, or it did not claim the request), for handlers that also run on other stores.
-impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotentTx {
+impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyTx {
     type Rejection = Response;
 
     async fn from_request_parts(
@@ -121,11 +130,11 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotentTx {
 }
 
 /// Begins the transaction in `slot` for the handler.
-async fn take(slot: Arc<TxSlot>) -> Result<IdempotentTx, Response> {
+async fn take(slot: Arc<TxSlot>) -> Result<IdempotencyTx, Response> {
     {
         let mut state = slot.lock();
         if !matches!(*state, SlotState::Unused) {
-            tracing::error!("IdempotentTx was extracted twice for one request");
+            tracing::error!("IdempotencyTx was extracted twice for one request");
             return Err(problem(
                 ErrorKind::InternalError,
                 "the transaction of this request was already taken",
@@ -135,7 +144,7 @@ async fn take(slot: Arc<TxSlot>) -> Result<IdempotentTx, Response> {
         *state = SlotState::Taken;
     }
     match slot.store.begin(slot.idle).await {
-        Ok(tx) => Ok(IdempotentTx { tx: Some(tx), slot }),
+        Ok(tx) => Ok(IdempotencyTx { tx: Some(tx), slot }),
         Err(e) => {
             *slot.lock() = SlotState::Unused;
             tracing::error!(error = %e, "could not begin the handler's transaction");
@@ -208,7 +217,7 @@ impl TxSlot {
 
 /// Records a response whose handler wrote its effects through `tx`: reads the body up to the
 /// recording limit (heartbeat running), writes the completion in `tx`, commits, and only then
-/// returns the response. See [`IdempotentTx`] for what each failure answers.
+/// returns the response. See [`IdempotencyTx`] for what each failure answers.
 pub(crate) async fn record_in<St: IdempotencyStore>(
     config: &Arc<Config>,
     lease: Lease<St>,
