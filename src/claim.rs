@@ -189,7 +189,9 @@ where
                     held_since,
                     generation,
                 };
-                run(config, label, store, inner, request, claim, held).await
+                // Boxed: the handler's part of the state machine is large, and a request future
+                // that carried it inline would be moved whole (replays and 409s included).
+                Box::pin(run(config, label, store, inner, request, claim, held)).await
             }
             Ok(ClaimOutcome::FingerprintMismatch) => {
                 report(&config, &label, Outcome::KeyReuse);

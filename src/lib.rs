@@ -124,6 +124,7 @@ mod config;
 mod context;
 mod drain;
 mod fingerprint;
+mod hmac;
 mod json_pointer;
 pub mod key;
 mod layer;

@@ -168,6 +168,15 @@ mod memory {
 
     store_suite!(async { EncryptedStore::new(MemoryStore::new(), keys(&[1])) });
 
+    /// The whole suite again with keyed fingerprints.
+    mod keyed_fingerprints {
+        use super::*;
+
+        store_suite!(async {
+            EncryptedStore::new(MemoryStore::new(), keys(&[1])).with_fingerprint_secret([9; 32])
+        });
+    }
+
     #[tokio::test]
     async fn replays_what_was_sealed_and_a_missing_key_is_503_even_failing_open() {
         let records = MemoryStore::new();
@@ -242,6 +251,98 @@ mod postgres {
     }
 
     store_suite!(async { EncryptedStore::new(plain_store(34).await.0, keys(&[1])) });
+
+    /// With a fingerprint secret, the table holds no plain SHA-256 of the canonical body (which a
+    /// leaked table would let anyone brute-force for an amount); replays and 422s work as before;
+    /// a record written before the secret was set still replays.
+    #[tokio::test]
+    async fn keyed_fingerprints_hide_the_body_hash_and_older_records_still_replay() {
+        use axum_idempotency::{
+            ClaimOutcome, ClaimRequest, Fingerprint, Finished, Generation, LeaseToken, RecordKey,
+            StoredResponse,
+        };
+        let (plain, _) = plain_store(4).await;
+        let request = |key: &str, body: &[u8]| ClaimRequest {
+            key: RecordKey {
+                key: key.into(),
+                subject: "alice".into(),
+                endpoint: "POST /pay".into(),
+            },
+            fingerprint: Fingerprint::of(None, body),
+            lease: LeaseToken::generate(),
+            generation: Generation::generate(),
+            in_progress_ttl: Duration::from_secs(60),
+            retention: Duration::from_secs(600),
+        };
+        let answer = Arc::new(StoredResponse {
+            outcome: Finished::Completed,
+            status: 201,
+            headers: Vec::new(),
+            body: Bytes::from_static(b"charged"),
+            body_omitted: false,
+            expires_in: None,
+        });
+        let record = |store: &EncryptedStore<PostgresStore>, key: &'static str| {
+            let store = store.clone();
+            let answer = answer.clone();
+            async move {
+                let claim = request(key, br#"{"amount":100}"#);
+                assert!(matches!(
+                    store.claim(&claim).await.expect("claim"),
+                    ClaimOutcome::Claimed { .. }
+                ));
+                assert!(
+                    store
+                        .complete(&claim.key, claim.lease, answer, claim.retention)
+                        .await
+                        .expect("complete")
+                );
+            }
+        };
+        // Written before the secret was set: a plain fingerprint.
+        let before = EncryptedStore::new(plain.clone(), keys(&[1]));
+        record(&before, "old").await;
+        let keyed = EncryptedStore::new(plain.clone(), keys(&[1])).with_fingerprint_secret([7; 32]);
+        record(&keyed, "new").await;
+        let stored_fingerprint = |key: &'static str| {
+            let pool = plain.pool().clone();
+            let table = plain.table().to_owned();
+            async move {
+                let (fp,): (Vec<u8>,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                    "SELECT fingerprint FROM {table} WHERE idempotency_key = $1"
+                )))
+                .bind(key)
+                .fetch_one(&pool)
+                .await
+                .expect("row");
+                fp
+            }
+        };
+        let plain_hash = Fingerprint::of(None, br#"{"amount":100}"#)
+            .as_bytes()
+            .to_vec();
+        assert_eq!(stored_fingerprint("old").await, plain_hash);
+        assert_ne!(
+            stored_fingerprint("new").await,
+            plain_hash,
+            "no plain SHA-256 of the body in the table"
+        );
+        for key in ["new", "old"] {
+            let replay = keyed
+                .claim(&request(key, br#"{"amount":100}"#))
+                .await
+                .expect("claim");
+            assert!(
+                matches!(replay, ClaimOutcome::Finished(_)),
+                "{key}: {replay:?}"
+            );
+            let other = keyed
+                .claim(&request(key, br#"{"amount":999}"#))
+                .await
+                .expect("claim");
+            assert_eq!(other, ClaimOutcome::FingerprintMismatch, "{key}");
+        }
+    }
 
     /// One record as it lies in the table.
     struct RawRow {

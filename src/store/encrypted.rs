@@ -175,8 +175,10 @@ impl std::error::Error for EncryptionKeysError {}
 /// newest key and a random 96-bit nonce; a response recorded without its body still has its headers
 /// sealed. **What stays in clear:** the status and the outcome (completed or failed), whether the
 /// body was omitted, the key id, and everything the inner store keeps to find and fence records:
-/// the scope digest, the idempotency key, the subject, the endpoint, the request fingerprint (a
-/// SHA-256), the lease token and the times. The ciphertext is bound to its record (its scope
+/// the scope digest, the idempotency key, the subject, the endpoint, the request fingerprint, the
+/// lease token and the times. The fingerprint is a plain SHA-256 of the canonical body unless a
+/// fingerprint secret is set ([`with_fingerprint_secret`](Self::with_fingerprint_secret)): without
+/// it, a leaked table lets low-entropy bodies (an amount alone) be recovered by brute force. The ciphertext is bound to its record (its scope
 /// digest) and to its clear fields, so a ciphertext moved to another record, or a record whose
 /// status or outcome was edited, does not open.
 ///
@@ -197,6 +199,17 @@ impl std::error::Error for EncryptionKeysError {}
 pub struct EncryptedStore<S> {
     inner: S,
     keys: Arc<EncryptionKeys>,
+    /// The key of keyed fingerprints, if set.
+    fingerprints: Option<Arc<FingerprintSecret>>,
+}
+
+/// The secret of keyed fingerprints, wiped when dropped.
+struct FingerprintSecret([u8; 32]);
+
+impl Drop for FingerprintSecret {
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.0);
+    }
 }
 
 impl<S: IdempotencyStore> EncryptedStore<S> {
@@ -205,7 +218,37 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
         EncryptedStore {
             inner,
             keys: Arc::new(keys),
+            fingerprints: None,
         }
+    }
+
+    /// Keeps request fingerprints keyed: the inner store gets HMAC-SHA-256 of each fingerprint
+    /// under `secret` instead of the plain SHA-256 of the canonical body, so a leaked table or dump
+    /// cannot be brute-forced for low-entropy bodies (an amount alone). Unlike the encryption keys,
+    /// this secret is **not rotated**: every instance must use the same one for as long as records
+    /// live, or a retry's fingerprint differs from its record's (`422`).
+    ///
+    /// Records written before it was set keep their plain fingerprints and keep working: a claim
+    /// whose keyed fingerprint does not match is asked again with the plain one, so a retry of an
+    /// older record still gets its replay (or `409`); after a retention, no plain fingerprint is
+    /// left.
+    pub fn with_fingerprint_secret(mut self, mut secret: [u8; 32]) -> Self {
+        self.fingerprints = Some(Arc::new(FingerprintSecret(secret)));
+        zeroize::Zeroize::zeroize(&mut secret);
+        self
+    }
+
+    /// The fingerprint the inner store gets for `request`.
+    fn keyed(&self, fingerprint: &crate::Fingerprint) -> Option<crate::Fingerprint> {
+        let secret = self.fingerprints.as_ref()?;
+        let mac = crate::hmac::hmac_sha256(
+            &secret.0,
+            &[
+                b"axum-idempotency keyed fingerprint v1\0",
+                fingerprint.as_bytes(),
+            ],
+        );
+        Some(crate::Fingerprint::of_material(&mac))
     }
 
     /// The store the sealed records are written to.
@@ -389,7 +432,21 @@ fn parse_plaintext(plain: &[u8]) -> Option<(Vec<(HeaderName, HeaderValue)>, usiz
 
 impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        match self.inner.claim(request).await? {
+        let outcome = match self.keyed(&request.fingerprint) {
+            None => self.inner.claim(request).await?,
+            Some(keyed) => {
+                let keyed_request = ClaimRequest {
+                    fingerprint: keyed,
+                    ..request.clone()
+                };
+                match self.inner.claim(&keyed_request).await? {
+                    // A record from before the secret was set has the plain fingerprint.
+                    ClaimOutcome::FingerprintMismatch => self.inner.claim(request).await?,
+                    outcome => outcome,
+                }
+            }
+        };
+        match outcome {
             ClaimOutcome::Finished(stored) => match self.open(&request.key, &stored) {
                 Ok(opened) => Ok(ClaimOutcome::Finished(Arc::new(opened))),
                 Err(unreadable) => Err(unreadable.into_store_error()),
