@@ -210,8 +210,7 @@ mod postgres {
     use sqlx::postgres::{PgPool, PgPoolOptions};
 
     fn database_url() -> String {
-        std::env::var("DATABASE_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+        crate::common::servers::database_url()
     }
 
     async fn pool(connections: u32) -> PgPool {
@@ -671,8 +670,7 @@ mod redis_store {
     use axum_idempotency::RedisStore;
 
     fn client() -> redis::Client {
-        let url =
-            std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned());
+        let url = crate::common::servers::redis_url();
         redis::Client::open(url).expect("REDIS_URL")
     }
 

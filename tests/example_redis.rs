@@ -14,7 +14,7 @@ use common::example::{self, database_url};
 use sqlx::PgPool;
 
 fn redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+    common::servers::redis_url()
 }
 
 /// A name no earlier run used: the example's records live under a fixed prefix in a shared Redis.

@@ -17,8 +17,7 @@ use common::{Answer, Counters, app, eventually, post, send};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+    common::servers::database_url()
 }
 
 struct Setup {

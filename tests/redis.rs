@@ -13,7 +13,7 @@ use axum_idempotency::{IdempotencyLayer, IdempotencyStore, RedisStore};
 use common::{app, post, send};
 
 fn redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+    common::servers::redis_url()
 }
 
 async fn store() -> RedisStore {

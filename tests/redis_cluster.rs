@@ -19,14 +19,7 @@ use redis::aio::MultiplexedConnection;
 use redis::cluster::ClusterClient;
 
 fn cluster_urls() -> Vec<String> {
-    std::env::var("REDIS_CLUSTER_URLS")
-        .unwrap_or_else(|_| {
-            "redis://127.0.0.1:7000,redis://127.0.0.1:7001,redis://127.0.0.1:7002".to_owned()
-        })
-        .split(',')
-        .map(|url| url.trim().to_owned())
-        .filter(|url| !url.is_empty())
-        .collect()
+    common::servers::cluster_urls()
 }
 
 fn client() -> ClusterClient {

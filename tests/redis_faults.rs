@@ -16,7 +16,7 @@ use common::proxy::{Mode, Proxy};
 use common::{Answer, Counters, app, eventually, post, send};
 
 fn redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+    common::servers::redis_url()
 }
 
 struct Setup {

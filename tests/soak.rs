@@ -1,7 +1,8 @@
 //! Soak under faults (RELIABILITY.md): three instances of the checkout example on one PostgreSQL,
 //! clients sending checkouts with duplicates spread across the instances and retrying on 409, 503
 //! and connection errors, while instances are killed (SIGKILL) or stopped gracefully (SIGTERM,
-//! as a deploy does) and restarted at random, and PostgreSQL itself is restarted. At the end, per key: one charge for every key that got a 2xx,
+//! as a deploy does) and restarted at random, and PostgreSQL itself is restarted: a private
+//! PostgreSQL the soak starts for itself (`common::servers`), never a server it did not start. At the end, per key: one charge for every key that got a 2xx,
 //! none charged twice, every replay equal to the first 2xx body.
 //!
 //! Bounded: each mode runs `SOAK_SECS` seconds (default 35), then the clients get 30 s to settle
@@ -143,32 +144,18 @@ async fn settle_key(
     None
 }
 
-/// Restarts the machine's PostgreSQL cluster (as `.ci/run` starts it).
+/// The soak's own PostgreSQL: it restarts it, so it never uses a server it did not start.
+fn database_url() -> String {
+    common::servers::private_postgres().url.clone()
+}
+
+/// Restarts the soak's private PostgreSQL.
 async fn restart_postgres() {
-    let version = std::fs::read_dir("/etc/postgresql")
-        .expect("a Debian PostgreSQL cluster under /etc/postgresql")
-        .filter_map(Result::ok)
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .next()
-        .expect("a cluster version");
-    // The server outlives this test: it must not inherit any file this process holds open (a pipe
-    // to whoever runs the tests would never close), so every descriptor past stderr is closed and
-    // the standard ones are /dev/null.
-    let script = format!(
-        "for fd in $(ls /proc/$$/fd); do if [ \"$fd\" -gt 2 ]; then eval \"exec $fd>&-\"; fi; \
-         done 2>/dev/null; exec pg_ctlcluster --skip-systemctl-redirect {version} main restart"
-    );
-    let status = tokio::process::Command::new("bash")
-        .args(["-c", &script])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
+    tokio::task::spawn_blocking(|| common::servers::private_postgres().restart())
         .await
-        .expect("run pg_ctlcluster");
-    assert!(status.success(), "restarting PostgreSQL failed");
+        .expect("restart task");
     for _ in 0..100 {
-        if PgPool::connect(&example::database_url()).await.is_ok() {
+        if PgPool::connect(&database_url()).await.is_ok() {
             return;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -201,7 +188,7 @@ async fn stop_gracefully(child: &mut tokio::process::Child) {
 }
 
 async fn soak(secs: u64, transactional: bool, chaos: Chaos) -> Report {
-    let admin = PgPool::connect(&example::database_url())
+    let admin = PgPool::connect(&database_url())
         .await
         .expect("PostgreSQL must be running (see .ci/run)");
     let schema = format!(
@@ -223,7 +210,7 @@ async fn soak(secs: u64, transactional: bool, chaos: Chaos) -> Report {
     let mut children = Vec::new();
     let mut list = Vec::new();
     for _ in 0..INSTANCES {
-        let (child, addr) = example::start(&schema, &env).await;
+        let (child, addr) = example::start_on(&database_url(), &schema, &env).await;
         children.push(child);
         list.push(addr);
     }
@@ -315,7 +302,7 @@ async fn soak(secs: u64, transactional: bool, chaos: Chaos) -> Report {
             report.kills += 1;
         }
         tokio::time::sleep(Duration::from_millis(rng.below(500))).await;
-        let (child, addr) = example::start(&schema, &env).await;
+        let (child, addr) = example::start_on(&database_url(), &schema, &env).await;
         children[victim] = child;
         addrs.lock().expect("addrs")[victim] = addr;
     }
@@ -327,7 +314,7 @@ async fn soak(secs: u64, transactional: bool, chaos: Chaos) -> Report {
     }
 
     // The ledger, read directly: charges and provider payments per amount (one amount per key).
-    let url = format!("{}?options[search_path]={schema}", example::database_url());
+    let url = format!("{}?options[search_path]={schema}", database_url());
     let pool = PgPool::connect(&url)
         .await
         .expect("PostgreSQL after the soak");

@@ -25,8 +25,7 @@ use tokio::sync::Semaphore;
 use tower::ServiceExt;
 
 fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+    common::servers::database_url()
 }
 
 /// The handler's world: where it writes its effects, how many times it ran, and a gate a test can

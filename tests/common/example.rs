@@ -16,8 +16,7 @@ use tokio::process::{Child, Command};
 use super::Answer;
 
 pub fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+    super::servers::database_url()
 }
 
 /// Builds the example binary once (with this test binary's features, so the library is not built a
@@ -53,7 +52,12 @@ pub fn binary() -> std::path::PathBuf {
 /// records are in Redis only when `env` sets `REDIS_URL` (one inherited from the environment, as
 /// `.ci/run` exports it for the Redis tests, is not passed on).
 pub async fn start(schema: &str, env: &[(&str, String)]) -> (Child, SocketAddr) {
-    let url = format!("{}?options[search_path]={schema}", database_url());
+    start_on(&database_url(), schema, env).await
+}
+
+/// [`start`] on the PostgreSQL at `database`.
+pub async fn start_on(database: &str, schema: &str, env: &[(&str, String)]) -> (Child, SocketAddr) {
+    let url = format!("{database}?options[search_path]={schema}");
     let mut command = Command::new(binary());
     command
         .env("DATABASE_URL", url)

@@ -5,6 +5,7 @@ pub mod cache;
 #[cfg(feature = "postgres")]
 pub mod example;
 pub mod proxy;
+pub mod servers;
 pub mod suite;
 
 use std::sync::Arc;

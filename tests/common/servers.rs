@@ -1,0 +1,344 @@
+//! The servers the tests talk to: the one an environment variable names (`DATABASE_URL`,
+//! `REDIS_URL`, `REDIS_CLUSTER_URLS`); else the one on its usual local address, if it answers;
+//! else a private one that this test process starts from the server binaries (its own data
+//! directory under the temporary directory, free loopback ports) and that a watchdog stops, and
+//! whose files it removes, as soon as this process ends, however it ends (a panic, an interrupt,
+//! a kill): the watchdog runs in a session of its own and waits for this process to go away.
+//!
+//! A server that cannot be started (its binary is missing) is a test failure that says what to
+//! install, never a test skipped as if it had passed.
+
+#![allow(dead_code)]
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// The PostgreSQL URL of the tests.
+pub fn database_url() -> String {
+    if let Ok(url) = std::env::var("DATABASE_URL") {
+        return url;
+    }
+    static URL: OnceLock<String> = OnceLock::new();
+    URL.get_or_init(|| {
+        if answers("127.0.0.1:5432") {
+            "postgres://postgres@127.0.0.1:5432/test".to_owned()
+        } else {
+            private_postgres().url.clone()
+        }
+    })
+    .clone()
+}
+
+/// The Redis URL of the tests.
+pub fn redis_url() -> String {
+    if let Ok(url) = std::env::var("REDIS_URL") {
+        return url;
+    }
+    static URL: OnceLock<String> = OnceLock::new();
+    URL.get_or_init(|| {
+        if answers("127.0.0.1:6379") {
+            "redis://127.0.0.1:6379".to_owned()
+        } else {
+            private_redis()
+        }
+    })
+    .clone()
+}
+
+/// The initial nodes of the tests' Redis Cluster.
+pub fn cluster_urls() -> Vec<String> {
+    if let Ok(urls) = std::env::var("REDIS_CLUSTER_URLS") {
+        return urls.split(',').map(|u| u.trim().to_owned()).collect();
+    }
+    static URLS: OnceLock<Vec<String>> = OnceLock::new();
+    URLS.get_or_init(|| {
+        let defaults = ["127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002"];
+        if defaults.iter().all(|a| cluster_ok(a)) {
+            defaults.iter().map(|a| format!("redis://{a}")).collect()
+        } else {
+            private_cluster()
+        }
+    })
+    .clone()
+}
+
+/// A PostgreSQL server of this test process's own, for tests that restart it.
+pub struct PrivatePostgres {
+    pub url: String,
+    data: PathBuf,
+}
+
+impl PrivatePostgres {
+    /// Restarts the server (a fast shutdown, then a start on the same port and data).
+    pub fn restart(&self) {
+        let status = as_postgres(&pg_bin("pg_ctl"))
+            .arg("-D")
+            .arg(&self.data)
+            .args(["-w", "-t", "60", "-m", "fast", "restart"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("run pg_ctl restart");
+        assert!(status.success(), "restarting the private PostgreSQL failed");
+    }
+}
+
+/// The process's private PostgreSQL, started on first use.
+pub fn private_postgres() -> &'static PrivatePostgres {
+    static SERVER: OnceLock<PrivatePostgres> = OnceLock::new();
+    SERVER.get_or_init(start_postgres)
+}
+
+fn start_postgres() -> PrivatePostgres {
+    let initdb = pg_bin("initdb");
+    let pg_ctl = pg_bin("pg_ctl");
+    let dir = scratch_dir("pg");
+    let data = dir.join("data");
+    if running_as_root() {
+        // PostgreSQL refuses to run as root: its files belong to the `postgres` user.
+        run(Command::new("chown").args(["postgres:postgres"]).arg(&dir));
+    }
+    run(as_postgres(&initdb).arg("-D").arg(&data).args([
+        "-U",
+        "postgres",
+        "-A",
+        "trust",
+        "-E",
+        "UTF8",
+        "--no-sync",
+    ]));
+    let port = free_port();
+    // The watchdog first, so that nothing outlives this process even if the start fails.
+    watchdog(&format!(
+        "{} -D '{}' -m immediate stop; rm -rf '{}'",
+        as_postgres_prefix(&pg_ctl),
+        data.display(),
+        dir.display()
+    ));
+    let options = format!(
+        "-p {port} -k '{}' -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off \
+         -c full_page_writes=off -c max_connections=300",
+        dir.display()
+    );
+    run(as_postgres(&pg_ctl)
+        .arg("-D")
+        .arg(&data)
+        .arg("-l")
+        .arg(dir.join("log"))
+        .args(["-w", "-t", "60", "-o", &options, "start"]));
+    PrivatePostgres {
+        url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
+        data,
+    }
+}
+
+fn private_redis() -> String {
+    let dir = scratch_dir("redis");
+    let port = free_port();
+    start_redis(&dir, port, &[]);
+    format!("redis://127.0.0.1:{port}")
+}
+
+fn private_cluster() -> Vec<String> {
+    let dir = scratch_dir("cluster");
+    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    for &port in &ports {
+        let conf = dir.join(format!("nodes-{port}.conf"));
+        start_redis(
+            &dir,
+            port,
+            &[
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                &conf.display().to_string(),
+            ],
+        );
+    }
+    let mut create = Command::new(binary(
+        "redis-cli",
+        "redis-tools (Debian: apt-get install redis-tools)",
+    ));
+    create.arg("--cluster").arg("create");
+    for port in &ports {
+        create.arg(format!("127.0.0.1:{port}"));
+    }
+    run(create.args(["--cluster-replicas", "0", "--cluster-yes"]));
+    let started = Instant::now();
+    while !ports.iter().all(|p| cluster_ok(&format!("127.0.0.1:{p}"))) {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the private Redis Cluster did not reach cluster_state:ok within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    ports
+        .iter()
+        .map(|p| format!("redis://127.0.0.1:{p}"))
+        .collect()
+}
+
+/// Starts a redis-server on `port` with files in `dir`, stopped by a watchdog.
+fn start_redis(dir: &Path, port: u16, extra: &[&str]) {
+    let server = binary(
+        "redis-server",
+        "the Redis server (Debian: apt-get install redis-server)",
+    );
+    let pidfile = dir.join(format!("redis-{port}.pid"));
+    watchdog(&format!(
+        "kill $(cat '{}' 2>/dev/null) 2>/dev/null; sleep 0.2; rm -rf '{}'",
+        pidfile.display(),
+        dir.display()
+    ));
+    run(Command::new(server)
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no", "--daemonize", "yes"])
+        .arg("--pidfile")
+        .arg(&pidfile)
+        .arg("--dir")
+        .arg(dir)
+        .arg("--logfile")
+        .arg(dir.join(format!("redis-{port}.log")))
+        .args(extra));
+    let started = Instant::now();
+    while !answers(&format!("127.0.0.1:{port}")) {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the private Redis on port {port} did not start within 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Runs `cleanup` (a shell command) once this process has ended, from a session of its own, so
+/// that neither an interrupt of this process's group nor its death stops it first.
+fn watchdog(cleanup: &str) {
+    let script = format!(
+        "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; {cleanup}",
+        pid = std::process::id()
+    );
+    // `--fork`: setsid returns at once, the watchdog runs on without a parent to wait for it.
+    let status = Command::new(binary("setsid", "setsid (Debian: util-linux)"))
+        .args(["--fork", "sh", "-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("start the watchdog");
+    assert!(status.success(), "the watchdog did not start");
+}
+
+fn answers(addr: &str) -> bool {
+    addr.parse::<SocketAddr>()
+        .ok()
+        .and_then(|a| TcpStream::connect_timeout(&a, Duration::from_millis(300)).ok())
+        .is_some()
+}
+
+fn cluster_ok(addr: &str) -> bool {
+    if !answers(addr) {
+        return false;
+    }
+    let (host, port) = addr.split_once(':').unwrap_or((addr, "6379"));
+    Command::new("redis-cli")
+        .args(["-h", host, "-p", port, "cluster", "info"])
+        .output()
+        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).contains("cluster_state:ok"))
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+fn scratch_dir(what: &str) -> PathBuf {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "axum-idempotency-{what}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
+    dir
+}
+
+fn running_as_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).trim() == "0")
+}
+
+/// `program`, run as the `postgres` user when this process is root.
+fn as_postgres(program: &Path) -> Command {
+    if running_as_root() {
+        let mut command = Command::new("runuser");
+        command.args(["-u", "postgres", "--"]).arg(program);
+        command
+    } else {
+        Command::new(program)
+    }
+}
+
+fn as_postgres_prefix(program: &Path) -> String {
+    if running_as_root() {
+        format!("runuser -u postgres -- '{}'", program.display())
+    } else {
+        format!("'{}'", program.display())
+    }
+}
+
+/// A PostgreSQL server binary: on the PATH, or in Debian's `/usr/lib/postgresql/<version>/bin`.
+fn pg_bin(name: &str) -> PathBuf {
+    if let Some(found) = on_path(name) {
+        return found;
+    }
+    let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("bin").join(name))
+        .filter(|p| p.exists())
+        .collect();
+    versions.sort();
+    versions.pop().unwrap_or_else(|| {
+        panic!(
+            "no PostgreSQL is reachable (set DATABASE_URL, or run one on 127.0.0.1:5432) and the \
+             server binary {name} to start a private one is not installed: install PostgreSQL's \
+             server (Debian: apt-get install postgresql)"
+        )
+    })
+}
+
+fn binary(name: &str, install: &str) -> PathBuf {
+    on_path(name).unwrap_or_else(|| {
+        panic!("{name} is needed to start a private test server and is not installed: install {install}")
+    })
+}
+
+fn on_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join(name))
+            .find(|p| p.is_file())
+    })
+}
+
+fn run(command: &mut Command) {
+    let output = command
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("could not run {command:?}: {e}"));
+    assert!(
+        output.status.success(),
+        "{command:?} failed: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
