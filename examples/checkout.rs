@@ -31,6 +31,9 @@
 //! stops the process between a charge and its record therefore still records it, and the retry
 //! after the restart gets the replay instead of a second charge.
 
+// The example's own types are not a library's: they need no `Debug`.
+#![allow(missing_debug_implementations)]
+
 use std::collections::HashMap;
 use std::error::Error;
 use std::sync::{Arc, Mutex};

@@ -159,6 +159,26 @@ pub(crate) struct Config {
     pub min_key_length: usize,
 }
 
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The settings an operator reads; functions and the secret are left out.
+        f.debug_struct("Config")
+            .field("in_progress_ttl", &self.in_progress_ttl)
+            .field("retention", &self.retention)
+            .field("max_hold", &self.max_hold)
+            .field("max_running", &self.max_running)
+            .field("body_limit", &self.body_limit)
+            .field("response_limit", &self.response_limit)
+            .field("require_key", &self.require_key)
+            .field("methods", &self.methods)
+            .field("stored_headers", &self.stored_headers)
+            .field("allow_anonymous", &self.allow_anonymous)
+            .field("fail_open", &self.fail_open)
+            .field("replay_header", &self.replay_header)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Config {
     /// One of the layer's error answers (see [`ErrorKind`](crate::ErrorKind)).
     pub(crate) fn problem(
@@ -223,6 +243,14 @@ pub struct IdempotencyLayerBuilder<S> {
     ignored_fields: Vec<String>,
     max_hold_set: bool,
     problem_type_base: Option<String>,
+}
+
+impl<S> fmt::Debug for IdempotencyLayerBuilder<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayerBuilder")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {

@@ -18,6 +18,15 @@ pub struct IdempotencyLayer<S> {
     config: Arc<Config>,
 }
 
+impl<S: std::fmt::Debug> std::fmt::Debug for IdempotencyLayer<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("store", &self.store)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
 impl<S: IdempotencyStore> IdempotencyLayer<S> {
     /// A layer with the default settings (see the crate docs' configuration table).
     pub fn new(store: S) -> Self {

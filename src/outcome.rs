@@ -118,7 +118,7 @@ impl Outcome {
 /// assert_eq!(counters.get(Outcome::Replayed), 0);
 /// # let _ = layer;
 /// ```
-#[derive(Clone, Default)]
+#[derive(Clone, Default, Debug)]
 pub struct OutcomeCounters {
     counts: Arc<[AtomicU64; Outcome::ALL.len()]>,
 }

@@ -78,6 +78,32 @@ pub struct IdempotencyService<Inner, S> {
     config: Arc<Config>,
 }
 
+impl<Inner: std::fmt::Debug, S: std::fmt::Debug> std::fmt::Debug for IdempotencyService<Inner, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("inner", &self.inner)
+            .field("store", &self.store)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<Inner, S> IdempotencyService<Inner, S> {
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &Inner {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut Inner {
+        &mut self.inner
+    }
+
+    /// The wrapped service, the layer taken off.
+    pub fn into_inner(self) -> Inner {
+        self.inner
+    }
+}
+
 impl<Inner, S> IdempotencyService<Inner, S> {
     pub(crate) fn new(inner: Inner, store: S, config: Arc<Config>) -> Self {
         IdempotencyService {

@@ -601,8 +601,7 @@ async fn a_ttl_below_twice_the_store_timeout_is_refused() {
     let refused = IdempotencyLayer::builder(store.clone())
         .in_progress_ttl(Duration::from_secs(9))
         .build()
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert!(
         refused.to_string().contains("operation timeout"),
         "{refused}"
@@ -632,8 +631,7 @@ async fn fresh_answers_never_carry_a_replay_marker_and_hop_headers_are_not_store
         let refused = IdempotencyLayer::builder(MemoryStore::new())
             .store_header(hop)
             .build()
-            .err()
-            .expect("refused");
+            .expect_err("refused");
         assert!(
             refused.to_string().contains("never stored"),
             "{hop}: {refused}"
@@ -720,8 +718,7 @@ async fn derived_keys_differ_across_deployment_secrets_and_generations() {
     let short = IdempotencyLayer::builder(MemoryStore::new())
         .derived_key_secret("too short")
         .build()
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert!(short.to_string().contains("16 bytes"), "{short}");
     // Reused after retention: another operation, another provider key.
     let retention = Duration::from_millis(200);
@@ -758,7 +755,7 @@ async fn short_keys_can_be_refused_and_settings_are_bounded() {
     assert_eq!(long.status, StatusCode::CREATED);
     assert_eq!(counters.started(), 1);
     let refused = |b: axum_idempotency::IdempotencyLayerBuilder<MemoryStore>| {
-        b.build().err().expect("refused").to_string()
+        b.build().expect_err("refused").to_string()
     };
     assert!(
         refused(IdempotencyLayer::builder(MemoryStore::new()).body_limit(65 * 1024 * 1024))

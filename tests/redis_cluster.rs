@@ -331,8 +331,6 @@ async fn a_cluster_unreachable_at_start_is_used_once_it_answers() {
 
 #[test]
 fn a_cluster_store_outside_a_runtime_is_refused() {
-    let error = RedisStore::cluster(client())
-        .err()
-        .expect("no runtime to drive the connection");
+    let error = RedisStore::cluster(client()).expect_err("no runtime to drive the connection");
     assert!(error.to_string().contains("Tokio runtime"), "{error}");
 }

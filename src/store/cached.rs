@@ -72,6 +72,15 @@ pub struct CachedStore<S> {
     local: Arc<LocalClaims>,
 }
 
+impl<S: std::fmt::Debug> std::fmt::Debug for CachedStore<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CachedStore")
+            .field("inner", &self.inner)
+            .field("max_age", &self.cache.max_age)
+            .finish_non_exhaustive()
+    }
+}
+
 struct Cache {
     hasher: RandomState,
     shards: [Mutex<Shard>; SHARDS],

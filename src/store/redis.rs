@@ -130,6 +130,14 @@ pub struct RedisStore {
     scripts: Arc<Scripts>,
 }
 
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The connection the scripts run on: one server through a connection manager (re-connects after
 /// failures), or a cluster connection (routes each command by its key, follows `MOVED`/`ASK`,
 /// refreshes the slot map and re-connects nodes). Both are cheap handles to shared connections.

@@ -83,6 +83,16 @@ pub struct PostgresStore {
     lock_timeout: Arc<str>,
 }
 
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("table", &self.sql.table)
+            .field("timeout", &self.timeout)
+            .field("transaction_pool", &self.transactions.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
 /// How long one store operation may take before it counts as failed (`503`), by default.
 pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
 /// The shortest operation timeout [`PostgresStore::with_timeout`] sets: shorter ones are raised to

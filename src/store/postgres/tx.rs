@@ -65,6 +65,12 @@ pub struct IdempotencyTx {
     slot: Arc<TxSlot>,
 }
 
+impl std::fmt::Debug for IdempotencyTx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyTx").finish_non_exhaustive()
+    }
+}
+
 impl Deref for IdempotencyTx {
     type Target = PgConnection;
 
