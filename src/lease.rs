@@ -279,7 +279,7 @@ impl<St: IdempotencyStore> Lease<St> {
         }
     }
 
-    /// Deletes the record so that a retry runs again. When the store fails, the release is retried
+    /// Releases the record (see `IdempotencyStore::release`) so that a retry runs again. When the store fails, the release is retried
     /// in the background for up to the in-progress TTL.
     pub(crate) async fn release(mut self, why: &str) {
         self.done = true;
@@ -398,7 +398,7 @@ const OMIT_BODY_AFTER: u32 = 3;
 /// After a claim that failed in flight (a timeout or a lost connection: the store may still have
 /// committed it, or commit it later when the statement is finally delivered), releases the record
 /// by its token in the background, so that no retry waits a whole in-progress TTL for a claim nobody
-/// holds. Stops once the release deleted it, or after the TTL (the record is retakeable then).
+/// holds. Stops once the release took it, or after the TTL (the record is retakeable then).
 ///
 /// At most [`MAX_ABANDONED`] such clean-ups run at once in a process: during a long outage every
 /// request fails its claim, and beyond that many the records are left to their TTL rather than
@@ -434,7 +434,7 @@ pub(crate) fn abandon<St: IdempotencyStore>(
 /// Clean-ups of failed claims that may run at once in a process.
 const MAX_ABANDONED: usize = 1024;
 
-/// Tries to release `token`'s record until it is deleted, `absent_answers` answers said nothing was
+/// Tries to release `token`'s record until it is released, `absent_answers` answers said nothing was
 /// held by it, or `ttl` has passed (at least one attempt is made).
 async fn keep_releasing<St: IdempotencyStore>(
     store: St,

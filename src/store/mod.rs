@@ -165,8 +165,14 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         lifetime: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
-    /// Deletes a claimed record so that a retry runs again. Returns `false`, changing nothing, when
-    /// `lease` no longer holds the record.
+    /// Releases a claimed record so that a retry runs again: **not deleted**, but kept, held by
+    /// no lease, until its expiry, with its fingerprint and generation. The next claim takes it at
+    /// once: the same request (same fingerprint) keeps the record's generation (the retry of a
+    /// released run is the same operation to a provider, which the released run may have called);
+    /// another request gets its own (a new operation, not a `422`). Lease `0` is no claim's token
+    /// (`LeaseToken::generate` never gives it): stores may use it to mark released records, and
+    /// must never let it complete, renew or release anything. Returns `false`, changing nothing,
+    /// when `lease` no longer holds the record.
     fn release(
         &self,
         key: &RecordKey,

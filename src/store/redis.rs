@@ -63,7 +63,7 @@ return {'retaken', rec[5]}
 /// counts as done. KEYS[1]; ARGV lease, status, response, retention (ms).
 const COMPLETE: &str = r"
 local rec = redis.call('HMGET', KEYS[1], 'lease', 'st')
-if rec[1] ~= ARGV[1] then return 0 end
+if rec[1] ~= ARGV[1] or ARGV[1] == '0' then return 0 end
 if rec[2] ~= 'in_progress' then return 1 end
 redis.call('HSET', KEYS[1], 'st', ARGV[2], 'resp', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
@@ -74,7 +74,7 @@ return 1
 /// lifetime (ms).
 const RENEW: &str = r"
 local rec = redis.call('HMGET', KEYS[1], 'lease', 'st')
-if rec[1] ~= ARGV[1] or rec[2] ~= 'in_progress' then return 0 end
+if rec[1] ~= ARGV[1] or ARGV[1] == '0' or rec[2] ~= 'in_progress' then return 0 end
 local t = redis.call('TIME')
 redis.call('HSET', KEYS[1], 'ts', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -87,7 +87,7 @@ return 1
 /// lease.
 const RELEASE: &str = r"
 local rec = redis.call('HMGET', KEYS[1], 'lease', 'st')
-if rec[1] ~= ARGV[1] or rec[2] ~= 'in_progress' then return 0 end
+if rec[1] ~= ARGV[1] or ARGV[1] == '0' or rec[2] ~= 'in_progress' then return 0 end
 redis.call('HSET', KEYS[1], 'lease', '0', 'ts', 0)
 return 1
 ";

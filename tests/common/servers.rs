@@ -97,6 +97,13 @@ fn start_postgres() -> PrivatePostgres {
     let pg_ctl = pg_bin("pg_ctl");
     let dir = scratch_dir("pg");
     let data = dir.join("data");
+    // The watchdog first, so that nothing outlives this process even if a step below fails.
+    watchdog(&format!(
+        "{} -D '{}' -m immediate stop; rm -rf '{}'",
+        as_postgres_prefix(&pg_ctl),
+        data.display(),
+        dir.display()
+    ));
     if running_as_root() {
         // PostgreSQL refuses to run as root: its files belong to the `postgres` user.
         run(Command::new("chown").args(["postgres:postgres"]).arg(&dir));
@@ -111,13 +118,6 @@ fn start_postgres() -> PrivatePostgres {
         "--no-sync",
     ]));
     let port = free_port();
-    // The watchdog first, so that nothing outlives this process even if the start fails.
-    watchdog(&format!(
-        "{} -D '{}' -m immediate stop; rm -rf '{}'",
-        as_postgres_prefix(&pg_ctl),
-        data.display(),
-        dir.display()
-    ));
     let options = format!(
         "-p {port} -k '{}' -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off \
          -c full_page_writes=off -c max_connections=300",
@@ -138,13 +138,17 @@ fn start_postgres() -> PrivatePostgres {
 fn private_redis() -> String {
     let dir = scratch_dir("redis");
     let port = free_port();
+    redis_watchdog(&dir, &[port]);
     start_redis(&dir, port, &[]);
     format!("redis://127.0.0.1:{port}")
 }
 
 fn private_cluster() -> Vec<String> {
     let dir = scratch_dir("cluster");
-    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    // A cluster node also listens on its port + 10000 (the cluster bus): both must be free, and
+    // the port at most 55535.
+    let ports: Vec<u16> = (0..3).map(|_| free_cluster_port()).collect();
+    redis_watchdog(&dir, &ports);
     for &port in &ports {
         let conf = dir.join(format!("nodes-{port}.conf"));
         start_redis(
@@ -181,18 +185,28 @@ fn private_cluster() -> Vec<String> {
         .collect()
 }
 
-/// Starts a redis-server on `port` with files in `dir`, stopped by a watchdog.
+/// One watchdog for the Redis servers on `ports` with files in `dir`: it stops them all, then
+/// removes the directory.
+fn redis_watchdog(dir: &Path, ports: &[u16]) {
+    let kills: String = ports
+        .iter()
+        .map(|port| {
+            format!(
+                "kill $(cat '{}' 2>/dev/null) 2>/dev/null; ",
+                dir.join(format!("redis-{port}.pid")).display()
+            )
+        })
+        .collect();
+    watchdog(&format!("{kills}sleep 0.5; rm -rf '{}'", dir.display()));
+}
+
+/// Starts a redis-server on `port` with files in `dir` (stopped by the directory's watchdog).
 fn start_redis(dir: &Path, port: u16, extra: &[&str]) {
     let server = binary(
         "redis-server",
         "the Redis server (Debian: apt-get install redis-server)",
     );
     let pidfile = dir.join(format!("redis-{port}.pid"));
-    watchdog(&format!(
-        "kill $(cat '{}' 2>/dev/null) 2>/dev/null; sleep 0.2; rm -rf '{}'",
-        pidfile.display(),
-        dir.display()
-    ));
     run(Command::new(server)
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args(["--save", "", "--appendonly", "no", "--daemonize", "yes"])
@@ -247,6 +261,17 @@ fn cluster_ok(addr: &str) -> bool {
         .args(["-h", host, "-p", port, "cluster", "info"])
         .output()
         .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).contains("cluster_state:ok"))
+}
+
+/// A free port at most 55535 whose port + 10000 is free too.
+fn free_cluster_port() -> u16 {
+    for _ in 0..1000 {
+        let port = free_port();
+        if port <= 55535 && TcpListener::bind(("127.0.0.1", port + 10000)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port pair for a Redis Cluster node");
 }
 
 fn free_port() -> u16 {

@@ -1351,6 +1351,36 @@ pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: Id
             .await
             .expect("renew")
     );
+    // A released record is held by no lease: lease 0 (which marks it in some stores) finishes
+    // and renews nothing.
+    assert!(
+        store
+            .release(&retry.key, retry.lease)
+            .await
+            .expect("release")
+    );
+    let nobody = LeaseToken(0);
+    assert!(
+        !store
+            .complete(
+                &retry.key,
+                nobody,
+                stored("forged"),
+                Duration::from_secs(60)
+            )
+            .await
+            .expect("complete")
+    );
+    assert!(
+        !store
+            .renew(&retry.key, nobody, Duration::from_secs(60))
+            .await
+            .expect("renew")
+    );
+    assert!(!store.release(&retry.key, nobody).await.expect("release"));
+    let again = claim_request("g", ttl);
+    assert_eq!(generation_of(store.claim(&again).await.expect("claim")), g1);
+    let retry = again;
     // Released, then another request with the key: a new operation, not a 422.
     assert!(
         store

@@ -207,7 +207,8 @@ impl Statements {
             // $1 scope, $2 fingerprint, $3 new lease, $4 lifetime (µs), $5 old lease, $6 old status,
             // $7 in-progress TTL (µs), $8 lock timeout, $9 generation (for an expired record, or
             // a released one taken by another request; a retake of the same operation keeps its
-            // own).
+            // own). It answers the generation it left, which is the run's: the row may have been
+            // taken and released again since the claim read it (every released row has lease 0).
             retake: format!(
                 "{LOCK_BOUND_CTE} UPDATE {t} SET fingerprint = $2, status = 'in_progress', lease_token = $3, \
                    generation = CASE WHEN status = 'in_progress' AND expires_at > now() \
@@ -219,15 +220,16 @@ impl Statements {
                    AND (expires_at <= now() \
                         OR (status = 'in_progress' \
                             AND updated_at <= now() - $7::float8 * interval '1 microsecond')) \
-                   AND {LOCK_BOUND}",
+                   AND {LOCK_BOUND} \
+                 RETURNING generation",
                 LOCK_BOUND_CTE = lock_bound_cte(8)
             ),
             // The heartbeat. $1 scope, $2 lease, $3 lifetime (µs), $4 lock timeout.
             renew: format!(
                 "{} UPDATE {t} SET updated_at = now(), \
                    expires_at = now() + $3::float8 * interval '1 microsecond' \
-                 WHERE scope = $1 AND lease_token = $2 AND status = 'in_progress' \
-                   AND {LOCK_BOUND}",
+                 WHERE scope = $1 AND lease_token = $2 AND lease_token <> {RELEASED} \
+                   AND status = 'in_progress' AND {LOCK_BOUND}",
                 lock_bound_cte(4)
             ),
             // Finish the record if the lease holds it in progress; a record this lease already
@@ -240,8 +242,8 @@ impl Statements {
                    UPDATE {t} SET status = $3, response_status = $4, header_names = $5, \
                      header_values = $6, response_body = $7, updated_at = clock_timestamp(), \
                      expires_at = clock_timestamp() + $8::float8 * interval '1 microsecond' \
-                   WHERE scope = $1 AND lease_token = $2 AND status = 'in_progress' \
-                     AND {LOCK_BOUND} \
+                   WHERE scope = $1 AND lease_token = $2 AND lease_token <> {RELEASED} \
+                     AND status = 'in_progress' AND {LOCK_BOUND} \
                    RETURNING 1) \
                  SELECT EXISTS (SELECT 1 FROM done) \
                      OR EXISTS (SELECT 1 FROM {t} WHERE scope = $1 AND lease_token = $2 \
@@ -260,7 +262,8 @@ impl Statements {
             // released run is the same operation to a provider). $3 lock timeout.
             release: format!(
                 "{} UPDATE {t} SET lease_token = {RELEASED}, updated_at = '-infinity' \
-                 WHERE scope = $1 AND lease_token = $2 AND status = 'in_progress' AND {LOCK_BOUND}",
+                 WHERE scope = $1 AND lease_token = $2 AND lease_token <> {RELEASED} \
+                   AND status = 'in_progress' AND {LOCK_BOUND}",
                 lock_bound_cte(3)
             ),
             // $1 lock timeout.
@@ -521,9 +524,9 @@ impl PostgresStore {
         scope: &[u8; 32],
         old_lease: i64,
         old_status: &str,
-    ) -> Result<bool, StoreError> {
-        let done = on_connection!(self, "retake", conn => {
-            sqlx::query(sqlx::AssertSqlSafe(self.sql.retake.as_str()))
+    ) -> Result<Option<Option<Generation>>, StoreError> {
+        let row: Option<(Option<Vec<u8>>,)> = on_connection!(self, "retake", conn => {
+            sqlx::query_as(sqlx::AssertSqlSafe(self.sql.retake.as_str()))
                 .bind(&scope[..])
                 .bind(&request.fingerprint.as_bytes()[..])
                 .bind(request.lease.0)
@@ -533,10 +536,11 @@ impl PostgresStore {
                 .bind(micros(request.in_progress_ttl))
                 .bind(&*self.lock_timeout)
                 .bind(&request.generation.0[..])
-                .execute(&mut *conn)
+                .fetch_optional(&mut *conn)
         })?
         .map_err(db("retake"))?;
-        Ok(done.rows_affected() == 1)
+        // `None`: lost the race; otherwise the record's generation as the retake left it.
+        Ok(row.map(|(g,)| g.and_then(|g| Generation::from_slice(&g))))
     }
 
     /// Reads what a claim statement returned into an outcome, retaking the record when it is stale
@@ -571,32 +575,30 @@ impl PostgresStore {
             // that expired was abandoned by its holder, so taking it is a retake.
             // The key is a new operation: a new generation (as in every store: Redis and a purge
             // delete expired records).
-            return Ok(if self.retake(request, scope, old_lease, &status).await? {
-                ClaimOutcome::Claimed {
-                    lease,
-                    retaken: status == "in_progress" && old_lease != RELEASED,
-                    generation: Some(request.generation),
-                }
-            } else {
-                ClaimOutcome::InProgress
-            });
+            return Ok(
+                match self.retake(request, scope, old_lease, &status).await? {
+                    Some(generation) => ClaimOutcome::Claimed {
+                        lease,
+                        retaken: status == "in_progress" && old_lease != RELEASED,
+                        generation,
+                    },
+                    None => ClaimOutcome::InProgress,
+                },
+            );
         }
         if status == "in_progress" && old_lease == RELEASED {
             // Released for another try: the same request keeps the record's generation (the same
             // operation again); another request is a new operation.
-            return Ok(if self.retake(request, scope, old_lease, &status).await? {
-                ClaimOutcome::Claimed {
-                    lease,
-                    retaken: false,
-                    generation: if same_fp {
-                        generation
-                    } else {
-                        Some(request.generation)
+            return Ok(
+                match self.retake(request, scope, old_lease, &status).await? {
+                    Some(generation) => ClaimOutcome::Claimed {
+                        lease,
+                        retaken: false,
+                        generation,
                     },
-                }
-            } else {
-                ClaimOutcome::InProgress
-            });
+                    None => ClaimOutcome::InProgress,
+                },
+            );
         }
         if !same_fp {
             return Ok(ClaimOutcome::FingerprintMismatch);
@@ -614,15 +616,16 @@ impl PostgresStore {
             }
             _ if !stale => return Ok(ClaimOutcome::InProgress),
             _ => {
-                return Ok(if self.retake(request, scope, old_lease, &status).await? {
-                    ClaimOutcome::Claimed {
-                        lease,
-                        retaken: true,
-                        generation,
-                    }
-                } else {
-                    ClaimOutcome::InProgress
-                });
+                return Ok(
+                    match self.retake(request, scope, old_lease, &status).await? {
+                        Some(generation) => ClaimOutcome::Claimed {
+                            lease,
+                            retaken: true,
+                            generation,
+                        },
+                        None => ClaimOutcome::InProgress,
+                    },
+                );
             }
         };
         // A finished record that cannot be read (a row edited by hand) is never a reason to run
