@@ -230,8 +230,12 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
     ///
     /// Records written before it was set keep their plain fingerprints and keep working: a claim
     /// whose keyed fingerprint does not match is asked again with the plain one, so a retry of an
-    /// older record still gets its replay (or `409`); after a retention, no plain fingerprint is
-    /// left.
+    /// older record still gets its replay (or `409`). Turn it on on every instance at once (an
+    /// instance without it sends plain fingerprints, which a keyed record answers `422`), and
+    /// know that a record released before it was set is taken by its retry as another request
+    /// (a new generation, so a new derived key for that one retry). A plain fingerprint can still
+    /// be written in a race (the record was released between the two claims); after a retention
+    /// without such races, none is left.
     pub fn with_fingerprint_secret(mut self, mut secret: [u8; 32]) -> Self {
         self.fingerprints = Some(Arc::new(FingerprintSecret(secret)));
         zeroize::Zeroize::zeroize(&mut secret);
