@@ -543,3 +543,37 @@ async fn commit_of_unknown_outcome_does_not_leave_the_key_stuck() {
     assert_eq!(s.effects().await, 1, "charged once");
     assert_eq!(s.runs(), 2);
 }
+
+/// A completion written in the handler's transaction dates the record's expiry from the
+/// statement, not from the transaction's start: a handler that held its transaction longer than
+/// the retention still leaves a record that replays (with `now()`, it was born expired and the retry
+/// ran the handler again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_long_transaction_still_records_a_replayable_answer() {
+    let s = Setup::new().await;
+    let layer = IdempotencyLayer::builder(s.store.clone())
+        .in_progress_ttl(Duration::from_secs(30))
+        .retention(Duration::from_secs(1))
+        .build()
+        .expect("layer");
+    let router = Router::new()
+        .route("/charge", post(charge))
+        .route_layer(layer)
+        .layer(middleware::from_fn(auth))
+        .with_state(s.world.clone());
+    let first = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, "long", &["x-hold"]).await }
+    });
+    // The transaction began when the handler took it; it stays open past the retention.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    s.world.gate.add_permits(1);
+    let first = first.await.expect("first");
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = send(&router, "long", &[]).await;
+    assert!(
+        replayed(&retry),
+        "the record outlives its transaction's start"
+    );
+    assert_eq!(s.runs(), 1);
+}
