@@ -33,28 +33,7 @@ async fn setup() -> Setup {
 }
 
 async fn setup_with(in_progress_ttl: Duration, connections: u32) -> Setup {
-    let options = PgConnectOptions::from_str(&database_url()).expect("url");
-    let upstream: SocketAddr = tokio::net::lookup_host((options.get_host(), options.get_port()))
-        .await
-        .expect("resolve")
-        .next()
-        .expect("an address");
-    let admin = sqlx::PgPool::connect(&database_url())
-        .await
-        .expect("PostgreSQL");
-    let schema = format!(
-        "idem_t_{}_{}_faults{}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .expect("clock")
-            .as_secs(),
-        std::process::id(),
-        next()
-    );
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-        .execute(&admin)
-        .await
-        .expect("schema");
+    let (options, upstream, schema) = upstream_and_schema("faults").await;
     let proxy = Proxy::start(upstream).await;
     let through_proxy = options
         .host("127.0.0.1")
@@ -81,6 +60,34 @@ async fn setup_with(in_progress_ttl: Duration, connections: u32) -> Setup {
         counters,
         outcomes,
     }
+}
+
+/// The database's connect options and address, and a schema no other test uses (named as the
+/// other tests name theirs, so stale ones are dropped by them).
+async fn upstream_and_schema(tag: &str) -> (PgConnectOptions, SocketAddr, String) {
+    let options = PgConnectOptions::from_str(&database_url()).expect("url");
+    let upstream: SocketAddr = tokio::net::lookup_host((options.get_host(), options.get_port()))
+        .await
+        .expect("resolve")
+        .next()
+        .expect("an address");
+    let admin = sqlx::PgPool::connect(&database_url())
+        .await
+        .expect("PostgreSQL");
+    let schema = format!(
+        "idem_t_{}_{}_{tag}{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_secs(),
+        std::process::id(),
+        next()
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+        .execute(&admin)
+        .await
+        .expect("schema");
+    (options, upstream, schema)
 }
 
 fn next() -> usize {
@@ -284,28 +291,7 @@ async fn a_transaction_frozen_before_its_commit_blocks_its_key_for_about_a_ttl_o
 
     const CONNECTIONS: u32 = 4;
     let ttl = Duration::from_secs(2);
-    let options = PgConnectOptions::from_str(&database_url()).expect("url");
-    let upstream: SocketAddr = tokio::net::lookup_host((options.get_host(), options.get_port()))
-        .await
-        .expect("resolve")
-        .next()
-        .expect("an address");
-    let admin = sqlx::PgPool::connect(&database_url())
-        .await
-        .expect("PostgreSQL");
-    let schema = format!(
-        "idem_t_{}_{}_frozen{}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .expect("clock")
-            .as_secs(),
-        std::process::id(),
-        next()
-    );
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-        .execute(&admin)
-        .await
-        .expect("schema");
+    let (options, upstream, schema) = upstream_and_schema("frozen").await;
     let in_schema = options.clone().options([("search_path", schema.as_str())]);
     let records = PgPoolOptions::new()
         .max_connections(CONNECTIONS)

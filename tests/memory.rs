@@ -655,14 +655,7 @@ async fn fresh_answers_never_carry_a_replay_marker_and_hop_headers_are_not_store
             })
             .layer(layer),
         )
-        .layer(axum::middleware::from_fn(
-            |mut request: axum::extract::Request, next: axum::middleware::Next| async move {
-                request
-                    .extensions_mut()
-                    .insert(axum_idempotency::Subject("alice".into()));
-                next.run(request).await
-            },
-        ));
+        .layer(axum::middleware::from_fn(as_alice));
     let fresh = send(&router, post("/pay").key("k")).await;
     assert_eq!(fresh.status, StatusCode::CREATED);
     assert!(fresh.header("idempotent-replayed").is_none(), "{fresh:?}");
@@ -691,14 +684,7 @@ async fn derived_keys_differ_across_deployment_secrets_and_generations() {
                 "/pay",
                 route_post(|ctx: IdempotencyContext| async move { ctx.derived_key() }).layer(layer),
             )
-            .layer(axum::middleware::from_fn(
-                |mut request: axum::extract::Request, next: axum::middleware::Next| async move {
-                    request
-                        .extensions_mut()
-                        .insert(axum_idempotency::Subject("alice".into()));
-                    next.run(request).await
-                },
-            ))
+            .layer(axum::middleware::from_fn(as_alice))
     }
     let layer = |secret: &str| {
         IdempotencyLayer::builder(MemoryStore::new())
@@ -830,14 +816,7 @@ async fn two_routes_keep_their_own_layers_settings() {
     let router = axum::Router::new()
         .route("/payments", route_post(ok.layer(strict)))
         .route("/refunds", route_post(ok.layer(lenient)))
-        .layer(axum::middleware::from_fn(
-            |mut request: axum::extract::Request, next: axum::middleware::Next| async move {
-                request
-                    .extensions_mut()
-                    .insert(axum_idempotency::Subject("alice".into()));
-                next.run(request).await
-            },
-        ));
+        .layer(axum::middleware::from_fn(as_alice));
     let first = |path: &str| post(path).key("k").json(r#"{"a":1,"ts":1}"#);
     let later = |path: &str| post(path).key("k").json(r#"{"a":1,"ts":2}"#);
     assert_eq!(
@@ -856,4 +835,15 @@ async fn two_routes_keep_their_own_layers_settings() {
     );
     let lenient_retry = send(&router, later("/refunds")).await;
     assert!(lenient_retry.replayed(), "{lenient_retry:?}");
+}
+
+/// Test auth for routers built here with handlers of their own: every request is alice's.
+async fn as_alice(
+    mut request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    request
+        .extensions_mut()
+        .insert(axum_idempotency::Subject("alice".into()));
+    next.run(request).await
 }
