@@ -572,21 +572,10 @@ async fn a_panicking_response_policy_does_not_release_an_effect() {
     let req = || post("/pay").key("k").user("alice");
     let first = send(&router, req()).await;
     assert_eq!(first.status, StatusCode::CREATED);
-    let retry = until_replayed(&router, req).await;
+    let retry = common::suite::until_not_in_progress(&router, req, 100).await;
+    assert!(retry.replayed(), "{retry:?}");
     assert_eq!(retry.body, first.body);
     assert_eq!(counters.started(), 1);
-}
-
-async fn until_replayed(router: &axum::Router, req: impl Fn() -> common::Req) -> common::Answer {
-    for _ in 0..100 {
-        let answer = send(router, req()).await;
-        if answer.status != StatusCode::CONFLICT {
-            assert!(answer.replayed(), "{answer:?}");
-            return answer;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("still in progress");
 }
 
 /// `build()` refuses an in-progress TTL that is not at least twice the store's operation timeout:

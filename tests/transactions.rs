@@ -153,11 +153,7 @@ impl Setup {
             .on_outcome(self.outcomes.hook())
             .build()
             .expect("layer");
-        Router::new()
-            .route("/charge", post(charge))
-            .route_layer(layer)
-            .layer(middleware::from_fn(auth))
-            .with_state(self.world.clone())
+        self.router_on(layer)
     }
 
     /// The same instance behind a `CachedStore`.
@@ -168,6 +164,14 @@ impl Setup {
                 .on_outcome(self.outcomes.hook())
                 .build()
                 .expect("layer");
+        self.router_on(layer)
+    }
+
+    /// An instance of the application behind `layer`.
+    fn router_on<St: axum_idempotency::IdempotencyStore>(
+        &self,
+        layer: IdempotencyLayer<St>,
+    ) -> Router {
         Router::new()
             .route("/charge", post(charge))
             .route_layer(layer)
@@ -499,11 +503,7 @@ async fn commit_of_unknown_outcome_does_not_leave_the_key_stuck() {
         .in_progress_ttl(Duration::from_secs(30))
         .build()
         .expect("layer");
-    let router = Router::new()
-        .route("/charge", post(charge))
-        .route_layer(layer)
-        .layer(middleware::from_fn(auth))
-        .with_state(s.world.clone());
+    let router = s.router_on(layer);
 
     let first = tokio::spawn({
         let router = router.clone();
@@ -556,11 +556,7 @@ async fn a_long_transaction_still_records_a_replayable_answer() {
         .retention(Duration::from_secs(1))
         .build()
         .expect("layer");
-    let router = Router::new()
-        .route("/charge", post(charge))
-        .route_layer(layer)
-        .layer(middleware::from_fn(auth))
-        .with_state(s.world.clone());
+    let router = s.router_on(layer);
     let first = tokio::spawn({
         let router = router.clone();
         async move { send(&router, "long", &["x-hold"]).await }

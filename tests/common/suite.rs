@@ -75,7 +75,7 @@ macro_rules! store_suite {
 
 /// Sends `req` until the answer is not `409` (every 20 ms, at most `tries` times), as a client that
 /// retries would, and returns the last answer.
-async fn until_not_in_progress(
+pub async fn until_not_in_progress(
     router: &axum::Router,
     req: impl Fn() -> super::Req,
     tries: usize,
