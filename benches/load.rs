@@ -225,7 +225,13 @@ fn direct_sql(store: PostgresStore) -> Router {
         };
         let retention = claim.retention;
         store
-            .complete(&claim.key, lease, Arc::new(response), retention)
+            .complete(
+                &claim.key,
+                lease,
+                &claim.fingerprint,
+                Arc::new(response),
+                retention,
+            )
             .await
             .expect("complete");
         created(body).await
@@ -871,7 +877,13 @@ async fn growth_all(schema: &str) {
                             expires_in: None,
                         });
                         store
-                            .complete(&claim.key, lease, response, claim.retention)
+                            .complete(
+                                &claim.key,
+                                lease,
+                                &claim.fingerprint,
+                                response,
+                                claim.retention,
+                            )
                             .await
                             .expect("complete");
                         store.claim(&claim).await.expect("read");

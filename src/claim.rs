@@ -303,6 +303,7 @@ where
         config.clone(),
         label,
         claim.key,
+        claim.fingerprint,
         claim.lease,
         held_since,
     );

@@ -150,7 +150,7 @@ pub(crate) struct Config {
     /// Counts the work the layer runs on tasks of its own.
     pub drain: Drain,
     /// The deployment secret mixed into derived keys (HMAC), if any.
-    pub derived_key_secret: Option<Arc<[u8]>>,
+    pub derived_key_secret: Option<Arc<crate::secret::Secret>>,
     /// Where the `type` URIs of the layer's errors point.
     pub problems: ProblemTypes,
     /// Whether subjects and endpoints are logged as they are (otherwise hashed).
@@ -448,7 +448,8 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
     /// get the other's result. Keep it stable: changing it changes every derived key, so a retake
     /// after the change is a new operation at the provider. Default: none.
     pub fn derived_key_secret(mut self, secret: impl AsRef<[u8]>) -> Self {
-        self.config.derived_key_secret = Some(Arc::from(secret.as_ref()));
+        self.config.derived_key_secret =
+            Some(Arc::new(crate::secret::Secret::new(secret.as_ref())));
         self
     }
 
@@ -512,7 +513,7 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
         if config
             .derived_key_secret
             .as_ref()
-            .is_some_and(|s| s.len() < MIN_SECRET_LEN)
+            .is_some_and(|s| s.bytes().len() < MIN_SECRET_LEN)
         {
             return err("derived_key_secret must be at least 16 bytes");
         }

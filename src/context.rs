@@ -28,7 +28,7 @@ pub struct IdempotencyContext {
     fingerprint: Fingerprint,
     retake: bool,
     generation: Option<Generation>,
-    secret: Option<Arc<[u8]>>,
+    secret: Option<Arc<crate::secret::Secret>>,
 }
 
 impl IdempotencyContext {
@@ -37,7 +37,7 @@ impl IdempotencyContext {
         fingerprint: Fingerprint,
         retake: bool,
         generation: Option<Generation>,
-        secret: Option<Arc<[u8]>>,
+        secret: Option<Arc<crate::secret::Secret>>,
     ) -> Self {
         IdempotencyContext {
             scope,
@@ -105,7 +105,7 @@ impl IdempotencyContext {
         // A record without generation was written by an earlier version, which knew no secret:
         // its retake keeps the key that version gave it, whatever the secret now.
         let digest = match &self.secret {
-            Some(secret) if self.generation.is_some() => hmac_sha256(secret, &parts),
+            Some(secret) if self.generation.is_some() => hmac_sha256(secret.bytes(), &parts),
             _ => {
                 let mut hasher = Sha256::new();
                 for part in parts {
@@ -183,7 +183,7 @@ mod tests {
             Fingerprint::of(None, br#"{"amount":100}"#),
             false,
             generation,
-            secret.map(Arc::from),
+            secret.map(|s| Arc::new(crate::secret::Secret::new(s))),
         )
     }
 

@@ -2,6 +2,7 @@
 //! under encryption: a few lines over `sha2` rather than another dependency.
 
 use sha2::{Digest, Sha256};
+use zeroize::Zeroize;
 
 /// HMAC-SHA-256 (RFC 2104) of the concatenated `parts` under `key`.
 pub(crate) fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
@@ -11,13 +12,19 @@ pub(crate) fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
     } else {
         block[..key.len()].copy_from_slice(key);
     }
+    // The padded key and its two masks are key material: wiped before returning.
+    let mut inner_pad = block.map(|b| b ^ 0x36);
+    let mut outer_pad = block.map(|b| b ^ 0x5c);
+    block.zeroize();
     let mut inner = Sha256::new();
-    inner.update(block.map(|b| b ^ 0x36));
+    inner.update(inner_pad);
+    inner_pad.zeroize();
     for part in parts {
         inner.update(part);
     }
     let mut outer = Sha256::new();
-    outer.update(block.map(|b| b ^ 0x5c));
+    outer.update(outer_pad);
+    outer_pad.zeroize();
     outer.update(inner.finalize());
     outer.finalize().into()
 }

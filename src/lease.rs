@@ -30,6 +30,7 @@ use std::time::Duration;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
+use crate::Fingerprint;
 use crate::config::Config;
 use crate::metrics::Label;
 use crate::outcome::{Outcome, report};
@@ -59,6 +60,8 @@ struct Held<St> {
     store: St,
     config: Arc<Config>,
     key: RecordKey,
+    /// The claim's fingerprint, which the completion passes on to the store.
+    fingerprint: Fingerprint,
     token: LeaseToken,
     /// Renewals that got through.
     renewals: AtomicU64,
@@ -74,6 +77,7 @@ impl<St: IdempotencyStore> Lease<St> {
         config: Arc<Config>,
         label: Label,
         key: RecordKey,
+        fingerprint: Fingerprint,
         token: LeaseToken,
         held_since: Instant,
     ) -> Self {
@@ -82,6 +86,7 @@ impl<St: IdempotencyStore> Lease<St> {
             store,
             config,
             key,
+            fingerprint,
             token,
             renewals: AtomicU64::new(0),
             held_since: std::sync::Mutex::new(held_since),
@@ -131,6 +136,12 @@ impl<St: IdempotencyStore> Lease<St> {
     #[cfg(feature = "postgres")]
     pub(crate) fn key(&self) -> &RecordKey {
         &self.held.key
+    }
+
+    /// The claim's fingerprint.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn fingerprint(&self) -> &Fingerprint {
+        &self.held.fingerprint
     }
 
     /// The store the lease is held in.
@@ -202,7 +213,13 @@ impl<St: IdempotencyStore> Lease<St> {
         let held = &self.held;
         let first = held
             .store
-            .complete(&held.key, held.token, stored.clone(), held.config.retention)
+            .complete(
+                &held.key,
+                held.token,
+                &held.fingerprint,
+                stored.clone(),
+                held.config.retention,
+            )
             .await;
         if self.settled(first, stored.status) {
             return;
@@ -235,7 +252,13 @@ impl<St: IdempotencyStore> Lease<St> {
             }
             let attempt = held
                 .store
-                .complete(&held.key, held.token, stored.clone(), held.config.retention)
+                .complete(
+                    &held.key,
+                    held.token,
+                    &held.fingerprint,
+                    stored.clone(),
+                    held.config.retention,
+                )
                 .await;
             if attempt.is_err() {
                 let renewals = held.renewals.load(Ordering::Relaxed);
@@ -361,11 +384,12 @@ impl<St: IdempotencyStore> Drop for Lease<St> {
             return;
         }
         let held = &self.held;
-        let (store, config, label, key, token) = (
+        let (store, config, label, key, fingerprint, token) = (
             held.store.clone(),
             held.config.clone(),
             self.label.clone(),
             held.key.clone(),
+            held.fingerprint,
             held.token,
         );
         let answered = self.answered.take();
@@ -377,7 +401,7 @@ impl<St: IdempotencyStore> Drop for Lease<St> {
         // down) then owns no lease whose drop would spawn again.
         let drain = config.drain.clone();
         drain.spawn(async move {
-            let lease = Lease::new(store, config, label, key, token, held_since);
+            let lease = Lease::new(store, config, label, key, fingerprint, token, held_since);
             match answered {
                 Some(head) => {
                     tracing::error!(

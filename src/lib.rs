@@ -139,6 +139,7 @@ mod problem;
 mod record;
 mod recording;
 mod replay;
+mod secret;
 mod service;
 pub mod store;
 mod subject;

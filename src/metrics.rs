@@ -54,6 +54,7 @@ mod enabled {
 
     use http::request::Parts;
 
+    use crate::Fingerprint;
     use crate::outcome::Outcome;
     use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
     use crate::store::{IdempotencyStore, StoreError};
@@ -127,10 +128,15 @@ mod enabled {
             &self,
             key: &RecordKey,
             lease: LeaseToken,
+            fingerprint: &Fingerprint,
             response: Arc<StoredResponse>,
             retention: Duration,
         ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-            timed("complete", self.0.complete(key, lease, response, retention))
+            timed(
+                "complete",
+                self.0
+                    .complete(key, lease, fingerprint, response, retention),
+            )
         }
 
         fn renew(
@@ -173,9 +179,10 @@ mod enabled {
         fn prepare_response(
             &self,
             key: &RecordKey,
+            fingerprint: &Fingerprint,
             response: Arc<StoredResponse>,
         ) -> Result<Arc<StoredResponse>, StoreError> {
-            self.0.prepare_response(key, response)
+            self.0.prepare_response(key, fingerprint, response)
         }
     }
 

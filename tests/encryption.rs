@@ -292,7 +292,13 @@ mod postgres {
                 ));
                 assert!(
                     store
-                        .complete(&claim.key, claim.lease, answer, claim.retention)
+                        .complete(
+                            &claim.key,
+                            claim.lease,
+                            &claim.fingerprint,
+                            answer,
+                            claim.retention,
+                        )
                         .await
                         .expect("complete")
                 );
@@ -404,7 +410,7 @@ mod postgres {
             "no header in clear"
         );
         let body = row.response_body.as_deref().expect("the sealed response");
-        assert_eq!(body[0], 1, "format byte");
+        assert_eq!(body[0], 2, "format byte (2: the fingerprint bound)");
         assert!(!contains(body, marker.as_bytes()));
         assert!(!contains(body, b"/receipts/"));
         assert!(!contains(body, b"application/json"));
@@ -651,6 +657,36 @@ mod postgres {
         }
         assert_eq!(world.runs(), 4, "no handler ran again");
 
+        // An older genuine answer of the same scope, moved onto the record that a later request
+        // made there (the key reused after its retention): bound to the older request's
+        // fingerprint, it does not open for the later one.
+        let older = marker();
+        assert_carries(&pay_with(&app, "/pay", "reused", &older).await, &older);
+        let saved: Vec<u8> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT response_body FROM {table} WHERE idempotency_key = 'reused'"
+        )))
+        .fetch_one(plain.pool())
+        .await
+        .expect("read the older answer");
+        edit(format!(
+            "DELETE FROM {table} WHERE idempotency_key = 'reused'"
+        ))
+        .await;
+        let later = marker();
+        assert_carries(&pay_with(&app, "/pay", "reused", &later).await, &later);
+        let done = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE {table} SET response_body = $1 WHERE idempotency_key = 'reused'"
+        )))
+        .bind(saved)
+        .execute(plain.pool())
+        .await
+        .expect("move the older answer");
+        assert_eq!(done.rows_affected(), 1);
+        let answer = pay_with(&app, "/pay", "reused", &later).await;
+        assert_unavailable(&answer);
+        assert!(!contains(&answer.body, older.as_bytes()));
+        assert_eq!(world.runs(), 6, "no handler ran again");
+
         // A record written without encryption is unreadable too, never replayed as it is.
         let unencrypted = router(layer(plain.clone()), &world);
         let marker = marker();
@@ -659,7 +695,7 @@ mod postgres {
             &marker,
         );
         assert_unavailable(&pay_with(&app, "/pay", "plain", &marker).await);
-        assert_eq!(world.runs(), 5);
+        assert_eq!(world.runs(), 7);
     }
 }
 

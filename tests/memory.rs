@@ -217,6 +217,7 @@ impl IdempotencyStore for DownStore {
         &self,
         _: &RecordKey,
         _: LeaseToken,
+        _: &axum_idempotency::Fingerprint,
         _: std::sync::Arc<StoredResponse>,
         _: Duration,
     ) -> Result<bool, StoreError> {

@@ -260,6 +260,92 @@ async fn hostile_keys_and_subjects_are_plain_data() {
     );
 }
 
+#[tokio::test]
+async fn a_shadowing_table_in_an_earlier_schema_changes_nothing() {
+    // The store's connections search `shadow` before `real`. `migrate()` made the table in `real`
+    // (`shadow` did not exist yet); then a role that may create in `shadow` puts a table of the
+    // same name there. Claims, completions and replays must keep to the table `migrate()` made,
+    // and the claim function must resolve names in that schema only.
+    let admin = pool(2).await;
+    let real = fresh_schema(&admin).await;
+    let shadow = fresh_schema(&admin).await;
+    let run = |sql: String| {
+        let admin = admin.clone();
+        async move {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .execute(&admin)
+                .await
+                .expect("setup");
+        }
+    };
+    run(format!("DROP SCHEMA {shadow}")).await;
+    let options = PgConnectOptions::from_str(&database_url())
+        .expect("url")
+        .options([("search_path", format!("{shadow},{real}"))]);
+    let on_path = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(options)
+        .await
+        .expect("PostgreSQL");
+    let store = PostgresStore::new(on_path).with_timeout(common::SUITE_STORE_TIMEOUT);
+    store.migrate().await.expect("migrate");
+    run(format!(
+        "CREATE SCHEMA {shadow}; \
+         CREATE TABLE {shadow}.idempotency_records (LIKE {real}.idempotency_records INCLUDING ALL)"
+    ))
+    .await;
+    let function = format!(
+        "{real}.idempotency_records_claim_v2(bytea,text,text,text,bytea,bigint,double precision,\
+         double precision,bytea)"
+    );
+    let settings = |admin: PgPool, function: String| async move {
+        let (config,): (Option<Vec<String>>,) =
+            sqlx::query_as("SELECT proconfig FROM pg_proc WHERE oid = to_regprocedure($1)")
+                .bind(function)
+                .fetch_one(&admin)
+                .await
+                .expect("the claim function");
+        config.unwrap_or_default()
+    };
+    let fixed = |config: &[String]| {
+        config
+            .iter()
+            .any(|c| c.starts_with("search_path=pg_catalog,") && c.contains(&real))
+    };
+    assert!(fixed(&settings(admin.clone(), function.clone()).await));
+
+    let (router, counters) = app(IdempotencyLayer::new(store.clone()));
+    for key in ["a", "b", "c"] {
+        let first = send(&router, post("/pay").key(key).user("alice").json("{}")).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        let replay = send(&router, post("/pay").key(key).user("alice").json("{}")).await;
+        assert!(replay.replayed(), "{replay:?}");
+        let other = send(
+            &router,
+            post("/pay").key(key).user("alice").json(r#"{"n":1}"#),
+        )
+        .await;
+        assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY, "{other:?}");
+    }
+    assert_eq!(counters.started(), 3);
+    assert_eq!(
+        rows_in(&admin, format!("{real}.idempotency_records")).await,
+        3
+    );
+    assert_eq!(
+        rows_in(&admin, format!("{shadow}.idempotency_records")).await,
+        0,
+        "nothing reached the shadowing table"
+    );
+
+    // A claim function left without a search path (by an earlier version) is fixed by migrate.
+    run(format!("ALTER FUNCTION {function} RESET search_path")).await;
+    assert!(!fixed(&settings(admin.clone(), function.clone()).await));
+    store.migrate().await.expect("migrate again");
+    assert!(fixed(&settings(admin.clone(), function.clone()).await));
+}
+
 /// The number of rows in `table`; panics when the table is gone.
 async fn rows_in(pool: &PgPool, table: String) -> i64 {
     let (rows,): (i64,) =

@@ -305,10 +305,14 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         &self,
         key: &RecordKey,
         lease: LeaseToken,
+        fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let done = self.inner.complete(key, lease, response, retention).await;
+        let done = self
+            .inner
+            .complete(key, lease, fingerprint, response, retention)
+            .await;
         // Finished, or lost: either way not held here any more. After an error the completion is
         // tried again, and the record is still in progress as far as anyone knows.
         if done.is_ok() {
@@ -365,9 +369,10 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
     fn prepare_response(
         &self,
         key: &RecordKey,
+        fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
     ) -> Result<Arc<StoredResponse>, StoreError> {
-        self.inner.prepare_response(key, response)
+        self.inner.prepare_response(key, fingerprint, response)
     }
 }
 

@@ -6,7 +6,7 @@
 //!
 //! | bytes | what |
 //! |---|---|
-//! | 1 | format, `1` |
+//! | 1 | format, `2` (`1` for records sealed by earlier versions) |
 //! | 1 | flags: bit 0 set when the response was recorded without its body |
 //! | 4 | key id, big-endian |
 //! | 12 | nonce, random |
@@ -15,8 +15,14 @@
 //! The plaintext is the header count (4 bytes), each header as a 4-byte length and name then a
 //! 4-byte length and value, then the body. The associated data binds the ciphertext to its record
 //! and its clear fields: a label, the envelope's first 6 bytes (format, flags, key id), the record's
-//! scope digest ([`RecordKey::digest`]), the status and the outcome. A ciphertext copied to another
-//! record, or whose status, outcome or omitted flag was edited, fails to open.
+//! scope digest ([`RecordKey::digest`]), the status, the outcome and the request's fingerprint (the
+//! layer's, before any keying). A ciphertext copied to another record, or onto a later record of the
+//! same scope made by another request, or whose status, outcome or omitted flag was edited, fails to
+//! open.
+//!
+//! Format `1`, written before the fingerprint was bound, is still opened (its associated data
+//! lacks the fingerprint), so records sealed before an upgrade replay for the rest of their
+//! retention; every record sealed now is format `2`.
 
 use std::fmt;
 use std::sync::Arc;
@@ -28,6 +34,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 
 use super::{IdempotencyStore, StoreError, header_list};
+use crate::Fingerprint;
 use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
 
 #[cfg(feature = "postgres")]
@@ -39,14 +46,18 @@ use super::PostgresStore;
 /// reused for other key material while records sealed under it may still be read.
 pub type KeyId = u32;
 
+/// Sealed by earlier versions: the associated data does not bind the fingerprint.
 const FORMAT_V1: u8 = 1;
+/// The associated data binds the request's fingerprint.
+const FORMAT_V2: u8 = 2;
 const FLAG_BODY_OMITTED: u8 = 1;
 const NONCE_LEN: usize = 12;
 /// Format, flags, key id, nonce.
 const HEAD_LEN: usize = 1 + 1 + 4 + NONCE_LEN;
 const TAG_LEN: usize = 16;
 /// Labels the associated data, so a ciphertext made for anything else never opens as a record.
-const AAD_LABEL: &[u8] = b"axum-idempotency sealed response v1\0";
+const AAD_LABEL_V1: &[u8] = b"axum-idempotency sealed response v1\0";
+const AAD_LABEL_V2: &[u8] = b"axum-idempotency sealed response v2\0";
 
 /// The keys an [`EncryptedStore`] seals and opens records with: the newest seals every new record,
 /// all of them open the records they sealed.
@@ -243,7 +254,7 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
     }
 
     /// The fingerprint the inner store gets for `request`.
-    fn keyed(&self, fingerprint: &crate::Fingerprint) -> Option<crate::Fingerprint> {
+    fn keyed(&self, fingerprint: &Fingerprint) -> Option<Fingerprint> {
         let secret = self.fingerprints.as_ref()?;
         let mac = crate::hmac::hmac_sha256(
             &secret.0,
@@ -252,7 +263,7 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
                 fingerprint.as_bytes(),
             ],
         );
-        Some(crate::Fingerprint::of_material(&mac))
+        Some(Fingerprint::of_material(&mac))
     }
 
     /// The store the sealed records are written to.
@@ -270,6 +281,17 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
     fn seal(
         &self,
         key: &RecordKey,
+        fingerprint: &Fingerprint,
+        response: &StoredResponse,
+    ) -> Result<StoredResponse, StoreError> {
+        self.seal_as(key, Some(fingerprint), response)
+    }
+
+    /// Seals in format 2 binding `fingerprint`, or (`None`, as earlier versions did) in format 1.
+    fn seal_as(
+        &self,
+        key: &RecordKey,
+        fingerprint: Option<&Fingerprint>,
         response: &StoredResponse,
     ) -> Result<StoredResponse, StoreError> {
         let (key_id, cipher) = self.keys.sealing();
@@ -285,7 +307,11 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
                 + response.body.len()
                 + TAG_LEN,
         );
-        out.push(FORMAT_V1);
+        out.push(if fingerprint.is_some() {
+            FORMAT_V2
+        } else {
+            FORMAT_V1
+        });
         out.push(if response.body_omitted {
             FLAG_BODY_OMITTED
         } else {
@@ -300,7 +326,13 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
         if !response.body_omitted {
             out.extend_from_slice(&response.body);
         }
-        let aad = associated_data(&out[..6], key, response.status, response.outcome);
+        let aad = associated_data(
+            &out[..6],
+            key,
+            response.status,
+            response.outcome,
+            fingerprint,
+        );
         let tag = cipher
             .encrypt_in_place_detached(Nonce::from_slice(&nonce), &aad, &mut out[HEAD_LEN..])
             .map_err(|_| too_large())?;
@@ -314,7 +346,12 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
     }
 
     /// The response a sealed record holds.
-    fn open(&self, key: &RecordKey, stored: &StoredResponse) -> Result<StoredResponse, Unreadable> {
+    fn open(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        stored: &StoredResponse,
+    ) -> Result<StoredResponse, Unreadable> {
         let fail = |key_id, reason| Unreadable { key_id, reason };
         if stored.body_omitted || !stored.headers.is_empty() {
             return Err(fail(
@@ -326,9 +363,11 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
         if envelope.len() < HEAD_LEN + TAG_LEN {
             return Err(fail(None, "its sealed response is too short"));
         }
-        if envelope[0] != FORMAT_V1 {
-            return Err(fail(None, "its sealed response has an unknown format"));
-        }
+        let bound = match envelope[0] {
+            FORMAT_V2 => Some(fingerprint),
+            FORMAT_V1 => None,
+            _ => return Err(fail(None, "its sealed response has an unknown format")),
+        };
         let flags = envelope[1];
         let key_id = KeyId::from_be_bytes([envelope[2], envelope[3], envelope[4], envelope[5]]);
         if flags & !FLAG_BODY_OMITTED != 0 {
@@ -339,7 +378,7 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
         };
         let (sealed, tag) = envelope[HEAD_LEN..].split_at(envelope.len() - HEAD_LEN - TAG_LEN);
         let mut plain = sealed.to_vec();
-        let aad = associated_data(&envelope[..6], key, stored.status, stored.outcome);
+        let aad = associated_data(&envelope[..6], key, stored.status, stored.outcome, bound);
         cipher
             .decrypt_in_place_detached(
                 Nonce::from_slice(&envelope[6..HEAD_LEN]),
@@ -350,8 +389,8 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
             .map_err(|_| {
                 fail(
                     Some(key_id),
-                    "it fails authentication (altered, moved from another record, or sealed under \
-                     other key material with this id)",
+                    "it fails authentication (altered, moved from another record or request, or \
+                     sealed under other key material with this id)",
                 )
             })?;
         let body_omitted = flags & FLAG_BODY_OMITTED != 0;
@@ -412,10 +451,21 @@ impl Unreadable {
     }
 }
 
-/// Label, envelope head (format, flags, key id), scope digest, status, outcome.
-fn associated_data(head: &[u8], key: &RecordKey, status: u16, outcome: Finished) -> Vec<u8> {
-    let mut aad = Vec::with_capacity(AAD_LABEL.len() + head.len() + 32 + 3);
-    aad.extend_from_slice(AAD_LABEL);
+/// Label, envelope head (format, flags, key id), scope digest, status, outcome, then (format 2)
+/// the request's fingerprint.
+fn associated_data(
+    head: &[u8],
+    key: &RecordKey,
+    status: u16,
+    outcome: Finished,
+    fingerprint: Option<&Fingerprint>,
+) -> Vec<u8> {
+    let label = match fingerprint {
+        Some(_) => AAD_LABEL_V2,
+        None => AAD_LABEL_V1,
+    };
+    let mut aad = Vec::with_capacity(label.len() + head.len() + 32 + 3 + 32);
+    aad.extend_from_slice(label);
     aad.extend_from_slice(head);
     aad.extend_from_slice(&key.digest());
     aad.extend_from_slice(&status.to_be_bytes());
@@ -423,6 +473,9 @@ fn associated_data(head: &[u8], key: &RecordKey, status: u16, outcome: Finished)
         Finished::Completed => b'c',
         Finished::Failed => b'f',
     });
+    if let Some(fingerprint) = fingerprint {
+        aad.extend_from_slice(fingerprint.as_bytes());
+    }
     aad
 }
 
@@ -451,10 +504,12 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
             }
         };
         match outcome {
-            ClaimOutcome::Finished(stored) => match self.open(&request.key, &stored) {
-                Ok(opened) => Ok(ClaimOutcome::Finished(Arc::new(opened))),
-                Err(unreadable) => Err(unreadable.into_store_error()),
-            },
+            ClaimOutcome::Finished(stored) => {
+                match self.open(&request.key, &request.fingerprint, &stored) {
+                    Ok(opened) => Ok(ClaimOutcome::Finished(Arc::new(opened))),
+                    Err(unreadable) => Err(unreadable.into_store_error()),
+                }
+            }
             other => Ok(other),
         }
     }
@@ -463,11 +518,15 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
         &self,
         key: &RecordKey,
         lease: LeaseToken,
+        fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let sealed = Arc::new(self.seal(key, &response)?);
-        self.inner.complete(key, lease, sealed, retention).await
+        let sealed = Arc::new(self.seal(key, fingerprint, &response)?);
+        let stored = self.keyed(fingerprint).unwrap_or(*fingerprint);
+        self.inner
+            .complete(key, lease, &stored, sealed, retention)
+            .await
     }
 
     async fn renew(
@@ -508,10 +567,12 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
     fn prepare_response(
         &self,
         key: &RecordKey,
+        fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
     ) -> Result<Arc<StoredResponse>, StoreError> {
-        let sealed = Arc::new(self.seal(key, &response)?);
-        self.inner.prepare_response(key, sealed)
+        let sealed = Arc::new(self.seal(key, fingerprint, &response)?);
+        let stored = self.keyed(fingerprint).unwrap_or(*fingerprint);
+        self.inner.prepare_response(key, &stored, sealed)
     }
 }
 
@@ -551,6 +612,10 @@ mod tests {
         }
     }
 
+    fn fp(body: &str) -> Fingerprint {
+        Fingerprint::of_material(body.as_bytes())
+    }
+
     fn store(keys: &[(KeyId, [u8; 32])]) -> EncryptedStore<MemoryStore> {
         EncryptedStore::new(
             MemoryStore::new(),
@@ -570,26 +635,73 @@ mod tests {
         let s = store(&[(1, [1; 32])]);
         for omitted in [false, true] {
             let plain = response(omitted);
-            let sealed = s.seal(&key("k"), &plain).expect("seal");
+            let sealed = s.seal(&key("k"), &fp("a"), &plain).expect("seal");
             assert!(sealed.headers.is_empty());
             assert!(!sealed.body_omitted);
             assert_eq!((sealed.status, sealed.outcome), (201, Finished::Completed));
             for needle in [&b"4242"[..], b"application/json", b"<a>"] {
                 assert!(!sealed.body.windows(needle.len()).any(|w| w == needle));
             }
-            assert_eq!(sealed.body[0], FORMAT_V1);
+            assert_eq!(sealed.body[0], FORMAT_V2);
             assert_eq!(sealed.body[1], u8::from(omitted));
             assert_eq!(&sealed.body[2..6], &1u32.to_be_bytes());
-            let opened = s.open(&key("k"), &sealed).map_err(|e| e.reason);
+            let opened = s.open(&key("k"), &fp("a"), &sealed).map_err(|e| e.reason);
             assert_eq!(opened, Ok(plain));
         }
     }
 
     #[test]
+    fn a_ciphertext_moved_onto_another_request_does_not_open() {
+        let s = store(&[(1, [1; 32])]);
+        let sealed = s.seal(&key("k"), &fp("a"), &response(false)).expect("seal");
+        // The same scope (the key reused after retention, say) but another request's body.
+        assert!(reason(s.open(&key("k"), &fp("b"), &sealed)).contains("authentication"));
+        assert_eq!(
+            s.open(&key("k"), &fp("a"), &sealed).map_err(|e| e.reason),
+            Ok(response(false))
+        );
+        // Downgraded to format 1 (whose associated data has no fingerprint), it does not open.
+        let mut bytes = sealed.body.to_vec();
+        bytes[0] = FORMAT_V1;
+        let downgraded = StoredResponse {
+            body: Bytes::from(bytes),
+            ..sealed.clone()
+        };
+        for request in ["a", "b"] {
+            assert!(
+                reason(s.open(&key("k"), &fp(request), &downgraded)).contains("authentication")
+            );
+        }
+    }
+
+    #[test]
+    fn records_sealed_before_the_fingerprint_was_bound_still_open() {
+        let s = store(&[(1, [1; 32])]);
+        let old = s.seal_as(&key("k"), None, &response(false)).expect("seal");
+        assert_eq!(old.body[0], FORMAT_V1);
+        for request in ["a", "b"] {
+            assert_eq!(
+                s.open(&key("k"), &fp(request), &old).map_err(|e| e.reason),
+                Ok(response(false))
+            );
+        }
+        // Still bound to the scope and its clear fields.
+        assert!(reason(s.open(&key("other"), &fp("a"), &old)).contains("authentication"));
+        // Relabelled as format 2, it does not open: the format is authenticated.
+        let mut bytes = old.body.to_vec();
+        bytes[0] = FORMAT_V2;
+        let relabelled = StoredResponse {
+            body: Bytes::from(bytes),
+            ..old.clone()
+        };
+        assert!(reason(s.open(&key("k"), &fp("a"), &relabelled)).contains("authentication"));
+    }
+
+    #[test]
     fn nonces_differ_between_seals() {
         let s = store(&[(1, [1; 32])]);
-        let a = s.seal(&key("k"), &response(false)).expect("seal");
-        let b = s.seal(&key("k"), &response(false)).expect("seal");
+        let a = s.seal(&key("k"), &fp("a"), &response(false)).expect("seal");
+        let b = s.seal(&key("k"), &fp("a"), &response(false)).expect("seal");
         assert_ne!(a.body[6..HEAD_LEN], b.body[6..HEAD_LEN]);
         assert_ne!(a.body, b.body);
     }
@@ -597,18 +709,18 @@ mod tests {
     #[test]
     fn anything_altered_or_moved_does_not_open() {
         let s = store(&[(1, [1; 32])]);
-        let sealed = s.seal(&key("k"), &response(false)).expect("seal");
-        assert!(reason(s.open(&key("other"), &sealed)).contains("authentication"));
+        let sealed = s.seal(&key("k"), &fp("a"), &response(false)).expect("seal");
+        assert!(reason(s.open(&key("other"), &fp("a"), &sealed)).contains("authentication"));
         let edited = StoredResponse {
             status: 200,
             ..sealed.clone()
         };
-        assert!(reason(s.open(&key("k"), &edited)).contains("authentication"));
+        assert!(reason(s.open(&key("k"), &fp("a"), &edited)).contains("authentication"));
         let edited = StoredResponse {
             outcome: Finished::Failed,
             ..sealed.clone()
         };
-        assert!(reason(s.open(&key("k"), &edited)).contains("authentication"));
+        assert!(reason(s.open(&key("k"), &fp("a"), &edited)).contains("authentication"));
         for at in [1, HEAD_LEN - 1, HEAD_LEN, sealed.body.len() - 1] {
             // Byte 1 is the flags: set the omitted flag there, flip a bit anywhere else.
             let mut bytes = sealed.body.to_vec();
@@ -622,7 +734,7 @@ mod tests {
                 ..sealed.clone()
             };
             assert!(
-                reason(s.open(&key("k"), &flipped)).contains("authentication"),
+                reason(s.open(&key("k"), &fp("a"), &flipped)).contains("authentication"),
                 "byte {at}"
             );
         }
@@ -630,21 +742,25 @@ mod tests {
             body: sealed.body.slice(..HEAD_LEN + TAG_LEN - 1),
             ..sealed.clone()
         };
-        assert!(reason(s.open(&key("k"), &cut)).contains("too short"));
+        assert!(reason(s.open(&key("k"), &fp("a"), &cut)).contains("too short"));
         let plain = response(false);
-        assert!(reason(s.open(&key("k"), &plain)).contains("without encryption"));
+        assert!(reason(s.open(&key("k"), &fp("a"), &plain)).contains("without encryption"));
     }
 
     #[test]
     fn rotation_opens_old_records_and_seals_under_the_newest() {
         let old = store(&[(1, [1; 32])]);
-        let sealed = old.seal(&key("k"), &response(false)).expect("seal");
+        let sealed = old
+            .seal(&key("k"), &fp("a"), &response(false))
+            .expect("seal");
         let rotated = store(&[(2, [2; 32]), (1, [1; 32])]);
-        assert!(rotated.open(&key("k"), &sealed).is_ok());
-        let new = rotated.seal(&key("k"), &response(false)).expect("seal");
+        assert!(rotated.open(&key("k"), &fp("a"), &sealed).is_ok());
+        let new = rotated
+            .seal(&key("k"), &fp("a"), &response(false))
+            .expect("seal");
         assert_eq!(&new.body[2..6], &2u32.to_be_bytes());
         let only_new = store(&[(2, [2; 32])]);
-        let Err(unreadable) = only_new.open(&key("k"), &sealed) else {
+        let Err(unreadable) = only_new.open(&key("k"), &fp("a"), &sealed) else {
             panic!("opened without its key");
         };
         assert_eq!(unreadable.key_id, Some(1));
@@ -654,7 +770,7 @@ mod tests {
         assert!(error.to_string().contains("key id 1"), "{error}");
         // Other key material under the same id fails authentication.
         let impostor = store(&[(1, [3; 32])]);
-        assert!(reason(impostor.open(&key("k"), &sealed)).contains("authentication"));
+        assert!(reason(impostor.open(&key("k"), &fp("a"), &sealed)).contains("authentication"));
     }
 
     #[test]

@@ -320,6 +320,7 @@ impl IdempotencyStore for MemoryStore {
         &self,
         key: &RecordKey,
         lease: LeaseToken,
+        _fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
     ) -> Result<bool, StoreError> {

@@ -5,6 +5,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::Fingerprint;
 use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
 
 mod cached;
@@ -146,11 +147,14 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// Stores the response of a claimed record and marks it finished, to live for `retention`.
     /// Returns `false`, changing nothing, when `lease` no longer holds the record. A record that
     /// `lease` already completed (an earlier attempt committed, but its answer was lost) answers
-    /// `true` and is left as it is.
+    /// `true` and is left as it is. `fingerprint` is the claim's (the record's own): a store may
+    /// bind what it writes to it, as `EncryptedStore` binds its ciphertext, so that an answer
+    /// moved onto the record of another request does not open.
     fn complete(
         &self,
         key: &RecordKey,
         lease: LeaseToken,
+        fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
@@ -223,9 +227,10 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     fn prepare_response(
         &self,
         key: &RecordKey,
+        fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
     ) -> Result<Arc<StoredResponse>, StoreError> {
-        let _ = key;
+        let _ = (key, fingerprint);
         Ok(response)
     }
 }

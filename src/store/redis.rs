@@ -12,6 +12,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisFuture, Script, ServerErrorKind, Value};
 
 use super::{IdempotencyStore, StoreError, header_list};
+use crate::Fingerprint;
 use crate::record::{
     ClaimOutcome, ClaimRequest, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
 };
@@ -416,6 +417,7 @@ impl IdempotencyStore for RedisStore {
         &self,
         key: &RecordKey,
         lease: LeaseToken,
+        _fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
     ) -> Result<bool, StoreError> {

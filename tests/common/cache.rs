@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use axum_idempotency::{
-    CachedStore, ClaimOutcome, ClaimRequest, IdempotencyLayer, IdempotencyStore, LeaseToken,
-    RecordKey, StoredResponse,
+    CachedStore, ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyLayer, IdempotencyStore,
+    LeaseToken, RecordKey, StoredResponse,
 };
 
 use super::{app, post, send};
@@ -81,10 +81,13 @@ impl<S: IdempotencyStore> IdempotencyStore for Counting<S> {
         &self,
         key: &RecordKey,
         lease: LeaseToken,
+        fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
     ) -> Result<bool, axum_idempotency::StoreError> {
-        self.store.complete(key, lease, response, retention).await
+        self.store
+            .complete(key, lease, fingerprint, response, retention)
+            .await
     }
     async fn renew(
         &self,
@@ -115,9 +118,10 @@ impl<S: IdempotencyStore> IdempotencyStore for Counting<S> {
     fn prepare_response(
         &self,
         key: &RecordKey,
+        fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
     ) -> Result<Arc<StoredResponse>, axum_idempotency::StoreError> {
-        self.store.prepare_response(key, response)
+        self.store.prepare_response(key, fingerprint, response)
     }
 }
 

@@ -349,7 +349,7 @@ pub async fn late_completion_with_superseded_lease_changes_nothing<S: Idempotenc
     // The worker presumed dead finishes late: neither its completion nor its release counts.
     assert!(
         !store
-            .complete(&key, old, stored("late"), retention)
+            .complete(&key, old, &request.fingerprint, stored("late"), retention)
             .await
             .expect("complete")
     );
@@ -362,7 +362,7 @@ pub async fn late_completion_with_superseded_lease_changes_nothing<S: Idempotenc
     );
     assert!(
         store
-            .complete(&key, new, stored("winner"), retention)
+            .complete(&key, new, &request.fingerprint, stored("winner"), retention)
             .await
             .expect("complete")
     );
@@ -376,7 +376,7 @@ pub async fn late_completion_with_superseded_lease_changes_nothing<S: Idempotenc
     );
     assert!(
         !store
-            .complete(&key, old, stored("late"), retention)
+            .complete(&key, old, &request.fingerprint, stored("late"), retention)
             .await
             .expect("complete")
     );
@@ -427,7 +427,13 @@ pub async fn purge_removes_expired_records<S: IdempotencyStore>(store: S, purged
             panic!("fresh key");
         };
         let done = store
-            .complete(&request.key, lease, stored("x"), retention)
+            .complete(
+                &request.key,
+                lease,
+                &request.fingerprint,
+                stored("x"),
+                retention,
+            )
             .await
             .expect("complete");
         assert!(done);
@@ -742,19 +748,19 @@ pub async fn completion_by_the_same_lease_is_idempotent<S: IdempotencyStore>(sto
     let (key, lease, retention) = (&request.key, request.lease, Duration::from_secs(60));
     assert!(
         store
-            .complete(key, lease, stored("first"), retention)
+            .complete(key, lease, &request.fingerprint, stored("first"), retention)
             .await
             .expect("complete")
     );
     assert!(
         store
-            .complete(key, lease, stored("first"), retention)
+            .complete(key, lease, &request.fingerprint, stored("first"), retention)
             .await
             .expect("complete again")
     );
     assert!(
         store
-            .complete(key, lease, stored("other"), retention)
+            .complete(key, lease, &request.fingerprint, stored("other"), retention)
             .await
             .expect("complete again")
     );
@@ -950,10 +956,13 @@ impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
         &self,
         key: &RecordKey,
         lease: LeaseToken,
+        fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
     ) -> Result<bool, axum_idempotency::StoreError> {
-        self.store.complete(key, lease, response, retention).await
+        self.store
+            .complete(key, lease, fingerprint, response, retention)
+            .await
     }
     async fn renew(
         &self,
@@ -1138,6 +1147,7 @@ pub async fn a_claim_sent_twice_by_its_lease_is_still_claimed<S: IdempotencyStor
             .complete(
                 &request.key,
                 request.lease,
+                &request.fingerprint,
                 stored("done"),
                 request.retention
             )
@@ -1211,10 +1221,12 @@ impl<S: IdempotencyStore> IdempotencyStore for LateClaims<S> {
         &self,
         key: &RecordKey,
         lease: LeaseToken,
+        fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
     ) -> impl std::future::Future<Output = Result<bool, axum_idempotency::StoreError>> + Send {
-        self.inner.complete(key, lease, response, retention)
+        self.inner
+            .complete(key, lease, fingerprint, response, retention)
     }
 
     fn renew(
@@ -1365,6 +1377,7 @@ pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: Id
             .complete(
                 &retry.key,
                 nobody,
+                &retry.fingerprint,
                 stored("forged"),
                 Duration::from_secs(60)
             )
@@ -1404,7 +1417,13 @@ pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: Id
     let g3 = generation_of(store.claim(&short).await.expect("claim"));
     assert!(
         store
-            .complete(&short.key, short.lease, stored("done"), short.retention)
+            .complete(
+                &short.key,
+                short.lease,
+                &short.fingerprint,
+                stored("done"),
+                short.retention,
+            )
             .await
             .expect("complete")
     );

@@ -16,6 +16,7 @@ pub use tx::IdempotencyTx;
 pub(crate) use tx::{Left, TxSlot, record_in, rollback};
 
 use super::{IdempotencyStore, StoreError};
+use crate::Fingerprint;
 use crate::config::DENIED_HEADERS;
 use crate::record::{
     ClaimOutcome, ClaimRequest, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
@@ -31,6 +32,12 @@ const GENERATION_MIGRATION: &str =
 const DEFAULT_TABLE: &str = "idempotency_records";
 /// The claim function's name for the default table; for another table, `<table>_claim_v1`.
 const DEFAULT_FUNCTION: &str = "idempotency_records_claim_v2";
+/// The claim function's argument types, as `to_regprocedure` and `ALTER FUNCTION` name them.
+const CLAIM_V2_ARGUMENTS: &str =
+    "(bytea,text,text,text,bytea,bigint,double precision,double precision,bytea)";
+/// Fixes the claim function's search path (the table's schema in place of `public`).
+const SEARCH_PATH_MIGRATION: &str =
+    include_str!("../../../migrations/0004_idempotency_claim_search_path.sql");
 /// Serialises concurrent `migrate()` calls across instances (`pg_advisory_xact_lock` key).
 const MIGRATE_LOCK: i64 = 0x6178_6964_656d_0001; // "axidem" + 1
 /// The shortest time `migrate()` may take (it may wait for another instance's migration).
@@ -77,7 +84,12 @@ pub struct PostgresStore {
     pool: PgPool,
     /// Where handlers' transactions come from, when not `pool`.
     transactions: Option<PgPool>,
-    sql: Arc<Statements>,
+    /// The statements on the table as configured.
+    configured: Arc<Statements>,
+    /// The statements on the table in the schema `migrate()` found it in, once it has run (for a
+    /// table configured without a schema): no object created later in a schema earlier on the
+    /// search path can stand in for it. Shared by clones.
+    pinned: Arc<std::sync::OnceLock<Statements>>,
     timeout: Duration,
     /// The server-side `lock_timeout` of every statement: four fifths of `timeout`, as text.
     lock_timeout: Arc<str>,
@@ -86,7 +98,7 @@ pub struct PostgresStore {
 impl fmt::Debug for PostgresStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PostgresStore")
-            .field("table", &self.sql.table)
+            .field("table", &self.sql().table)
             .field("timeout", &self.timeout)
             .field("transaction_pool", &self.transactions.is_some())
             .finish_non_exhaustive()
@@ -112,7 +124,11 @@ impl fmt::Display for PostgresStoreError {
 impl std::error::Error for PostgresStoreError {}
 
 struct Statements {
+    /// The table's name as configured, for messages.
     table: String,
+    /// The schema every statement names, if any: the configured one, or the one `migrate()` found
+    /// the table in.
+    schema: Option<String>,
     /// The table name as written in SQL: every part quoted, so reserved words work.
     quoted: String,
     /// The expiry index's name, quoted.
@@ -140,35 +156,35 @@ struct Statements {
 }
 
 impl Statements {
+    /// The statements on `table` as configured (`schema.table` or `table`, validated).
     fn new(table: &str) -> Self {
-        let unqualified = table.rsplit('.').next().unwrap_or(table);
-        let quoted = table
-            .split('.')
-            .map(|part| format!("\"{part}\""))
-            .collect::<Vec<_>>()
-            .join(".");
+        match table.rsplit_once('.') {
+            Some((schema, name)) => Self::on(Some(schema), name, table),
+            None => Self::on(None, table, table),
+        }
+    }
+
+    /// The statements on `name` in `schema` (or wherever the search path finds it), named
+    /// `display` in messages. Every identifier is quoted.
+    fn on(schema: Option<&str>, name: &str, display: &str) -> Self {
+        let qualify = |object: &str| match schema {
+            Some(schema) => format!("{}.{}", quote_ident(schema), quote_ident(object)),
+            None => quote_ident(object),
+        };
+        let quoted = qualify(name);
+        let function_v2 = qualify(&format!("{name}_claim_v2"));
         let t = &quoted;
         Statements {
-            table: table.to_owned(),
-            index: format!("\"{unqualified}_expires_at_idx\""),
-            qualified_index: match table.rsplit_once('.') {
-                Some((schema, _)) => format!("\"{schema}\".\"{unqualified}_expires_at_idx\""),
-                None => format!("\"{unqualified}_expires_at_idx\""),
-            },
-            function_v2: match table.rsplit_once('.') {
-                Some((schema, _)) => format!("\"{schema}\".\"{unqualified}_claim_v2\""),
-                None => format!("\"{unqualified}_claim_v2\""),
-            },
+            table: display.to_owned(),
+            schema: schema.map(str::to_owned),
+            index: quote_ident(&format!("{name}_expires_at_idx")),
+            qualified_index: qualify(&format!("{name}_expires_at_idx")),
             function_missing: std::sync::Mutex::new(None),
             // $9: the generation of a new record; $10: the lock timeout (see `LOCK_BOUND`).
             claim: format!(
-                "{} SELECT c.* FROM {}($1, $2, $3, $4, $5, $6, $7, $8, $9) c \
+                "{} SELECT c.* FROM {function_v2}($1, $2, $3, $4, $5, $6, $7, $8, $9) c \
                  WHERE {LOCK_BOUND}",
                 lock_bound_cte(10),
-                match table.rsplit_once('.') {
-                    Some((schema, _)) => format!("\"{schema}\".\"{unqualified}_claim_v2\""),
-                    None => format!("\"{unqualified}_claim_v2\""),
-                }
             ),
             // The claim function's first query (migrations/0002): insert, or read the record that
             // is there. `same_fp` and the response columns let the caller answer 409, 422 or a
@@ -274,6 +290,7 @@ impl Statements {
                 lock_bound_cte(1)
             ),
             check_shape: format!("SELECT scope, idempotency_key, lease_token FROM {t} LIMIT 0"),
+            function_v2,
             quoted,
         }
     }
@@ -285,7 +302,8 @@ impl PostgresStore {
         PostgresStore {
             pool,
             transactions: None,
-            sql: Arc::new(Statements::new(DEFAULT_TABLE)),
+            configured: Arc::new(Statements::new(DEFAULT_TABLE)),
+            pinned: Arc::default(),
             timeout: DEFAULT_OPERATION_TIMEOUT,
             lock_timeout: lock_timeout_for(DEFAULT_OPERATION_TIMEOUT),
         }
@@ -313,7 +331,8 @@ impl PostgresStore {
         Ok(PostgresStore {
             pool,
             transactions: None,
-            sql: Arc::new(Statements::new(table)),
+            configured: Arc::new(Statements::new(table)),
+            pinned: Arc::default(),
             timeout: DEFAULT_OPERATION_TIMEOUT,
             lock_timeout: lock_timeout_for(DEFAULT_OPERATION_TIMEOUT),
         })
@@ -365,13 +384,19 @@ impl PostgresStore {
         &self.pool
     }
 
-    /// The table name.
+    /// The table name, as configured.
     pub fn table(&self) -> &str {
-        &self.sql.table
+        &self.configured.table
     }
 
-    /// Creates the table, its index and the claim function if they do not exist (`migrations/`). Safe to call from many
-    /// instances at once: an advisory lock serialises them. It touches no migration bookkeeping of
+    /// The statements to send: on the table in the schema `migrate()` found it in, once it has
+    /// run, else as configured.
+    fn sql(&self) -> &Statements {
+        self.pinned.get().unwrap_or(&self.configured)
+    }
+
+    /// Creates the table, its index and the claim function if they do not exist (`migrations/`).
+    /// Safe to call from many instances at once: an advisory lock serialises them. It touches no migration bookkeeping of
     /// the application's (no `_sqlx_migrations` rows). It fails, rather than waiting forever, after
     /// the operation timeout or [`MIN_MIGRATE_TIMEOUT`], whichever is longer; and it fails with a
     /// clear error when the table exists in a shape this version cannot use.
@@ -379,29 +404,20 @@ impl PostgresStore {
     /// Call it on the `PostgresStore` itself, before wrapping it in a `CachedStore` or an
     /// `EncryptedStore` (they have no `migrate()`), and before this version serves claims: a
     /// table without the generation column (migrations/0003) answers every claim `503`.
+    ///
+    /// It also pins the store: from then on, this store and its clones name the table in the
+    /// schema `migrate()` found it in, and the claim function resolves names there only
+    /// (migrations/0004), so an object another role creates later in a schema earlier on the
+    /// connections' search path stands in for nothing. A store that is never migrated in the
+    /// process resolves an unqualified table name through the search path on every statement:
+    /// qualify it ([`with_table`](Self::with_table)) where other roles may create objects.
     pub async fn migrate(&self) -> Result<(), StoreError> {
+        // Once pinned (an earlier `migrate()` of this store or a clone), the same table again.
+        let configured = self.sql();
         let sql = MIGRATION
             .replace("idempotency_records_expires_at_idx", "\u{0}")
-            .replace(DEFAULT_TABLE, &self.sql.quoted)
-            .replace('\u{0}', &self.sql.index);
-        let generation_sql = GENERATION_MIGRATION
-            .replace(DEFAULT_FUNCTION, "\u{0}")
-            .replace(DEFAULT_TABLE, &self.sql.quoted)
-            .replace('\u{0}', &self.sql.function_v2);
-        // The column first (claims need it), then the function (claims work without it).
-        let (column_sql, function_sql) = generation_sql
-            .split_once("CREATE OR REPLACE FUNCTION")
-            .map(|(column, function)| {
-                (
-                    column.to_owned(),
-                    format!("CREATE OR REPLACE FUNCTION{function}"),
-                )
-            })
-            .unwrap_or_default();
-        let signature = format!(
-            "{}(bytea,text,text,text,bytea,bigint,double precision,double precision,bytea)",
-            self.sql.function_v2
-        );
+            .replace(DEFAULT_TABLE, &configured.quoted)
+            .replace('\u{0}', &configured.index);
         let limit = self.timeout.max(MIN_MIGRATE_TIMEOUT);
         let migration = async {
             let mut tx = self.pool.begin().await.map_err(db("migrate: begin"))?;
@@ -415,8 +431,8 @@ impl PostgresStore {
             let (present,): (bool,) = sqlx::query_as(
                 "SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL",
             )
-            .bind(&self.sql.quoted)
-            .bind(&self.sql.qualified_index)
+            .bind(&configured.quoted)
+            .bind(&configured.qualified_index)
             .fetch_one(&mut *tx)
             .await
             .map_err(db("migrate: look up the table"))?;
@@ -426,88 +442,30 @@ impl PostgresStore {
                     .await
                     .map_err(db("migrate: create table"))?;
             }
-            sqlx::query(sqlx::AssertSqlSafe(self.sql.check_shape.as_str()))
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| {
-                    StoreError::new(
-                        format!(
-                            "migrate: the table {} exists but lacks the columns this version needs \
-                             (scope, idempotency_key, lease_token); it was made by an older \
-                             version: rename or drop it, then migrate again",
-                            self.sql.table
-                        ),
-                        e,
-                    )
-                })?;
-            // `ADD COLUMN IF NOT EXISTS` locks the table even when the column exists: look first.
-            let (column,): (bool,) = sqlx::query_as(
-                "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) \
-                 AND attname = 'generation' AND NOT attisdropped)",
+            // From here on, every object is named in the schema the table is in: nothing created
+            // later in a schema earlier on the search path can stand in for it.
+            let schema: String = sqlx::query_scalar(
+                "SELECT n.nspname::text FROM pg_catalog.pg_class c \
+                 JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+                 WHERE c.oid = pg_catalog.to_regclass($1)",
             )
-            .bind(&self.sql.quoted)
+            .bind(&configured.quoted)
             .fetch_one(&mut *tx)
             .await
-            .map_err(db("migrate: look up the generation column"))?;
-            if !column {
-                // It takes the table's exclusive lock: wait for it only briefly (claims queue
-                // behind a waiting ALTER), and let the caller try again.
-                sqlx::query("SET LOCAL lock_timeout = '3s'")
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(db("migrate: lock timeout"))?;
-                sqlx::raw_sql(sqlx::AssertSqlSafe(column_sql))
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(|e| {
-                        StoreError::new(
-                            format!(
-                                "migrate: could not add the generation column to {} (it needs the \
-                                 table's owner, and no long transaction on it; apply \
-                                 migrations/0003 as its owner, or migrate again)",
-                                self.sql.table
-                            ),
-                            e,
-                        )
-                    })?;
-                sqlx::query("SET LOCAL lock_timeout = 0")
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(db("migrate: lock timeout"))?;
-            }
-            let (function,): (bool,) = sqlx::query_as("SELECT to_regprocedure($1) IS NOT NULL")
-                .bind(&signature)
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(db("migrate: look up the claim function"))?;
-            if !function {
-                sqlx::query("SAVEPOINT claim_function")
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(db("migrate: savepoint"))?;
-                match sqlx::raw_sql(sqlx::AssertSqlSafe(function_sql))
-                    .execute(&mut *tx)
-                    .await
-                {
-                    Ok(_) => {}
-                    // A role that may write the table but not create in its schema: claims work
-                    // without the function (two statements when they race), as they did before it.
-                    Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42501") => {
-                        tracing::warn!(
-                            error = %e,
-                            "migrate: no privilege to create the claim function; claims that race \
-                             will take two round trips (apply migrations/0003 as a role that may)"
-                        );
-                        sqlx::query("ROLLBACK TO SAVEPOINT claim_function")
-                            .execute(&mut *tx)
-                            .await
-                            .map_err(db("migrate: rollback to savepoint"))?;
-                    }
-                    Err(e) => return Err(db("migrate: create the claim function")(e)),
-                }
-            }
+            .map_err(db("migrate: find the table's schema"))?;
+            let name = configured
+                .table
+                .rsplit('.')
+                .next()
+                .unwrap_or(&configured.table);
+            let pinned = Statements::on(Some(&schema), name, &configured.table);
+            self.apply_generation(&mut tx, &pinned).await?;
             tx.commit().await.map_err(db("migrate: commit"))?;
-            *lock(&self.sql.function_missing) = None;
+            *lock(&pinned.function_missing) = None;
+            *lock(&configured.function_missing) = None;
+            *lock(&self.configured.function_missing) = None;
+            // Clones share it; a second migrate finds the same schema.
+            let _ = self.pinned.set(pinned);
             Ok(())
         };
         match tokio::time::timeout(limit, migration).await {
@@ -518,6 +476,160 @@ impl PostgresStore {
         }
     }
 
+    /// The table's shape check, its generation column and the claim function (migrations/0003),
+    /// with the function's search path fixed (migrations/0004), on the table as `sql` names it.
+    async fn apply_generation(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        sql: &Statements,
+    ) -> Result<(), StoreError> {
+        let generation_sql = GENERATION_MIGRATION
+            .replace(DEFAULT_FUNCTION, "\u{0}")
+            .replace(DEFAULT_TABLE, &sql.quoted)
+            .replace('\u{0}', &sql.function_v2);
+        // The column first (claims need it), then the function (claims work without it).
+        let (column_sql, function_sql) = generation_sql
+            .split_once("CREATE OR REPLACE FUNCTION")
+            .map(|(column, function)| {
+                (
+                    column.to_owned(),
+                    format!("CREATE OR REPLACE FUNCTION{function}"),
+                )
+            })
+            .unwrap_or_default();
+        let signature = format!("{}{CLAIM_V2_ARGUMENTS}", sql.function_v2);
+        let search_path_sql = SEARCH_PATH_MIGRATION
+            .replace(
+                &format!("{DEFAULT_FUNCTION}{CLAIM_V2_ARGUMENTS}"),
+                &signature,
+            )
+            .replace(
+                "pg_catalog, public, pg_temp",
+                &format!(
+                    "pg_catalog, {}, pg_temp",
+                    quote_ident(sql.schema.as_deref().unwrap_or("public"))
+                ),
+            );
+        sqlx::query(sqlx::AssertSqlSafe(sql.check_shape.as_str()))
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| {
+                StoreError::new(
+                    format!(
+                        "migrate: the table {} exists but lacks the columns this version needs \
+                             (scope, idempotency_key, lease_token); it was made by an older \
+                             version: rename or drop it, then migrate again",
+                        sql.table
+                    ),
+                    e,
+                )
+            })?;
+        // `ADD COLUMN IF NOT EXISTS` locks the table even when the column exists: look first.
+        let (column,): (bool,) = sqlx::query_as(
+            "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) \
+                 AND attname = 'generation' AND NOT attisdropped)",
+        )
+        .bind(&sql.quoted)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db("migrate: look up the generation column"))?;
+        if !column {
+            // It takes the table's exclusive lock: wait for it only briefly (claims queue
+            // behind a waiting ALTER), and let the caller try again.
+            sqlx::query("SET LOCAL lock_timeout = '3s'")
+                .execute(&mut *tx)
+                .await
+                .map_err(db("migrate: lock timeout"))?;
+            sqlx::raw_sql(sqlx::AssertSqlSafe(column_sql))
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| {
+                    StoreError::new(
+                        format!(
+                            "migrate: could not add the generation column to {} (it needs the \
+                                 table's owner, and no long transaction on it; apply \
+                                 migrations/0003 as its owner, or migrate again)",
+                            sql.table
+                        ),
+                        e,
+                    )
+                })?;
+            sqlx::query("SET LOCAL lock_timeout = 0")
+                .execute(&mut *tx)
+                .await
+                .map_err(db("migrate: lock timeout"))?;
+        }
+        let (function,): (bool,) = sqlx::query_as("SELECT to_regprocedure($1) IS NOT NULL")
+            .bind(&signature)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db("migrate: look up the claim function"))?;
+        if !function {
+            sqlx::query("SAVEPOINT claim_function")
+                .execute(&mut *tx)
+                .await
+                .map_err(db("migrate: savepoint"))?;
+            match sqlx::raw_sql(sqlx::AssertSqlSafe(function_sql))
+                .execute(&mut *tx)
+                .await
+            {
+                Ok(_) => {}
+                // A role that may write the table but not create in its schema: claims work
+                // without the function (two statements when they race), as they did before it.
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42501") => {
+                    tracing::warn!(
+                        error = %e,
+                        "migrate: no privilege to create the claim function; claims that race \
+                         will take two round trips (apply migrations/0003 as a role that may)"
+                    );
+                    sqlx::query("ROLLBACK TO SAVEPOINT claim_function")
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db("migrate: rollback to savepoint"))?;
+                }
+                Err(e) => return Err(db("migrate: create the claim function")(e)),
+            }
+        }
+        // A claim function without a fixed search path (made by an earlier version, or by
+        // hand from 0003): fix it, so that its statements resolve in the table's schema only.
+        let (unfixed,): (bool,) = sqlx::query_as(
+            "SELECT NOT EXISTS (SELECT 1 FROM pg_catalog.unnest(p.proconfig) c \
+                                    WHERE c LIKE 'search_path=%') \
+                 FROM pg_catalog.pg_proc p WHERE p.oid = pg_catalog.to_regprocedure($1)",
+        )
+        .bind(&signature)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db("migrate: look up the claim function's settings"))?
+        .unwrap_or((false,));
+        if unfixed {
+            sqlx::query("SAVEPOINT claim_function_path")
+                .execute(&mut *tx)
+                .await
+                .map_err(db("migrate: savepoint"))?;
+            match sqlx::raw_sql(sqlx::AssertSqlSafe(search_path_sql))
+                .execute(&mut *tx)
+                .await
+            {
+                Ok(_) => {}
+                // Not the function's owner: it keeps working as it did.
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42501") => {
+                    tracing::warn!(
+                        error = %e,
+                        "migrate: no privilege to fix the claim function's search path \
+                         (apply migrations/0004 as its owner)"
+                    );
+                    sqlx::query("ROLLBACK TO SAVEPOINT claim_function_path")
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db("migrate: rollback to savepoint"))?;
+                }
+                Err(e) => return Err(db("migrate: fix the claim function's search path")(e)),
+            }
+        }
+        Ok(())
+    }
+
     async fn retake(
         &self,
         request: &ClaimRequest,
@@ -526,7 +638,7 @@ impl PostgresStore {
         old_status: &str,
     ) -> Result<Option<Option<Generation>>, StoreError> {
         let row: Option<(Option<Vec<u8>>,)> = on_connection!(self, "retake", conn => {
-            sqlx::query_as(sqlx::AssertSqlSafe(self.sql.retake.as_str()))
+            sqlx::query_as(sqlx::AssertSqlSafe(self.sql().retake.as_str()))
                 .bind(&scope[..])
                 .bind(&request.fingerprint.as_bytes()[..])
                 .bind(request.lease.0)
@@ -658,20 +770,20 @@ impl PostgresStore {
         request: &ClaimRequest,
         scope: &[u8; 32],
     ) -> Result<Option<PgRow>, StoreError> {
-        let (use_function, probing) = match *lock(&self.sql.function_missing) {
+        let (use_function, probing) = match *lock(&self.sql().function_missing) {
             None => (true, false),
             Some(since) => (since.elapsed() >= FUNCTION_PROBE, true),
         };
         if use_function {
-            let call = self.claim_statement(&self.sql.claim, request, scope);
+            let call = self.claim_statement(&self.sql().claim, request, scope);
             match on_connection!(self, "claim", conn => call.fetch_optional(&mut *conn)) {
                 Ok(Err(sqlx::Error::Database(e))) if e.code().as_deref() == Some("42883") => {
                     tracing::warn!(
-                        table = %self.sql.table,
+                        table = %self.sql().table,
                         "the claim function is missing (run PostgresStore::migrate): a claim \
                          that races another takes two round trips until it is there"
                     );
-                    *lock(&self.sql.function_missing) = Some(std::time::Instant::now());
+                    *lock(&self.sql().function_missing) = Some(std::time::Instant::now());
                 }
                 // A serialization failure (the database's default isolation is above READ
                 // COMMITTED) means a concurrent claim of this key: nothing was written; in progress.
@@ -680,7 +792,7 @@ impl PostgresStore {
                 }
                 Ok(Ok(row)) => {
                     if probing {
-                        *lock(&self.sql.function_missing) = None;
+                        *lock(&self.sql().function_missing) = None;
                     }
                     return Ok(row);
                 }
@@ -691,7 +803,7 @@ impl PostgresStore {
         let direct = || async {
             let row = tokio::time::timeout(
                 self.timeout,
-                self.claim_statement(&self.sql.claim_direct, request, scope)
+                self.claim_statement(&self.sql().claim_direct, request, scope)
                     .fetch_optional(&self.pool),
             )
             .await
@@ -704,7 +816,7 @@ impl PostgresStore {
                     Err(StoreError::refused_claim(format!(
                         "postgres claim: the table {} lacks the generation column; run \
                          PostgresStore::migrate() (or apply migrations/0003): {e}",
-                        self.sql.table
+                        self.sql().table
                     )))
                 }
                 Err(e) => Err(db("claim")(e)),
@@ -755,7 +867,7 @@ impl PostgresStore {
             .map(|(n, v)| (n.as_str(), v.as_bytes()))
             .unzip();
         let body = (!response.body_omitted).then_some(&response.body[..]);
-        sqlx::query_as(sqlx::AssertSqlSafe(self.sql.complete.as_str()))
+        sqlx::query_as(sqlx::AssertSqlSafe(self.sql().complete.as_str()))
             .bind(&scope[..])
             .bind(lease.0)
             .bind(response.outcome.as_str())
@@ -845,7 +957,7 @@ impl PostgresStore {
 
     /// Whether `lease` finished the record (see `Statements::finished_by`).
     async fn finished_by(&self, scope: &[u8; 32], lease: LeaseToken) -> Result<bool, StoreError> {
-        let query = sqlx::query_as(sqlx::AssertSqlSafe(self.sql.finished_by.as_str()))
+        let query = sqlx::query_as(sqlx::AssertSqlSafe(self.sql().finished_by.as_str()))
             .bind(&scope[..])
             .bind(lease.0);
         let (finished,): (bool,) =
@@ -894,6 +1006,7 @@ impl IdempotencyStore for PostgresStore {
         &self,
         key: &RecordKey,
         lease: LeaseToken,
+        _fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
     ) -> Result<bool, StoreError> {
@@ -924,7 +1037,7 @@ impl IdempotencyStore for PostgresStore {
     ) -> Result<bool, StoreError> {
         let scope = key.digest();
         let renewal = self
-            .leased(&self.sql.renew, &scope, lease)
+            .leased(&self.sql().renew, &scope, lease)
             .bind(micros(lifetime))
             .bind(&*self.lock_timeout);
         let done = on_connection!(self, "renew", conn => renewal.execute(&mut *conn))?
@@ -935,7 +1048,7 @@ impl IdempotencyStore for PostgresStore {
     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
         let scope = key.digest();
         let release = self
-            .leased(&self.sql.release, &scope, lease)
+            .leased(&self.sql().release, &scope, lease)
             .bind(&*self.lock_timeout);
         let done = on_connection!(self, "release", conn => release.execute(&mut *conn))?
             .map_err(db("release"))?;
@@ -945,8 +1058,8 @@ impl IdempotencyStore for PostgresStore {
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
-            let purge =
-                sqlx::query(sqlx::AssertSqlSafe(self.sql.purge.as_str())).bind(&*self.lock_timeout);
+            let purge = sqlx::query(sqlx::AssertSqlSafe(self.sql().purge.as_str()))
+                .bind(&*self.lock_timeout);
             let done = on_connection!(self, "purge", conn => purge.execute(&mut *conn))?
                 .map_err(db("purge"))?;
             total += done.rows_affected();
@@ -964,6 +1077,11 @@ fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// `ident` as a quoted SQL identifier (a `"` inside doubled).
+fn quote_ident(ident: &str) -> String {
+    format!("\"{}\"", ident.replace('"', "\"\""))
 }
 
 fn printable(s: &str) -> Cow<'_, str> {
