@@ -121,6 +121,9 @@ mod body;
 mod canonical_json;
 mod claim;
 mod config;
+#[cfg(feature = "test-suite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-suite")))]
+pub mod conformance;
 mod context;
 mod drain;
 mod fingerprint;

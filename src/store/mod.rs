@@ -121,7 +121,8 @@ impl std::error::Error for StoreError {
 /// A backend for idempotency records.
 ///
 /// Every method is a single atomic step; none of them may hold a lock or a transaction open after
-/// it returns. The behavioural test suite in `tests/` runs against every implementation.
+/// it returns. The behaviour suite (feature `test-suite`: `axum_idempotency::conformance` and
+/// `store_suite!`) checks an implementation against all of this; every store of the crate runs it.
 pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// Claims a record, atomically:
     ///
