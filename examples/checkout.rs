@@ -532,7 +532,7 @@ pub async fn router_from_env(settings: Settings) -> Result<Router, Box<dyn Error
                 .with_transaction_pool(transactions)
                 .with_timeout(store_timeout(&settings));
             store.migrate().await?;
-            axum_idempotency::store::spawn_purge(store.clone(), Duration::from_secs(3600));
+            axum_idempotency::spawn_purge(store.clone(), Duration::from_secs(3600));
             tracing::info!("idempotency records and charges in PostgreSQL");
             app(store, Ledger::postgres(ledger).await?, settings)
         }

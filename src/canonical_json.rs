@@ -438,10 +438,9 @@ impl Parser<'_> {
             '\r' => self.out.extend_from_slice(b"\\r"),
             '\t' => self.out.extend_from_slice(b"\\t"),
             c if (c as u32) < 0x20 => {
-                const HEX: &[u8; 16] = b"0123456789abcdef";
-                let c = c as usize;
+                let [hi, lo] = crate::hex::digits(c as u8);
                 self.out
-                    .extend_from_slice(&[b'\\', b'u', b'0', b'0', HEX[c >> 4], HEX[c & 15]]);
+                    .extend_from_slice(&[b'\\', b'u', b'0', b'0', hi, lo]);
             }
             _ => self.out.extend_from_slice(encoded),
         }

@@ -294,7 +294,7 @@ where
     ));
     #[cfg(feature = "postgres")]
     let slot = store.postgres().map(|pg| {
-        let slot = crate::store::TxSlot::new(pg.clone(), &config);
+        let slot = crate::transaction::TxSlot::new(pg.clone(), &config);
         request.extensions_mut().insert(slot.clone());
         (pg.clone(), slot)
     });
@@ -326,9 +326,9 @@ where
         // as the key's definitive answer.
         lease.timed_out();
         #[cfg(feature = "postgres")]
-        if let Some((pg, crate::store::Left::Transaction(tx))) = left {
+        if let Some((pg, crate::transaction::Left::Transaction(tx))) = left {
             tracing::warn!("the handler was still running at the maximum hold; rolled back");
-            crate::store::rollback(&pg, tx).await;
+            crate::recording::transactional::rollback(&pg, tx).await;
             lease.release("the handler ran past the maximum hold").await;
             return Ok(config.problem(
                 ErrorKind::HandlerTimeout,
@@ -355,10 +355,13 @@ where
             headers.remove(crate::replay::IDEMPOTENCY_REPLAY);
             #[cfg(feature = "postgres")]
             match left {
-                Some((pg, crate::store::Left::Transaction(tx))) => {
-                    return Ok(crate::store::record_in(&config, lease, &pg, tx, response).await);
+                Some((pg, crate::transaction::Left::Transaction(tx))) => {
+                    return Ok(crate::recording::transactional::record_in(
+                        &config, lease, &pg, tx, response,
+                    )
+                    .await);
                 }
-                Some((_, crate::store::Left::Kept)) => {
+                Some((_, crate::transaction::Left::Kept)) => {
                     tracing::error!(
                         "the handler kept its IdempotencyTx beyond its answer; it cannot be \
                          committed with the record, so the record is released"
@@ -442,9 +445,6 @@ struct KeyHash<'a>(&'a str);
 
 impl fmt::Display for KeyHash<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for b in &Sha256::digest(self.0.as_bytes())[..8] {
-            write!(f, "{b:02x}")?;
-        }
-        Ok(())
+        crate::hex::write(f, &Sha256::digest(self.0.as_bytes())[..8])
     }
 }

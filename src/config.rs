@@ -9,6 +9,8 @@ use http::{HeaderName, Method, StatusCode};
 
 use crate::drain::Drain;
 use crate::fingerprint::Fingerprint;
+use crate::header_policy;
+pub use crate::header_policy::DENIED_HEADERS;
 use crate::json_pointer::Pointer;
 use crate::layer::IdempotencyLayer;
 use crate::outcome::Outcome;
@@ -24,32 +26,6 @@ pub const DEFAULT_STORED_HEADERS: [&str; 5] = [
     "content-language",
     "etag",
     "cache-control",
-];
-
-/// Response headers never recorded nor replayed, whatever the configuration says: credentials,
-/// cookies, headers that describe one transfer or one hop rather than the response (RFC 9110
-/// section 7.6.1), and the layer's own markers.
-pub const DENIED_HEADERS: [&str; 20] = [
-    "set-cookie",
-    "set-cookie2",
-    "authorization",
-    "proxy-authorization",
-    "proxy-authenticate",
-    "www-authenticate",
-    "authentication-info",
-    "proxy-authentication-info",
-    "cookie",
-    "content-length",
-    "transfer-encoding",
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "upgrade",
-    "idempotent-replayed",
-    "idempotency-replay",
-    "idempotency-key",
 ];
 
 /// The longest in-progress TTL or retention that [`IdempotencyLayerBuilder::build`] accepts: ten
@@ -557,7 +533,7 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
         for name in self.extra_headers {
             let header = HeaderName::try_from(name.as_str())
                 .map_err(|_| ConfigError(format!("{name:?} is not a valid header name")))?;
-            if DENIED_HEADERS.contains(&header.as_str()) {
+            if header_policy::is_denied(&header) {
                 return Err(ConfigError(format!(
                     "{header} is never stored: it carries credentials or belongs to one transfer"
                 )));
@@ -569,9 +545,7 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
         if let Some(name) = self.replay_header_name {
             let header = HeaderName::try_from(name.as_str())
                 .map_err(|_| ConfigError(format!("{name:?} is not a valid header name")))?;
-            if header != crate::replay::IDEMPOTENT_REPLAYED
-                && DENIED_HEADERS.contains(&header.as_str())
-            {
+            if header != crate::replay::IDEMPOTENT_REPLAYED && header_policy::is_denied(&header) {
                 return Err(ConfigError(format!(
                     "{header} cannot mark replays: the layer or HTTP gives it another meaning"
                 )));

@@ -114,16 +114,9 @@ impl IdempotencyContext {
                 hasher.finalize().into()
             }
         };
-        let mut hex = String::with_capacity(64);
-        for b in digest {
-            hex.push(char::from(HEX[usize::from(b >> 4)]));
-            hex.push(char::from(HEX[usize::from(b & 15)]));
-        }
-        hex
+        crate::hex::encode(&digest)
     }
 }
-
-const HEX: &[u8; 16] = b"0123456789abcdef";
 
 impl fmt::Debug for IdempotencyContext {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

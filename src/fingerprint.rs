@@ -73,12 +73,7 @@ impl Fingerprint {
 
     /// Lower-case hex, as shown in logs.
     pub fn to_hex(&self) -> String {
-        use fmt::Write;
-        let mut s = String::with_capacity(64);
-        for b in self.0 {
-            let _ = write!(s, "{b:02x}");
-        }
-        s
+        crate::hex::encode(&self.0)
     }
 }
 

@@ -72,6 +72,10 @@ impl<Inner, S: IdempotencyStore> Layer<Inner> for IdempotencyLayer<S> {
     type Service = IdempotencyService<Inner, S>;
 
     fn layer(&self, inner: Inner) -> Self::Service {
-        IdempotencyService::new(inner, self.store.clone(), self.config.clone())
+        IdempotencyService::new(
+            inner,
+            crate::metrics::store(self.store.clone()),
+            self.config.clone(),
+        )
     }
 }

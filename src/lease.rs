@@ -55,6 +55,22 @@ pub(crate) struct Lease<St: IdempotencyStore> {
     deadline: Instant,
 }
 
+/// How a record was settled outside its lease (see [`Lease::settled_outside`]).
+#[cfg(feature = "postgres")]
+pub(crate) enum Settled {
+    /// Completed in the handler's transaction, which committed.
+    Recorded {
+        /// The recorded status.
+        status: u16,
+    },
+    /// Released by the store's own statement (after a failed commit).
+    Released,
+    /// The lease turned out to be lost: nothing of this run is recorded, nothing is released.
+    Lost,
+    /// Whether the handler's transaction committed is unknown (the store could not be asked).
+    Unknown,
+}
+
 /// What the lease and its heartbeat task share.
 struct Held<St> {
     store: St,
@@ -156,53 +172,31 @@ impl<St: IdempotencyStore> Lease<St> {
         self.held.token
     }
 
-    /// The record was completed in the handler's transaction, which committed.
+    /// The record was settled outside the lease, by a statement of the handler's transaction or
+    /// of the Postgres store's own: nothing is left to complete or release, except for
+    /// [`Settled::Unknown`], which is released by its token in the background.
     #[cfg(feature = "postgres")]
-    pub(crate) fn recorded_in_transaction(mut self, status: u16) {
-        self.done = true;
-        self.held
-            .store
-            .settled_elsewhere(&self.held.key, self.held.token);
-        report(&self.held.config, &self.label, Outcome::Recorded);
-        tracing::debug!(status, "recorded in the handler's transaction");
-    }
-
-    /// The record was released by the store's own statement (after a failed commit).
-    #[cfg(feature = "postgres")]
-    pub(crate) fn released_elsewhere(mut self) {
-        self.done = true;
-        self.held
-            .store
-            .settled_elsewhere(&self.held.key, self.held.token);
-        report(&self.held.config, &self.label, Outcome::Released);
-    }
-
-    /// The lease turned out to be lost: nothing of this run is recorded, nothing is released.
-    #[cfg(feature = "postgres")]
-    pub(crate) fn lost(mut self) {
-        self.done = true;
-        self.held
-            .store
-            .settled_elsewhere(&self.held.key, self.held.token);
-        report(&self.held.config, &self.label, Outcome::LeaseLost);
-    }
-
-    /// Whether the handler's transaction committed is unknown (the store could not be asked): the
-    /// record is either finished by this lease or still in progress under it with nothing
-    /// committed. It is released by its token in the background (see [`abandon`]): a release only
-    /// deletes a record still in progress, so a landed commit stays and the retry gets its replay,
-    /// and one that did not land lets the retry run, rather than wait for the TTL.
-    #[cfg(feature = "postgres")]
-    pub(crate) fn outcome_unknown(mut self) {
+    pub(crate) fn settled_outside(mut self, how: Settled) {
         self.done = true;
         let held = &self.held;
         held.store.settled_elsewhere(&held.key, held.token);
-        abandon(
-            &held.config,
-            held.store.clone(),
-            held.key.clone(),
-            held.token,
-        );
+        match how {
+            Settled::Recorded { status } => {
+                report(&held.config, &self.label, Outcome::Recorded);
+                tracing::debug!(status, "recorded in the handler's transaction");
+            }
+            Settled::Released => report(&held.config, &self.label, Outcome::Released),
+            Settled::Lost => report(&held.config, &self.label, Outcome::LeaseLost),
+            // A release only deletes a record still in progress under this lease, so a landed
+            // commit stays (the retry gets its replay) and one that did not land lets the retry
+            // run, rather than wait for the TTL.
+            Settled::Unknown => abandon(
+                &held.config,
+                held.store.clone(),
+                held.key.clone(),
+                held.token,
+            ),
+        }
     }
 
     /// Records the response. When the store fails, the record is not released (the effect has
@@ -340,10 +334,7 @@ async fn heartbeat<St: IdempotencyStore>(held: Arc<Held<St>>, since: Instant) {
             Ok(Ok(true)) => {
                 tracing::trace!("lease renewed");
                 held.renewals.fetch_add(1, Ordering::Relaxed);
-                *held
-                    .held_since
-                    .lock()
-                    .unwrap_or_else(|poisoned| poisoned.into_inner()) = started;
+                *crate::lock::lock(&held.held_since) = started;
                 started + ttl / 3
             }
             Ok(Ok(false)) => {
@@ -393,10 +384,7 @@ impl<St: IdempotencyStore> Drop for Lease<St> {
             held.token,
         );
         let answered = self.answered.take();
-        let held_since = *held
-            .held_since
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let held_since = *crate::lock::lock(&held.held_since);
         // The new lease is made inside the task: a task the runtime drops unpolled (it is shutting
         // down) then owns no lease whose drop would spawn again.
         let drain = config.drain.clone();

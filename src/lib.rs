@@ -41,7 +41,7 @@
 //! use std::time::Duration;
 //! use axum::{Json, Router, handler::Handler, http::StatusCode, routing::post};
 //! use axum_idempotency::sqlx::{self, postgres::PgPoolOptions};
-//! use axum_idempotency::store::{CachedStore, spawn_purge};
+//! use axum_idempotency::{CachedStore, spawn_purge};
 //! use axum_idempotency::{IdempotencyContext, IdempotencyLayer, IdempotencyTx, PostgresStore};
 //! use serde_json::Value;
 //!
@@ -127,11 +127,14 @@ pub mod conformance;
 mod context;
 mod drain;
 mod fingerprint;
+mod header_policy;
+mod hex;
 mod hmac;
 mod json_pointer;
 pub mod key;
 mod layer;
 mod lease;
+mod lock;
 #[cfg(feature = "metrics")]
 pub mod metrics;
 #[cfg(not(feature = "metrics"))]
@@ -139,6 +142,7 @@ mod metrics;
 mod outcome;
 mod policy;
 mod problem;
+mod purge;
 mod record;
 mod recording;
 mod replay;
@@ -146,6 +150,8 @@ mod secret;
 mod service;
 pub mod store;
 mod subject;
+#[cfg(feature = "postgres")]
+mod transaction;
 
 pub use canonical_json::{MAX_DEPTH, canonicalize};
 pub use config::{
@@ -160,6 +166,7 @@ pub use layer::IdempotencyLayer;
 pub use outcome::{Outcome, OutcomeCounters};
 pub use policy::{Disposition, default_policy};
 pub use problem::ErrorKind;
+pub use purge::spawn_purge;
 pub use record::{
     ClaimOutcome, ClaimRequest, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
 };
@@ -171,7 +178,9 @@ pub use store::{CachedStore, IdempotencyStore, MemoryStore, StoreError};
 #[cfg(feature = "encryption")]
 pub use store::{EncryptedStore, EncryptionKeys, EncryptionKeysError, KeyId};
 #[cfg(feature = "postgres")]
-pub use store::{IdempotencyTx, PostgresStore, PostgresStoreError};
+pub use store::{PostgresStore, PostgresStoreError};
+#[cfg(feature = "postgres")]
+pub use transaction::IdempotencyTx;
 
 /// The former name of [`IdempotencyTx`], kept for one release.
 #[cfg(feature = "postgres")]

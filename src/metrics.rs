@@ -29,7 +29,7 @@
 //! **`idempotency_store_duration_seconds`** is the wall-clock time of each store operation the layer
 //! runs: `operation` is `claim`, `complete` (also the completion written in the handler's
 //! transaction), `renew` (the heartbeat), `release` (also the background clean-ups) or `purge`
-//! (through [`spawn_purge`](crate::store::spawn_purge)); `result` is `ok` when the store answered,
+//! (through [`spawn_purge`](crate::spawn_purge)); `result` is `ok` when the store answered,
 //! whatever it answered (a completion refused because the lease was lost is `ok`), and `error` when
 //! it failed, timed out, or the operation was given up before it finished. It times the store the
 //! layer was given: behind a [`CachedStore`](crate::store::CachedStore), a claim answered from the
@@ -113,8 +113,11 @@ mod enabled {
     }
 
     /// A store whose operations are timed into [`STORE_DURATION_SECONDS`].
-    #[derive(Clone)]
+    #[derive(Clone, Debug)]
     pub(crate) struct Timed<St>(St);
+
+    /// The store as the layer uses it.
+    pub(crate) type Measured<St> = Timed<St>;
 
     impl<St: IdempotencyStore> IdempotencyStore for Timed<St> {
         fn claim(
@@ -245,6 +248,9 @@ mod disabled {
     pub(crate) fn store<St>(store: St) -> St {
         store
     }
+
+    /// The store as the layer uses it: itself.
+    pub(crate) type Measured<St> = St;
 
     #[cfg(feature = "postgres")]
     #[inline(always)]

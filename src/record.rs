@@ -89,9 +89,7 @@ impl Generation {
 impl std::fmt::Debug for Generation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Generation(")?;
-        for b in self.0 {
-            write!(f, "{b:02x}")?;
-        }
+        crate::hex::write(f, &self.0)?;
         write!(f, ")")
     }
 }

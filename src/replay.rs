@@ -4,7 +4,7 @@ use axum::body::Body;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 
-use crate::config::DENIED_HEADERS;
+use crate::header_policy;
 use crate::record::{Finished, StoredResponse};
 
 /// The response header that marks a replay.
@@ -26,7 +26,7 @@ pub(crate) fn capture(
 ) -> StoredResponse {
     let headers = headers
         .iter()
-        .filter(|(name, _)| allowed.contains(name) && !DENIED_HEADERS.contains(&name.as_str()))
+        .filter(|(name, _)| allowed.contains(name) && !header_policy::is_denied(name))
         .map(|(name, value)| (name.clone(), value.clone()))
         .collect();
     StoredResponse {
@@ -79,7 +79,7 @@ fn fresh_with(
     // A record may hold anything a store was given: no count makes `reserve` or `append` panic.
     let _ = headers.try_reserve(stored.headers.len().min(MAX_RESERVED_HEADERS) + 2);
     for (name, value) in &stored.headers {
-        if !DENIED_HEADERS.contains(&name.as_str())
+        if !header_policy::is_denied(name)
             && Some(name) != marker
             && allowed.is_none_or(|allowed| allowed.contains(name))
             && headers.try_append(name.clone(), value.clone()).is_err()

@@ -12,6 +12,7 @@ use tower::{BoxError, Service};
 use crate::claim;
 use crate::config::Config;
 use crate::drain::Drain;
+use crate::metrics::Measured;
 use crate::store::IdempotencyStore;
 
 type BoxedFuture<E> = Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>;
@@ -74,7 +75,9 @@ impl<E: 'static> Drop for ResponseFuture<E> {
 /// Guards an inner service; built by [`IdempotencyLayer`](crate::IdempotencyLayer).
 pub struct IdempotencyService<Inner, S> {
     inner: Inner,
-    store: S,
+    /// Each operation timed, with the `metrics` feature (wrapped once, when the layer built this
+    /// service); the store itself without.
+    store: Measured<S>,
     config: Arc<Config>,
 }
 
@@ -105,7 +108,7 @@ impl<Inner, S> IdempotencyService<Inner, S> {
 }
 
 impl<Inner, S> IdempotencyService<Inner, S> {
-    pub(crate) fn new(inner: Inner, store: S, config: Arc<Config>) -> Self {
+    pub(crate) fn new(inner: Inner, store: Measured<S>, config: Arc<Config>) -> Self {
         IdempotencyService {
             inner,
             store,
@@ -156,8 +159,7 @@ where
         ResponseFuture {
             inner: Some(Box::pin(claim::guard(
                 self.config.clone(),
-                // Each operation timed, with the `metrics` feature; the store itself without.
-                crate::metrics::store(self.store.clone()),
+                self.store.clone(),
                 inner,
                 request,
             ))),

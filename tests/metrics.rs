@@ -296,7 +296,7 @@ async fn heartbeats_purges_and_late_outcomes_are_timed_and_labelled() {
     let recorder = TestRecorder::default();
     let _local = metrics::set_default_local_recorder(&recorder);
     let store = MemoryStore::new();
-    let purge = axum_idempotency::store::spawn_purge(store.clone(), Duration::from_secs(3600));
+    let purge = axum_idempotency::spawn_purge(store.clone(), Duration::from_secs(3600));
     let layer = builder(store)
         .in_progress_ttl(Duration::from_millis(60))
         .build()

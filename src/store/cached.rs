@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use super::local_claims::{self, LocalClaims};
 use super::{IdempotencyStore, StoreError};
 use crate::Fingerprint;
+use crate::lock::lock;
 use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
 
 /// The default bound on the bytes a [`CachedStore`] keeps: 32 MiB.
@@ -159,14 +160,6 @@ impl<S: IdempotencyStore> CachedStore<S> {
     pub fn bytes(&self) -> usize {
         self.cache.shards.iter().map(|s| lock(s).bytes).sum()
     }
-}
-
-fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
-    // Every change to a shard is completed before its lock is let go or cannot panic half-way, so a
-    // poisoned lock is safe to keep using.
-    shard
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Cache {

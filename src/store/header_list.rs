@@ -4,8 +4,6 @@
 
 use http::{HeaderName, HeaderValue};
 
-use crate::config::DENIED_HEADERS;
-
 /// Appends `headers` to `out`; `None` (with `out` partly written) when a count or a length does
 /// not fit in 32 bits.
 pub(crate) fn write(headers: &[(HeaderName, HeaderValue)], out: &mut Vec<u8>) -> Option<()> {
@@ -37,7 +35,6 @@ pub(crate) fn read(rest: &mut &[u8]) -> Option<Vec<(HeaderName, HeaderValue)>> {
         let value = take(len)?;
         if let (Ok(name), Ok(value)) =
             (HeaderName::from_bytes(name), HeaderValue::from_bytes(value))
-            && !DENIED_HEADERS.contains(&name.as_str())
         {
             headers.push((name, value));
         }

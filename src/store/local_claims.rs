@@ -25,6 +25,7 @@ use tokio::sync::watch;
 
 use super::StoreError;
 use crate::Fingerprint;
+use crate::lock::lock;
 use crate::record::{ClaimOutcome, LeaseToken};
 
 const SHARDS: usize = 16;
@@ -97,13 +98,6 @@ impl Default for LocalClaims {
             shards: Default::default(),
         }
     }
-}
-
-fn lock(shard: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
-    // Every change is one map operation: a poisoned lock holds nothing half-written.
-    shard
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl LocalClaims {

@@ -138,11 +138,7 @@ impl MemoryStore {
     }
 
     fn shard_at(&self, i: usize) -> MutexGuard<'_, Shard> {
-        // A panic while a shard is locked cannot leave a record half-written (every change is one
-        // map operation), so a poisoned lock is safe to keep using.
-        self.inner.shards[i]
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::lock::lock(&self.inner.shards[i])
     }
 
     fn shard(&self, key: &RecordKey) -> MutexGuard<'_, Shard> {

@@ -11,13 +11,9 @@ use http::{HeaderName, HeaderValue};
 use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
 
-mod tx;
-pub use tx::IdempotencyTx;
-pub(crate) use tx::{Left, TxSlot, record_in, rollback};
-
 use super::{IdempotencyStore, StoreError};
 use crate::Fingerprint;
-use crate::config::DENIED_HEADERS;
+use crate::lock::lock;
 use crate::record::{
     ClaimOutcome, ClaimRequest, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
 };
@@ -890,7 +886,7 @@ impl PostgresStore {
     /// The transaction may not stay idle longer than `idle` (the in-progress TTL): a connection
     /// that dies quietly between the completion and the commit holds the record's row lock, and
     /// the server ends its session after that long, so the key is stuck for at most about a TTL.
-    async fn begin(
+    pub(crate) async fn begin(
         &self,
         idle: Duration,
     ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
@@ -913,7 +909,7 @@ impl PostgresStore {
     }
 
     /// Completes a record inside the handler's transaction (not committed here).
-    async fn complete_in(
+    pub(crate) async fn complete_in(
         &self,
         tx: &mut sqlx::PgConnection,
         key: &RecordKey,
@@ -944,7 +940,7 @@ impl PostgresStore {
 
     /// After a commit of the handler's transaction failed: releases the record if the commit did
     /// not happen (`Ok(false)`), or finds it finished by `lease` if it did (`Ok(true)`).
-    async fn settle_failed_commit(
+    pub(crate) async fn settle_failed_commit(
         &self,
         key: &RecordKey,
         lease: LeaseToken,
@@ -966,14 +962,14 @@ impl PostgresStore {
         Ok(finished)
     }
 
-    async fn commit(
+    pub(crate) async fn commit(
         &self,
         tx: sqlx::Transaction<'static, sqlx::Postgres>,
     ) -> Result<(), StoreError> {
         self.timed("commit", tx.commit()).await
     }
 
-    async fn rollback(
+    pub(crate) async fn rollback(
         &self,
         tx: sqlx::Transaction<'static, sqlx::Postgres>,
     ) -> Result<(), StoreError> {
@@ -1070,20 +1066,13 @@ impl IdempotencyStore for PostgresStore {
     }
 }
 
-/// A subject or endpoint for the columns kept for inspection: PostgreSQL's `text` cannot hold NUL,
-/// so NUL is written as U+FFFD there (the record's identity is its `scope` digest, which is exact).
-fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Every change under this lock is one assignment: a poisoned lock holds nothing half-written.
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
 /// `ident` as a quoted SQL identifier (a `"` inside doubled).
 fn quote_ident(ident: &str) -> String {
     format!("\"{}\"", ident.replace('"', "\"\""))
 }
 
+/// A subject or endpoint for the columns kept for inspection: PostgreSQL's `text` cannot hold NUL,
+/// so NUL is written as U+FFFD there (the record's identity is its `scope` digest, which is exact).
 fn printable(s: &str) -> Cow<'_, str> {
     if s.contains('\0') {
         Cow::Owned(s.replace('\0', "\u{FFFD}"))
@@ -1093,15 +1082,16 @@ fn printable(s: &str) -> Cow<'_, str> {
 }
 
 /// Why a completion inside the handler's transaction failed.
-struct CompleteInError {
-    error: StoreError,
+pub(crate) struct CompleteInError {
+    pub(crate) error: StoreError,
     /// The handler's own statements had already failed (SQLSTATE 25P02): nothing in the
     /// transaction can commit.
-    aborted_transaction: bool,
+    pub(crate) aborted_transaction: bool,
 }
 
 /// Stored headers back into HTTP types. The table may have been written by anyone: a name or value
-/// that is not valid HTTP, or a denied header, is dropped rather than trusted.
+/// that is not valid HTTP is dropped rather than trusted (the layer's header policy applies on
+/// replay).
 fn parse_headers(names: Vec<String>, values: Vec<Vec<u8>>) -> Vec<(HeaderName, HeaderValue)> {
     names
         .into_iter()
@@ -1109,7 +1099,7 @@ fn parse_headers(names: Vec<String>, values: Vec<Vec<u8>>) -> Vec<(HeaderName, H
         .filter_map(|(name, value)| {
             let name = HeaderName::from_bytes(name.as_bytes()).ok()?;
             let value = HeaderValue::from_bytes(&value).ok()?;
-            (!DENIED_HEADERS.contains(&name.as_str())).then_some((name, value))
+            Some((name, value))
         })
         .collect()
 }

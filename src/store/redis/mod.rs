@@ -29,69 +29,21 @@ pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(2);
 /// has none).
 /// KEYS[1] record; ARGV fingerprint, new lease, in-progress TTL (ms), TTL + retention (ms),
 /// generation of a new record.
-const CLAIM: &str = r"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local rec = redis.call('HMGET', KEYS[1], 'fp', 'st', 'ts', 'lease', 'gen')
-if not rec[1] then
-  redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'st', 'in_progress', 'lease', ARGV[2], 'ts', now,
-    'gen', ARGV[5])
-  redis.call('PEXPIRE', KEYS[1], ARGV[4])
-  return {'claimed', ARGV[5]}
-end
-if rec[2] == 'in_progress' and rec[4] == '0' then
-  if rec[1] == ARGV[1] then
-    redis.call('HSET', KEYS[1], 'lease', ARGV[2], 'ts', now)
-    redis.call('PEXPIRE', KEYS[1], ARGV[4])
-    return {'claimed', rec[5]}
-  end
-  redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'lease', ARGV[2], 'ts', now, 'gen', ARGV[5])
-  redis.call('PEXPIRE', KEYS[1], ARGV[4])
-  return {'claimed', ARGV[5]}
-end
-if rec[1] ~= ARGV[1] then return {'mismatch'} end
-if rec[2] ~= 'in_progress' then
-  return {'finished', redis.call('HGET', KEYS[1], 'resp'), redis.call('PTTL', KEYS[1])}
-end
-if rec[4] == ARGV[2] then return {'claimed', rec[5]} end
-if now - tonumber(rec[3]) < tonumber(ARGV[3]) then return {'in_progress'} end
-redis.call('HSET', KEYS[1], 'lease', ARGV[2], 'ts', now)
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-return {'retaken', rec[5]}
-";
+const CLAIM: &str = include_str!("claim.lua");
 
 /// Complete, if the lease still holds an in-progress record; a record this lease already finished
 /// counts as done. KEYS[1]; ARGV lease, status, response, retention (ms).
-const COMPLETE: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 'lease', 'st')
-if rec[1] ~= ARGV[1] or ARGV[1] == '0' then return 0 end
-if rec[2] ~= 'in_progress' then return 1 end
-redis.call('HSET', KEYS[1], 'st', ARGV[2], 'resp', ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-return 1
-";
+const COMPLETE: &str = include_str!("complete.lua");
 
 /// Renew (the heartbeat), if the lease still holds an in-progress record. KEYS[1]; ARGV lease,
 /// lifetime (ms).
-const RENEW: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 'lease', 'st')
-if rec[1] ~= ARGV[1] or ARGV[1] == '0' or rec[2] ~= 'in_progress' then return 0 end
-local t = redis.call('TIME')
-redis.call('HSET', KEYS[1], 'ts', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-";
+const RENEW: &str = include_str!("renew.lua");
 
 /// Release, if the lease still holds an in-progress record: not deleted but left under lease `0`
 /// (no claim's token), which the next claim takes at once, keeping the record's generation for the
 /// same request (the retry of a released run is the same operation to a provider). KEYS[1]; ARGV
 /// lease.
-const RELEASE: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 'lease', 'st')
-if rec[1] ~= ARGV[1] or ARGV[1] == '0' or rec[2] ~= 'in_progress' then return 0 end
-redis.call('HSET', KEYS[1], 'lease', '0', 'ts', 0)
-return 1
-";
+const RELEASE: &str = include_str!("release.lua");
 
 /// Records in Redis, shared by every instance connected to the same server or cluster.
 ///
@@ -295,10 +247,7 @@ impl RedisStore {
         let digest = key.digest();
         let mut name = String::with_capacity(self.prefix.len() + 64);
         name.push_str(&self.prefix);
-        for b in digest {
-            name.push(char::from(HEX[usize::from(b >> 4)]));
-            name.push(char::from(HEX[usize::from(b & 15)]));
-        }
+        crate::hex::push(&mut name, &digest);
         name
     }
 
@@ -349,8 +298,6 @@ impl RedisStore {
         }
     }
 }
-
-const HEX: &[u8; 16] = b"0123456789abcdef";
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)

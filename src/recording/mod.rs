@@ -14,6 +14,9 @@
 //! A body over the recording limit, one with trailers, or one whose stream fails is recorded as its
 //! status and headers with the body omitted; never released, since the effect has happened.
 
+#[cfg(feature = "postgres")]
+pub(crate) mod transactional;
+
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
