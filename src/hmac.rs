@@ -12,18 +12,19 @@ pub(crate) fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
     } else {
         block[..key.len()].copy_from_slice(key);
     }
-    // The padded key and its two masks are key material: wiped before returning.
+    // The padded key and its two masks are key material: wiped before returning (best effort:
+    // the hash states they leave behind are not).
     let mut inner_pad = block.map(|b| b ^ 0x36);
     let mut outer_pad = block.map(|b| b ^ 0x5c);
     block.zeroize();
     let mut inner = Sha256::new();
-    inner.update(inner_pad);
+    inner.update(inner_pad.as_slice());
     inner_pad.zeroize();
     for part in parts {
         inner.update(part);
     }
     let mut outer = Sha256::new();
-    outer.update(outer_pad);
+    outer.update(outer_pad.as_slice());
     outer_pad.zeroize();
     outer.update(inner.finalize());
     outer.finalize().into()

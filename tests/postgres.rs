@@ -339,6 +339,28 @@ async fn a_shadowing_table_in_an_earlier_schema_changes_nothing() {
         "nothing reached the shadowing table"
     );
 
+    // Another process migrating now (a restart, a new replica) would find the shadowing table
+    // first on its search path: it refuses to start rather than pin it.
+    let options = PgConnectOptions::from_str(&database_url())
+        .expect("url")
+        .options([("search_path", format!("{shadow},{real}"))]);
+    let restarted = PostgresStore::new(
+        PgPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(options)
+            .await
+            .expect("PostgreSQL"),
+    );
+    let refused = restarted
+        .migrate()
+        .await
+        .expect_err("two tables on the path");
+    assert!(
+        refused.to_string().contains(&shadow) && refused.to_string().contains(&real),
+        "{refused}"
+    );
+
     // A claim function left without a search path (by an earlier version) is fixed by migrate.
     run(format!("ALTER FUNCTION {function} RESET search_path")).await;
     assert!(!fixed(&settings(admin.clone(), function.clone()).await));

@@ -36,6 +36,9 @@
 //! }
 //! ```
 //!
+//! For tests only: the test app ([`app::app`]) takes the subject from a request header, which no
+//! real application may do; nothing in the kit is meant for a server.
+//!
 //! The suite's in-progress TTLs are short (a few hundred milliseconds), and never under
 //! [`TTL_PER_OPERATION_TIMEOUT`](crate::TTL_PER_OPERATION_TIMEOUT) times the store's
 //! [`operation_timeout`](crate::IdempotencyStore::operation_timeout): give the store under test a

@@ -212,6 +212,10 @@ pub struct EncryptedStore<S> {
     keys: Arc<EncryptionKeys>,
     /// The key of keyed fingerprints, if set.
     fingerprints: Option<Arc<FingerprintSecret>>,
+    /// Seal in format 1, which earlier versions open (a rolling upgrade's first step).
+    seal_format_1: bool,
+    /// Open format 1 records (sealed by earlier versions, or under `seal_format_1`).
+    open_format_1: bool,
 }
 
 /// The secret of keyed fingerprints, wiped when dropped.
@@ -230,7 +234,29 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
             inner,
             keys: Arc::new(keys),
             fingerprints: None,
+            seal_format_1: false,
+            open_format_1: true,
         }
+    }
+
+    /// Seals as versions before the fingerprint was bound did (format 1: bound to the record's
+    /// scope and clear fields, not to the request's fingerprint), so that they can open what this
+    /// one seals. Earlier versions answer `503` to a record in format 2 until it expires, so a
+    /// rolling upgrade (or one you may roll back) goes in two steps: deploy with this set, then,
+    /// once no instance of an earlier version is left, deploy without it.
+    pub fn with_format_1_sealing(mut self) -> Self {
+        self.seal_format_1 = true;
+        self
+    }
+
+    /// Refuses to open records in format 1 (answered `503`, as any record that does not open).
+    /// Format 1 does not bind the request's fingerprint, so someone with write access who kept a
+    /// format 1 ciphertext could move it onto a later record of its scope made by another request.
+    /// Set it once every instance has sealed in format 2 for a whole retention: no legitimate
+    /// format 1 record is left then.
+    pub fn refuse_format_1(mut self) -> Self {
+        self.open_format_1 = false;
+        self
     }
 
     /// Keeps request fingerprints keyed: the inner store gets HMAC-SHA-256 of each fingerprint
@@ -284,7 +310,8 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
         fingerprint: &Fingerprint,
         response: &StoredResponse,
     ) -> Result<StoredResponse, StoreError> {
-        self.seal_as(key, Some(fingerprint), response)
+        let bound = (!self.seal_format_1).then_some(fingerprint);
+        self.seal_as(key, bound, response)
     }
 
     /// Seals in format 2 binding `fingerprint`, or (`None`, as earlier versions did) in format 1.
@@ -365,7 +392,13 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
         }
         let bound = match envelope[0] {
             FORMAT_V2 => Some(fingerprint),
-            FORMAT_V1 => None,
+            FORMAT_V1 if self.open_format_1 => None,
+            FORMAT_V1 => {
+                return Err(fail(
+                    None,
+                    "it is sealed in format 1, which this store is set to refuse",
+                ));
+            }
             _ => return Err(fail(None, "its sealed response has an unknown format")),
         };
         let flags = envelope[1];
@@ -695,6 +728,23 @@ mod tests {
             ..old.clone()
         };
         assert!(reason(s.open(&key("k"), &fp("a"), &relabelled)).contains("authentication"));
+    }
+
+    #[test]
+    fn format_1_can_be_sealed_for_a_rollout_and_refused_after_it() {
+        let rollout = store(&[(1, [1; 32])]).with_format_1_sealing();
+        let sealed = rollout
+            .seal(&key("k"), &fp("a"), &response(false))
+            .expect("seal");
+        assert_eq!(sealed.body[0], FORMAT_V1);
+        let now = store(&[(1, [1; 32])]);
+        assert!(now.open(&key("k"), &fp("a"), &sealed).is_ok());
+        let strict = store(&[(1, [1; 32])]).refuse_format_1();
+        assert!(reason(strict.open(&key("k"), &fp("a"), &sealed)).contains("format 1"));
+        let bound = now
+            .seal(&key("k"), &fp("a"), &response(false))
+            .expect("seal");
+        assert!(strict.open(&key("k"), &fp("a"), &bound).is_ok());
     }
 
     #[test]

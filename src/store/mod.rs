@@ -206,14 +206,14 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     }
 
     /// The Postgres store behind this one, if any, whose transactions handlers can take as
-    /// [`IdempotencyTx`]. A store that wraps a `PostgresStore` forwards it.
+    /// [`IdempotencyTx`](crate::IdempotencyTx). A store that wraps a `PostgresStore` forwards it.
     #[cfg(feature = "postgres")]
     fn postgres(&self) -> Option<&PostgresStore> {
         None
     }
 
     /// The response as this store would write it, for a record that the layer completes itself in
-    /// a handler's transaction ([`IdempotencyTx`]) through the store that
+    /// a handler's transaction ([`IdempotencyTx`](crate::IdempotencyTx)) through the store that
     /// [`postgres`](Self::postgres) answers, rather than through [`complete`](Self::complete).
     /// The identity by default.
     ///

@@ -365,7 +365,7 @@ impl PostgresStore {
         ))
     }
 
-    /// Takes the handlers' transactions ([`IdempotencyTx`]) from `pool` rather than from the store's
+    /// Takes the handlers' transactions ([`IdempotencyTx`](crate::IdempotencyTx)) from `pool` rather than from the store's
     /// own pool, so that transactions held while handlers run can never use up the connections that
     /// claims, heartbeats and completions need (with one pool, as many slow transactional requests
     /// as the pool has connections stop every other request of the instance, and the heartbeats of
@@ -422,6 +422,36 @@ impl PostgresStore {
                 .execute(&mut *tx)
                 .await
                 .map_err(db("migrate: lock"))?;
+            let name = configured
+                .table
+                .rsplit('.')
+                .next()
+                .unwrap_or(&configured.table);
+            if configured.schema.is_none() {
+                // An unqualified name resolves to the first table of that name on the search path:
+                // with two, a table another role made in an earlier schema would be the one this
+                // process pins, while instances migrated before it use the other. Refuse instead.
+                let schemas: Vec<String> = sqlx::query_scalar(
+                    "SELECT n.nspname::text FROM pg_catalog.pg_class c \
+                     JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+                     WHERE c.relname = $1 AND n.nspname = ANY (pg_catalog.current_schemas(true)) \
+                     ORDER BY pg_catalog.array_position(pg_catalog.current_schemas(true), \
+                                                         n.nspname)",
+                )
+                .bind(name)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(db("migrate: look for the table on the search path"))?;
+                if schemas.len() > 1 {
+                    return Err(StoreError::msg(format!(
+                        "migrate: the search path holds more than one relation named {name} (in \
+                         the schemas {}); the store would not know which is its table. Name it \
+                         with its schema (PostgresStore::with_table(pool, \"schema.{name}\")), \
+                         and find out who made the other one",
+                        schemas.join(", ")
+                    )));
+                }
+            }
             // `CREATE INDEX IF NOT EXISTS` locks the table against writes even when the index
             // exists, so a migration that has been applied already takes no lock at all.
             let (present,): (bool,) = sqlx::query_as(
@@ -449,11 +479,6 @@ impl PostgresStore {
             .fetch_one(&mut *tx)
             .await
             .map_err(db("migrate: find the table's schema"))?;
-            let name = configured
-                .table
-                .rsplit('.')
-                .next()
-                .unwrap_or(&configured.table);
             let pinned = Statements::on(Some(&schema), name, &configured.table);
             self.apply_generation(&mut tx, &pinned).await?;
             tx.commit().await.map_err(db("migrate: commit"))?;
