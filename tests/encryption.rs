@@ -428,6 +428,43 @@ mod postgres {
         KeyId::from_be_bytes(body[2..6].try_into().expect("4 bytes"))
     }
 
+    /// Without scope columns, a row holds nothing of the key, the subject or the endpoint; the
+    /// key still replays and another body is still `422`.
+    #[tokio::test]
+    async fn without_scope_columns_rows_hold_no_key_subject_or_endpoint() {
+        let (plain, schema) = plain_store(8).await;
+        let world = World {
+            schema,
+            ..World::default()
+        };
+        let store = EncryptedStore::new(plain.clone().without_scope_columns(), keys(&[1]))
+            .with_fingerprint_secret([5; 32]);
+        let app = router(layer(store), &world);
+        let marker = marker();
+        let key = format!("order-key-{marker}");
+        assert_carries(&pay_with(&app, "/pay", &key, &marker).await, &marker);
+        let replay = pay_with(&app, "/pay", &key, &marker).await;
+        assert!(replay.replayed());
+        assert_carries(&replay, &marker);
+        let other = pay_with(&app, "/pay", &key, "another body").await;
+        assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY, "{other:?}");
+        assert_eq!(world.runs(), 1);
+        let table = plain.table();
+        let rows: Vec<(String, String, String, String)> = sqlx::query_as(sqlx::AssertSqlSafe(
+            format!("SELECT idempotency_key, subject, endpoint, r::text FROM {table} r"),
+        ))
+        .fetch_all(plain.pool())
+        .await
+        .expect("rows");
+        assert_eq!(rows.len(), 1);
+        let (k, subject, endpoint, text) = &rows[0];
+        assert_eq!(
+            (k.as_str(), subject.as_str(), endpoint.as_str()),
+            ("", "", "")
+        );
+        assert!(!text.contains(&key) && !text.contains("/pay"), "{text}");
+    }
+
     #[tokio::test]
     async fn rows_hold_no_plaintext_and_replays_still_carry_it() {
         let (plain, schema) = plain_store(8).await;

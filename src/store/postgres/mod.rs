@@ -89,6 +89,8 @@ pub struct PostgresStore {
     timeout: Duration,
     /// The server-side `lock_timeout` of every statement: four fifths of `timeout`, as text.
     lock_timeout: Arc<str>,
+    /// Whether the key, subject and endpoint are written in clear beside the scope digest.
+    scope_columns: bool,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -302,6 +304,7 @@ impl PostgresStore {
             pinned: Arc::default(),
             timeout: DEFAULT_OPERATION_TIMEOUT,
             lock_timeout: lock_timeout_for(DEFAULT_OPERATION_TIMEOUT),
+            scope_columns: true,
         }
     }
 
@@ -331,6 +334,7 @@ impl PostgresStore {
             pinned: Arc::default(),
             timeout: DEFAULT_OPERATION_TIMEOUT,
             lock_timeout: lock_timeout_for(DEFAULT_OPERATION_TIMEOUT),
+            scope_columns: true,
         })
     }
 
@@ -372,6 +376,16 @@ impl PostgresStore {
     /// their own claims). Both pools must reach the same database.
     pub fn with_transaction_pool(mut self, pool: PgPool) -> Self {
         self.transactions = Some(pool);
+        self
+    }
+
+    /// Writes the `idempotency_key`, `subject` and `endpoint` columns empty: a record is found by
+    /// its `scope` digest alone, so nothing of the key or the subject (often personal data) is kept
+    /// in clear, at the cost of reading records by hand. With an `EncryptedStore` and a fingerprint
+    /// secret, what is left in clear is digests, statuses, times and the sealed answer. Records
+    /// written before keep their columns; it changes nothing else.
+    pub fn without_scope_columns(mut self) -> Self {
+        self.scope_columns = false;
         self
     }
 
@@ -863,9 +877,9 @@ impl PostgresStore {
         let key = &request.key;
         sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(&scope[..])
-            .bind(&key.key)
-            .bind(printable(&key.subject))
-            .bind(printable(&key.endpoint))
+            .bind(if self.scope_columns { &key.key[..] } else { "" })
+            .bind(self.scope_column(&key.subject))
+            .bind(self.scope_column(&key.endpoint))
             .bind(&request.fingerprint.as_bytes()[..])
             .bind(request.lease.0)
             .bind(micros(request.in_progress_ttl + request.retention))
@@ -999,6 +1013,15 @@ impl PostgresStore {
         tx: sqlx::Transaction<'static, sqlx::Postgres>,
     ) -> Result<(), StoreError> {
         self.timed("rollback", tx.rollback()).await
+    }
+
+    /// A subject or endpoint as its column keeps it: printable, or empty without scope columns.
+    fn scope_column<'a>(&self, part: &'a str) -> Cow<'a, str> {
+        if self.scope_columns {
+            printable(part)
+        } else {
+            Cow::Borrowed("")
+        }
     }
 
     /// A statement on one record held by `lease`: binds its scope as `$1` and the lease as `$2`.
