@@ -1,0 +1,302 @@
+//! `migrate()`: the table, its index, the generation column and the claim function
+//! (`migrations/`), applied under an advisory lock, and the store pinned to the table's schema.
+
+use super::statements::{Statements, quote_ident};
+use super::{MIN_MIGRATE_TIMEOUT, PostgresStore, db};
+use crate::lock::lock;
+use crate::store::StoreError;
+
+/// The migration, with `idempotency_records` as the table name.
+const MIGRATION: &str = include_str!("../../../migrations/0001_idempotency_records.sql");
+/// The generation column and the claim function that keeps it (the one claims use), with
+/// `idempotency_records` as the table name. (0002's claim function, without generations, is what
+/// earlier versions call; claims of this version do not.)
+const GENERATION_MIGRATION: &str =
+    include_str!("../../../migrations/0003_idempotency_generation.sql");
+pub(super) const DEFAULT_TABLE: &str = "idempotency_records";
+/// The claim function's name for the default table; for another table, `<table>_claim_v1`.
+const DEFAULT_FUNCTION: &str = "idempotency_records_claim_v2";
+/// The claim function's argument types, as `to_regprocedure` and `ALTER FUNCTION` name them.
+const CLAIM_V2_ARGUMENTS: &str =
+    "(bytea,text,text,text,bytea,bigint,double precision,double precision,bytea)";
+/// Fixes the claim function's search path (the table's schema in place of `public`).
+const SEARCH_PATH_MIGRATION: &str =
+    include_str!("../../../migrations/0004_idempotency_claim_search_path.sql");
+/// Serialises concurrent `migrate()` calls across instances (`pg_advisory_xact_lock` key).
+const MIGRATE_LOCK: i64 = 0x6178_6964_656d_0001; // "axidem" + 1
+
+impl PostgresStore {
+    /// Creates the table, its index and the claim function if they do not exist (`migrations/`).
+    /// Safe to call from many instances at once: an advisory lock serialises them. It touches no
+    /// migration bookkeeping of the application's (no `_sqlx_migrations` rows). It fails, rather
+    /// than waiting forever, after
+    /// the operation timeout or [`MIN_MIGRATE_TIMEOUT`], whichever is longer; and it fails with a
+    /// clear error when the table exists in a shape this version cannot use.
+    ///
+    /// Call it on the `PostgresStore` itself, before wrapping it in a `CachedStore` or an
+    /// `EncryptedStore` (they have no `migrate()`), and before this version serves claims: a
+    /// table without the generation column (migrations/0003) answers every claim `503`.
+    ///
+    /// It also pins the store: from then on, this store and its clones name the table in the
+    /// schema `migrate()` found it in, and the claim function resolves names there only
+    /// (migrations/0004), so an object another role creates later in a schema earlier on the
+    /// connections' search path stands in for nothing. A store that is never migrated in the
+    /// process resolves an unqualified table name through the search path on every statement:
+    /// qualify it ([`with_table`](Self::with_table)) where other roles may create objects.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        // Once pinned (an earlier `migrate()` of this store or a clone), the same table again.
+        let configured = self.sql();
+        let sql = MIGRATION
+            .replace("idempotency_records_expires_at_idx", "\u{0}")
+            .replace(DEFAULT_TABLE, &configured.quoted)
+            .replace('\u{0}', &configured.index);
+        let limit = self.timeout.max(MIN_MIGRATE_TIMEOUT);
+        let migration = async {
+            let mut tx = self.pool.begin().await.map_err(db("migrate: begin"))?;
+            sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                .bind(MIGRATE_LOCK)
+                .execute(&mut *tx)
+                .await
+                .map_err(db("migrate: lock"))?;
+            let name = configured
+                .table
+                .rsplit('.')
+                .next()
+                .unwrap_or(&configured.table);
+            if configured.schema.is_none() {
+                // An unqualified name resolves to the first table of that name on the search path:
+                // with two, a table another role made in an earlier schema would be the one this
+                // process pins, while instances migrated before it use the other. Refuse instead.
+                let schemas: Vec<String> = sqlx::query_scalar(
+                    "SELECT n.nspname::text FROM pg_catalog.pg_class c \
+                     JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+                     WHERE c.relname = $1 AND n.nspname = ANY (pg_catalog.current_schemas(true)) \
+                     ORDER BY pg_catalog.array_position(pg_catalog.current_schemas(true), \
+                                                         n.nspname)",
+                )
+                .bind(name)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(db("migrate: look for the table on the search path"))?;
+                if schemas.len() > 1 {
+                    return Err(StoreError::msg(format!(
+                        "migrate: the search path holds more than one relation named {name} (in \
+                         the schemas {}); the store would not know which is its table. Name it \
+                         with its schema (PostgresStore::with_table(pool, \"schema.{name}\")), \
+                         and find out who made the other one",
+                        schemas.join(", ")
+                    )));
+                }
+            }
+            // `CREATE INDEX IF NOT EXISTS` locks the table against writes even when the index
+            // exists, so a migration that has been applied already takes no lock at all.
+            let (present,): (bool,) = sqlx::query_as(
+                "SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL",
+            )
+            .bind(&configured.quoted)
+            .bind(&configured.qualified_index)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db("migrate: look up the table"))?;
+            if !present {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db("migrate: create table"))?;
+            }
+            // From here on, every object is named in the schema the table is in: nothing created
+            // later in a schema earlier on the search path can stand in for it.
+            let schema: String = sqlx::query_scalar(
+                "SELECT n.nspname::text FROM pg_catalog.pg_class c \
+                 JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+                 WHERE c.oid = pg_catalog.to_regclass($1)",
+            )
+            .bind(&configured.quoted)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db("migrate: find the table's schema"))?;
+            let pinned = Statements::on(Some(&schema), name, &configured.table);
+            self.apply_generation(&mut tx, &pinned).await?;
+            tx.commit().await.map_err(db("migrate: commit"))?;
+            *lock(&pinned.function_missing) = None;
+            *lock(&configured.function_missing) = None;
+            *lock(&self.configured.function_missing) = None;
+            // Clones share it; a second migrate finds the same schema.
+            let _ = self.pinned.set(pinned);
+            Ok(())
+        };
+        match tokio::time::timeout(limit, migration).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::msg(format!(
+                "postgres migrate: not done within {limit:?}"
+            ))),
+        }
+    }
+
+    /// The table's shape check, its generation column and the claim function (migrations/0003),
+    /// with the function's search path fixed (migrations/0004), on the table as `sql` names it.
+    async fn apply_generation(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        sql: &Statements,
+    ) -> Result<(), StoreError> {
+        let generation_sql = GENERATION_MIGRATION
+            .replace(DEFAULT_FUNCTION, "\u{0}")
+            .replace(DEFAULT_TABLE, &sql.quoted)
+            .replace('\u{0}', &sql.function_v2);
+        // The column first (claims need it), then the function (claims work without it).
+        let (column_sql, function_sql) = generation_sql
+            .split_once("CREATE OR REPLACE FUNCTION")
+            .map(|(column, function)| {
+                (
+                    column.to_owned(),
+                    format!("CREATE OR REPLACE FUNCTION{function}"),
+                )
+            })
+            .unwrap_or_default();
+        let signature = format!("{}{CLAIM_V2_ARGUMENTS}", sql.function_v2);
+        let search_path_sql = SEARCH_PATH_MIGRATION
+            .replace(
+                &format!("{DEFAULT_FUNCTION}{CLAIM_V2_ARGUMENTS}"),
+                &signature,
+            )
+            .replace(
+                "pg_catalog, public, pg_temp",
+                &format!(
+                    "pg_catalog, {}, pg_temp",
+                    quote_ident(sql.schema.as_deref().unwrap_or("public"))
+                ),
+            );
+        sqlx::query(sqlx::AssertSqlSafe(sql.check_shape.as_str()))
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| {
+                StoreError::new(
+                    format!(
+                        "migrate: the table {} exists but lacks the columns this version needs \
+                             (scope, idempotency_key, lease_token); it was made by an older \
+                             version: rename or drop it, then migrate again",
+                        sql.table
+                    ),
+                    e,
+                )
+            })?;
+        // `ADD COLUMN IF NOT EXISTS` locks the table even when the column exists: look first.
+        let (column,): (bool,) = sqlx::query_as(
+            "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) \
+                 AND attname = 'generation' AND NOT attisdropped)",
+        )
+        .bind(&sql.quoted)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db("migrate: look up the generation column"))?;
+        if !column {
+            // It takes the table's exclusive lock: wait for it only briefly (claims queue
+            // behind a waiting ALTER), and let the caller try again.
+            sqlx::query("SET LOCAL lock_timeout = '3s'")
+                .execute(&mut *tx)
+                .await
+                .map_err(db("migrate: lock timeout"))?;
+            sqlx::raw_sql(sqlx::AssertSqlSafe(column_sql))
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| {
+                    StoreError::new(
+                        format!(
+                            "migrate: could not add the generation column to {} (it needs the \
+                                 table's owner, and no long transaction on it; apply \
+                                 migrations/0003 as its owner, or migrate again)",
+                            sql.table
+                        ),
+                        e,
+                    )
+                })?;
+            sqlx::query("SET LOCAL lock_timeout = 0")
+                .execute(&mut *tx)
+                .await
+                .map_err(db("migrate: lock timeout"))?;
+        }
+        let (function,): (bool,) = sqlx::query_as("SELECT to_regprocedure($1) IS NOT NULL")
+            .bind(&signature)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db("migrate: look up the claim function"))?;
+        if !function {
+            sqlx::query("SAVEPOINT claim_function")
+                .execute(&mut *tx)
+                .await
+                .map_err(db("migrate: savepoint"))?;
+            match sqlx::raw_sql(sqlx::AssertSqlSafe(function_sql))
+                .execute(&mut *tx)
+                .await
+            {
+                Ok(_) => {}
+                // A role that may write the table but not create in its schema: claims work
+                // without the function (two statements when they race), as they did before it.
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42501") => {
+                    tracing::warn!(
+                        error = %e,
+                        "migrate: no privilege to create the claim function; claims that race \
+                         will take two round trips (apply migrations/0003 as a role that may)"
+                    );
+                    sqlx::query("ROLLBACK TO SAVEPOINT claim_function")
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db("migrate: rollback to savepoint"))?;
+                }
+                Err(e) => return Err(db("migrate: create the claim function")(e)),
+            }
+        }
+        // A claim function without a fixed search path (made by an earlier version, or by
+        // hand from 0003): fix it, so that its statements resolve in the table's schema only.
+        let (unfixed,): (bool,) = sqlx::query_as(
+            "SELECT NOT EXISTS (SELECT 1 FROM pg_catalog.unnest(p.proconfig) c \
+                                    WHERE c LIKE 'search_path=%') \
+                 FROM pg_catalog.pg_proc p WHERE p.oid = pg_catalog.to_regprocedure($1)",
+        )
+        .bind(&signature)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db("migrate: look up the claim function's settings"))?
+        .unwrap_or((false,));
+        if unfixed {
+            sqlx::query("SAVEPOINT claim_function_path")
+                .execute(&mut *tx)
+                .await
+                .map_err(db("migrate: savepoint"))?;
+            match sqlx::raw_sql(sqlx::AssertSqlSafe(search_path_sql))
+                .execute(&mut *tx)
+                .await
+            {
+                Ok(_) => {}
+                // Not the function's owner: it keeps working as it did.
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42501") => {
+                    tracing::warn!(
+                        error = %e,
+                        "migrate: no privilege to fix the claim function's search path \
+                         (apply migrations/0004 as its owner)"
+                    );
+                    sqlx::query("ROLLBACK TO SAVEPOINT claim_function_path")
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db("migrate: rollback to savepoint"))?;
+                }
+                Err(e) => return Err(db("migrate: fix the claim function's search path")(e)),
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_generation_migration_splits_into_its_column_and_its_function() {
+        let (column, function) = super::GENERATION_MIGRATION
+            .split_once("CREATE OR REPLACE FUNCTION")
+            .expect("the function");
+        assert!(column.contains("ADD COLUMN IF NOT EXISTS generation bytea"));
+        assert!(function.contains(super::DEFAULT_FUNCTION));
+        assert!(!function.contains("CREATE OR REPLACE FUNCTION"));
+    }
+}

@@ -1,0 +1,204 @@
+//! The statements on the table: written once per store, every name quoted and, once `migrate()`
+//! has found the table, qualified by its schema.
+
+use super::RELEASED;
+
+/// The condition that makes a statement apply its lock timeout (see [`lock_bound_cte`]) before it
+/// touches a row.
+pub(super) const LOCK_BOUND: &str = "(SELECT bound FROM lock_bound) IS NOT NULL";
+
+/// A common table expression that sets `lock_timeout` for the statement's own (implicit)
+/// transaction from the text parameter `$n` (`"4000ms"`), evaluated before the statement waits on
+/// any row lock (the statement's condition refers to it through [`LOCK_BOUND`]). Every statement on
+/// a record carries it, so that no wait on a row lock (a handler's transaction whose connection
+/// died between its completion and its commit, say) outlives the client's timeout: the server gives
+/// up first and answers, and the connection goes back to the pool instead of being held until the
+/// server finishes. A `statement_timeout` cannot be set this way (it is armed when the statement
+/// starts); the statements are single-row index lookups, and lock waits are what can last.
+pub(super) fn lock_bound_cte(n: u8) -> String {
+    format!(
+        "WITH lock_bound AS MATERIALIZED (SELECT set_config('lock_timeout', ${n}, true) AS bound)"
+    )
+}
+
+/// Rows removed per statement by `purge_expired`, so no single statement holds locks for long.
+pub(super) const PURGE_BATCH: i64 = 10_000;
+
+/// The statements of one store on its table.
+pub(super) struct Statements {
+    /// The table's name as configured, for messages.
+    pub(super) table: String,
+    /// The schema every statement names, if any: the configured one, or the one `migrate()` found
+    /// the table in.
+    pub(super) schema: Option<String>,
+    /// The table name as written in SQL: every part quoted, so reserved words work.
+    pub(super) quoted: String,
+    /// The expiry index's name, quoted.
+    pub(super) index: String,
+    /// The expiry index's name, quoted and qualified like the table.
+    pub(super) qualified_index: String,
+    /// The claim function that keeps generations (migrations/0003), quoted and qualified like the
+    /// table.
+    pub(super) function_v2: String,
+    /// Since when the claim function has been found missing (the table was made by an earlier
+    /// version and `migrate()` has not run since): claims then send its two queries one by one,
+    /// and look for the function again a minute later (another instance may have migrated).
+    pub(super) function_missing: std::sync::Mutex<Option<std::time::Instant>>,
+    /// The claim: one call of the claim function.
+    pub(super) claim: String,
+    /// The claim function's first query, sent on its own when the function is missing.
+    pub(super) claim_direct: String,
+    pub(super) retake: String,
+    pub(super) renew: String,
+    pub(super) complete: String,
+    pub(super) finished_by: String,
+    pub(super) release: String,
+    pub(super) purge: String,
+    pub(super) check_shape: String,
+}
+
+impl Statements {
+    /// The statements on `table` as configured (`schema.table` or `table`, validated).
+    pub(super) fn new(table: &str) -> Self {
+        match table.rsplit_once('.') {
+            Some((schema, name)) => Self::on(Some(schema), name, table),
+            None => Self::on(None, table, table),
+        }
+    }
+
+    /// The statements on `name` in `schema` (or wherever the search path finds it), named
+    /// `display` in messages. Every identifier is quoted.
+    pub(super) fn on(schema: Option<&str>, name: &str, display: &str) -> Self {
+        let qualify = |object: &str| match schema {
+            Some(schema) => format!("{}.{}", quote_ident(schema), quote_ident(object)),
+            None => quote_ident(object),
+        };
+        let quoted = qualify(name);
+        let function_v2 = qualify(&format!("{name}_claim_v2"));
+        let t = &quoted;
+        Statements {
+            table: display.to_owned(),
+            schema: schema.map(str::to_owned),
+            index: quote_ident(&format!("{name}_expires_at_idx")),
+            qualified_index: qualify(&format!("{name}_expires_at_idx")),
+            function_missing: std::sync::Mutex::new(None),
+            // $9: the generation of a new record; $10: the lock timeout (see `LOCK_BOUND`).
+            claim: format!(
+                "{} SELECT c.* FROM {function_v2}($1, $2, $3, $4, $5, $6, $7, $8, $9) c \
+                 WHERE {LOCK_BOUND}",
+                lock_bound_cte(10),
+            ),
+            // The claim function's first query (migrations/0002): insert, or read the record that
+            // is there. `same_fp` and the response columns let the caller answer 409, 422 or a
+            // replay without another query; the body is only sent back when it can be replayed.
+            // $1 scope, $2 key, $3 subject, $4 endpoint, $5 fingerprint, $6 lease, $7 lifetime
+            // (µs), $8 in-progress TTL (µs).
+            // $9 generation of a new record, $10 lock timeout.
+            claim_direct: format!(
+                "{}, ins AS ( \
+                   INSERT INTO {t} (scope, idempotency_key, subject, endpoint, fingerprint, status, \
+                                    lease_token, expires_at, generation) \
+                   SELECT $1, $2, $3, $4, $5, 'in_progress', $6, \
+                          now() + $7::float8 * interval '1 microsecond', $9 \
+                   WHERE {LOCK_BOUND} \
+                   ON CONFLICT DO NOTHING \
+                   RETURNING lease_token) \
+                 SELECT true AS inserted, NULL::text AS status, NULL::bigint AS lease_token, \
+                        NULL::bool AS same_fp, NULL::bool AS stale, NULL::bool AS expired, \
+                        NULL::smallint AS response_status, NULL::text[] AS header_names, \
+                        NULL::bytea[] AS header_values, NULL::bytea AS response_body, \
+                        NULL::float8 AS expires_in, $9::bytea AS generation \
+                 FROM ins \
+                 UNION ALL \
+                 SELECT false, status, lease_token, fingerprint = $5, \
+                        updated_at <= now() - $8::float8 * interval '1 microsecond', \
+                        expires_at <= now(), response_status, header_names, header_values, \
+                        CASE WHEN fingerprint = $5 THEN response_body END, \
+                        extract(epoch FROM expires_at - now())::float8, generation \
+                 FROM {t} WHERE scope = $1 AND NOT EXISTS (SELECT 1 FROM ins)",
+                lock_bound_cte(10)
+            ),
+            // Compare-and-swap on the lease token and the state read: of concurrent retakers only one
+            // matches, and a late completion by the presumed-dead worker makes this match nothing.
+            // The staleness is checked again against the row as it is now (READ COMMITTED rechecks
+            // the newest version), so a heartbeat that landed since the claim read it wins.
+            // $1 scope, $2 fingerprint, $3 new lease, $4 lifetime (µs), $5 old lease, $6 old status,
+            // $7 in-progress TTL (µs), $8 lock timeout, $9 generation (for an expired record, or
+            // a released one taken by another request; a retake of the same operation keeps its
+            // own). It answers the generation it left, which is the run's: the row may have been
+            // taken and released again since the claim read it (every released row has lease 0).
+            retake: format!(
+                "{LOCK_BOUND_CTE} UPDATE {t} SET fingerprint = $2, status = 'in_progress', lease_token = $3, \
+                   generation = CASE WHEN status = 'in_progress' AND expires_at > now() \
+                                       AND fingerprint = $2 THEN generation ELSE $9 END, \
+                   response_status = NULL, header_names = NULL, header_values = NULL, \
+                   response_body = NULL, created_at = now(), updated_at = now(), \
+                   expires_at = now() + $4::float8 * interval '1 microsecond' \
+                 WHERE scope = $1 AND lease_token = $5 AND status = $6 \
+                   AND (expires_at <= now() \
+                        OR (status = 'in_progress' \
+                            AND updated_at <= now() - $7::float8 * interval '1 microsecond')) \
+                   AND {LOCK_BOUND} \
+                 RETURNING generation",
+                LOCK_BOUND_CTE = lock_bound_cte(8)
+            ),
+            // The heartbeat. $1 scope, $2 lease, $3 lifetime (µs), $4 lock timeout.
+            renew: format!(
+                "{} UPDATE {t} SET updated_at = now(), \
+                   expires_at = now() + $3::float8 * interval '1 microsecond' \
+                 WHERE scope = $1 AND lease_token = $2 AND lease_token <> {RELEASED} \
+                   AND status = 'in_progress' AND {LOCK_BOUND}",
+                lock_bound_cte(4)
+            ),
+            // Finish the record if the lease holds it in progress; a record this lease already
+            // finished (an earlier attempt committed but its answer was lost) also counts as done.
+            // $1 scope, $2 lease, $3 status, $4 response status, $5 names, $6 values, $7 body,
+            // $8 retention (µs), $9 lock timeout. The statement's own clock, not `now()`: inside
+            // a handler's transaction `now()` is when the transaction began, which may be long ago.
+            complete: format!(
+                "{}, done AS ( \
+                   UPDATE {t} SET status = $3, response_status = $4, header_names = $5, \
+                     header_values = $6, response_body = $7, updated_at = clock_timestamp(), \
+                     expires_at = clock_timestamp() + $8::float8 * interval '1 microsecond' \
+                   WHERE scope = $1 AND lease_token = $2 AND lease_token <> {RELEASED} \
+                     AND status = 'in_progress' AND {LOCK_BOUND} \
+                   RETURNING 1) \
+                 SELECT EXISTS (SELECT 1 FROM done) \
+                     OR EXISTS (SELECT 1 FROM {t} WHERE scope = $1 AND lease_token = $2 \
+                                AND status <> 'in_progress') AS held",
+                lock_bound_cte(9)
+            ),
+            // Whether `lease` finished the record: asked again, in a statement of its own, when a
+            // completion matched nothing (a concurrent attempt by the same lease may have finished
+            // it after the completion's snapshot was taken). $1 scope, $2 lease.
+            finished_by: format!(
+                "SELECT EXISTS (SELECT 1 FROM {t} WHERE scope = $1 AND lease_token = $2 \
+                                AND status <> 'in_progress')"
+            ),
+            // Not deleted: left in progress under no lease (`RELEASED`) and stale at once, so the
+            // next claim retakes it, keeping its generation for the same request (the retry of a
+            // released run is the same operation to a provider). $3 lock timeout.
+            release: format!(
+                "{} UPDATE {t} SET lease_token = {RELEASED}, updated_at = '-infinity' \
+                 WHERE scope = $1 AND lease_token = $2 AND lease_token <> {RELEASED} \
+                   AND status = 'in_progress' AND {LOCK_BOUND}",
+                lock_bound_cte(3)
+            ),
+            // $1 lock timeout.
+            purge: format!(
+                "{} DELETE FROM {t} WHERE ctid IN \
+                   (SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT {PURGE_BATCH}) \
+                   AND {LOCK_BOUND}",
+                lock_bound_cte(1)
+            ),
+            check_shape: format!("SELECT scope, idempotency_key, lease_token FROM {t} LIMIT 0"),
+            function_v2,
+            quoted,
+        }
+    }
+}
+
+/// `ident` as a quoted SQL identifier (a `"` inside doubled).
+pub(super) fn quote_ident(ident: &str) -> String {
+    format!("\"{}\"", ident.replace('"', "\"\""))
+}
