@@ -60,7 +60,7 @@ mod prometheus;
 
 /// What the example is configured with.
 #[derive(Clone, Copy)]
-pub struct Settings {
+pub(crate) struct Settings {
     pub in_progress_ttl: Duration,
     pub checkout_delay: Duration,
     pub checkout_hold: Duration,
@@ -69,7 +69,8 @@ pub struct Settings {
 
 impl Settings {
     /// The defaults, with a TTL and a payment latency.
-    pub fn new(in_progress_ttl: Duration, checkout_delay: Duration) -> Self {
+    #[allow(dead_code)] // for the tests that include this file
+    pub(crate) fn new(in_progress_ttl: Duration, checkout_delay: Duration) -> Self {
         Settings {
             in_progress_ttl,
             checkout_delay,
@@ -80,7 +81,7 @@ impl Settings {
 }
 
 impl Settings {
-    pub fn from_env() -> Result<Self, Box<dyn Error>> {
+    pub(crate) fn from_env() -> Result<Self, Box<dyn Error>> {
         let secs = |name: &str, default: u64| -> Result<u64, Box<dyn Error>> {
             match std::env::var(name) {
                 Ok(v) => v.parse().map_err(|e| format!("{name}={v:?}: {e}").into()),
@@ -102,13 +103,13 @@ const LEDGER_LOCK: i64 = 0x6368_6563_6b6f_7574; // "checkout" in ASCII
 
 /// Charges and handler runs, per subject: in memory, or in Postgres tables that survive restarts.
 #[derive(Clone)]
-pub enum Ledger {
+pub(crate) enum Ledger {
     Memory(Arc<Mutex<MemoryLedger>>),
     Postgres(PgPool),
 }
 
 #[derive(Default)]
-pub struct MemoryLedger {
+pub(crate) struct MemoryLedger {
     next_id: i64,
     charges: Vec<(String, Value)>,
     attempts: HashMap<String, i64>,
@@ -117,7 +118,7 @@ pub struct MemoryLedger {
 }
 
 impl Ledger {
-    pub fn memory() -> Self {
+    pub(crate) fn memory() -> Self {
         Ledger::Memory(Arc::default())
     }
 
@@ -126,7 +127,7 @@ impl Ledger {
     /// missing, and the loser fails on `pg_type_typname_nsp_index`. So, as
     /// `PostgresStore::migrate` does for its own table, one transaction takes an advisory lock
     /// (held until commit) before creating the tables, and the set-ups run one after another.
-    pub async fn postgres(pool: PgPool) -> Result<Self, sqlx::Error> {
+    pub(crate) async fn postgres(pool: PgPool) -> Result<Self, sqlx::Error> {
         let mut tx = pool.begin().await?;
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(LEDGER_LOCK)
@@ -288,7 +289,7 @@ struct AppState {
 }
 
 /// The API: `POST /checkout` and `POST /refund` behind the idempotency layer, `GET /charges`.
-pub fn app<S: IdempotencyStore>(
+pub(crate) fn app<S: IdempotencyStore>(
     store: S,
     ledger: Ledger,
     settings: Settings,
@@ -333,7 +334,7 @@ fn store_timeout(settings: &Settings) -> Duration {
 
 /// The process's one drain, shared by every idempotency layer it builds: `main` waits for it at
 /// shutdown.
-pub fn drain() -> Drain {
+pub(crate) fn drain() -> Drain {
     static DRAIN: std::sync::OnceLock<Drain> = std::sync::OnceLock::new();
     DRAIN.get_or_init(Drain::new).clone()
 }
@@ -501,7 +502,7 @@ fn error(status: StatusCode, code: &str) -> Response {
 
 /// The router on the store `REDIS_URL` or `DATABASE_URL` names: Redis, Postgres (migrated on start)
 /// or memory.
-pub async fn router_from_env(settings: Settings) -> Result<Router, Box<dyn Error>> {
+pub(crate) async fn router_from_env(settings: Settings) -> Result<Router, Box<dyn Error>> {
     if let Ok(url) = std::env::var("REDIS_URL") {
         return redis_router(&url, settings).await;
     }

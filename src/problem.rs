@@ -238,7 +238,7 @@ pub(crate) fn instance() -> String {
 
 /// The problem details response for `kind`, with `type` in this crate's docs (for answers made
 /// outside a layer's settings: extractor rejections).
-pub fn problem(kind: ErrorKind, detail: &str, retry_after: Option<u32>) -> Response<Body> {
+pub(crate) fn problem(kind: ErrorKind, detail: &str, retry_after: Option<u32>) -> Response<Body> {
     ProblemTypes::default().problem(kind, detail, retry_after)
 }
 

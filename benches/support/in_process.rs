@@ -9,7 +9,7 @@ use http_body_util::BodyExt;
 use tower::ServiceExt;
 
 /// `POST /checkout` with `key`, `body` and the subject `alice`.
-pub fn request(key: &str, body: &Bytes) -> Request<Body> {
+pub(crate) fn request(key: &str, body: &Bytes) -> Request<Body> {
     let mut request = Request::post("/checkout")
         .header("idempotency-key", key)
         .header("content-type", "application/json")
@@ -21,7 +21,7 @@ pub fn request(key: &str, body: &Bytes) -> Request<Body> {
 }
 
 /// Sends `request` and reads the whole answer, which must be a success.
-pub async fn call(router: &Router, request: Request<Body>) {
+pub(crate) async fn call(router: &Router, request: Request<Body>) {
     let response = router.clone().oneshot(request).await.expect("infallible");
     assert!(response.status().is_success());
     response.into_body().collect().await.expect("body");

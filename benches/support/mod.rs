@@ -5,7 +5,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
 /// A 1 KiB JSON checkout body (compact, keys already sorted, padded with spaces).
-pub fn json_1k() -> Bytes {
+pub(crate) fn json_1k() -> Bytes {
     let items: Vec<_> = (0..12)
         .map(|i| serde_json::json!({"sku": format!("SKU-{i:04}"), "qty": i + 1, "price": 1999 + i}))
         .collect();
@@ -17,7 +17,7 @@ pub fn json_1k() -> Bytes {
 }
 
 /// The route under test: answers `201` with a small JSON body and a `Location`, doing nothing else.
-pub async fn created(_body: Bytes) -> Response {
+pub(crate) async fn created(_body: Bytes) -> Response {
     (
         StatusCode::CREATED,
         [

@@ -21,7 +21,7 @@ const BUCKETS: [f64; 14] = [
 static INSTALLED: OnceLock<Prometheus> = OnceLock::new();
 
 /// Installs the recorder process-wide; `GET /metrics` renders it from then on.
-pub fn install() -> Result<(), Box<dyn std::error::Error>> {
+pub(crate) fn install() -> Result<(), Box<dyn std::error::Error>> {
     let recorder = INSTALLED.get_or_init(Prometheus::default).clone();
     metrics::set_global_recorder(recorder).map_err(|e| format!("metrics recorder: {e}"))?;
     axum_idempotency::metrics::describe();
@@ -30,7 +30,7 @@ pub fn install() -> Result<(), Box<dyn std::error::Error>> {
 
 /// `GET /metrics`: every series in the text format, or `404` when no recorder was installed (the
 /// router served on its own, as the tests do).
-pub async fn scrape() -> Response {
+pub(crate) async fn scrape() -> Response {
     match INSTALLED.get() {
         Some(recorder) => (
             [(

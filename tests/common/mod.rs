@@ -1,5 +1,5 @@
 //! Helpers shared by the integration tests: a test app with a counting handler, and request builders.
-#![allow(dead_code)]
+#![allow(dead_code, unreachable_pub)]
 
 pub mod cache;
 #[cfg(feature = "postgres")]
