@@ -26,8 +26,30 @@ pub const MAX_DEPTH: usize = 128;
 /// order in place at once: for small objects that is cheaper than recording them.
 const SMALL: usize = 1024;
 
-/// Returns the canonical form of `input`, or `None` when `input` is not a JSON document this module
-/// canonicalises (see the module docs).
+/// Returns the canonical form of `input`, or `None` when `input` is not a JSON document this
+/// function canonicalises. The canonical form follows RFC 8785 in spirit, with differences that
+/// only ever make *more* requests distinct, never fewer:
+///
+/// - object members are sorted by their keys at every depth (compared as UTF-16 code units, as
+///   RFC 8785 does), insignificant whitespace is dropped, and strings are written with the minimal
+///   escapes;
+/// - numbers are normalised **exactly** as decimals (`1`, `1.0`, `10e-1` and `0.1e1` are one
+///   number), not through IEEE doubles, so `12345678901234567890123` and
+///   `12345678901234567890124` stay different;
+/// - documents that are not I-JSON give `None`: duplicate object keys, strings with unpaired
+///   surrogates, nesting deeper than [`MAX_DEPTH`], exponents too large to normalise, invalid
+///   UTF-8. The layer then fingerprints the raw bytes, which is always safe: a byte-level
+///   difference can only turn a retry into `422`, never replay another request's answer.
+///
+/// ```
+/// use axum_idempotency::canonicalize;
+///
+/// let a = canonicalize(br#"{ "b": [1.0, {"y": 2, "x": 1}], "a": "\u0041" }"#);
+/// let b = canonicalize(br#"{"a":"A","b":[1,{"x":1,"y":2}]}"#);
+/// assert_eq!(a, b);
+/// assert_eq!(a.as_deref(), Some(&br#"{"a":"A","b":[1,{"x":1,"y":2}]}"#[..]));
+/// assert_eq!(canonicalize(br#"{"a":1,"a":2}"#), None); // duplicate keys: not I-JSON
+/// ```
 pub fn canonicalize(input: &[u8]) -> Option<Vec<u8>> {
     let mut parser = Parser {
         input,

@@ -210,7 +210,30 @@ pub(crate) fn default_endpoint(parts: &Parts) -> String {
     format!("{} {}", parts.method, path)
 }
 
-/// Builds an [`IdempotencyLayer`]; [`build`](Self::build) checks the settings.
+/// Builds an [`IdempotencyLayer`]; [`build`](Self::build) checks the settings and says what is
+/// wrong ([`ConfigError`]) instead of panicking.
+///
+/// | setting | default | meaning |
+/// |---|---|---|
+/// | `in_progress_ttl` | 90 s | an `in_progress` record not renewed by its holder's heartbeat for this long is presumed abandoned and may be retaken; the heartbeat renews every third of it. 30 ms to 10 years, and at least twice the store's operation timeout (Postgres 5 s, Redis 2 s by default) |
+/// | `max_hold` | 10 min (or the TTL, if longer) | the longest a claim may be held by its handler and its body; past it a handler is cancelled and the key's record becomes a definitive `504 idempotency_handler_timeout` that replays (on the transactional path: rolled back, key released); a streamed body is cut and its response recorded without the body. From the TTL to 10 years |
+/// | `max_running` | 1024 | requests running detached (their clients went away), counted in the layer's `Drain`; past it, new guarded requests get `503 idempotency_overloaded` before any claim |
+/// | `drain` | one per layer | share one `Drain` across layers, to wait for all of them at shutdown |
+/// | `retention` | 24 h | how long completed and failed records are replayed; after that the key is new again. At most 10 years |
+/// | `retry_after_secs` | 2 | `Retry-After` of `409 in_progress` and `503` |
+/// | `body_limit` | 1 MiB | largest request body read (`Content-Length` checked first); larger is `413` |
+/// | `response_limit` | 1 MiB | largest response body recorded; a larger one is passed on whole and recorded without its body (replayed with an empty body and `Idempotency-Replay: omitted`) |
+/// | `require_key` | `false` | without a key: pass through (`false`) or `400 missing_idempotency_key` (`true`) |
+/// | `methods` | `POST`, `PATCH` | methods guarded; others pass through; safe methods are refused |
+/// | `store_header` | `content-type`, `location`, `content-language`, `etag`, `cache-control` | response headers recorded (repeated ones in order); `set-cookie`, `authorization` and the like are never stored and refused here |
+/// | `response_policy` | `default_policy` | status to `Complete` / `Fail` / `Release` |
+/// | `subject_extractor` | the `Subject` extension | where the subject comes from |
+/// | `allow_anonymous` | `false` | one shared scope for requests without a subject |
+/// | `endpoint` | `METHOD /path` | the endpoint part of the scope; the path is the original one (before `Router::nest`), without the query |
+/// | `fail_open` | `false` | store failure: `503` (`false`) or run unguarded, logged (`true`) |
+/// | `fingerprint_ignore` | none | JSON fields left out of the fingerprint, by JSON pointer (`/client_timestamp`, `/metadata/request_id`); see below |
+/// | `fingerprint_fn` | canonical body and query | the application's own fingerprint, `Fn(&Parts, &[u8]) -> Fingerprint` |
+/// | `replay_header` | `Idempotent-Replayed` | the header, set to `true`, that marks a replay; names with another meaning (`set-cookie`, `idempotency-key`, ...) or that are recorded are refused |
 pub struct IdempotencyLayerBuilder<S> {
     store: S,
     config: Config,

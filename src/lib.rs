@@ -94,8 +94,28 @@
 //! # let _ = layer;
 //! ```
 //!
+//! Every setting, its default and its bounds are in the table on [`IdempotencyLayerBuilder`].
+//!
 //! Every error the layer itself answers with is `application/problem+json` with a stable `error`
 //! field; see [`ErrorKind`].
+//!
+//! # Feature flags
+//!
+//! | feature | default | what it adds |
+//! |---|---|---|
+//! | `postgres` | on | `PostgresStore` (sqlx 0.9, re-exported as `axum_idempotency::sqlx`) and the handler transaction `IdempotencyTx` |
+//! | `redis` | off | `RedisStore` on one server or a Redis Cluster (redis 1, re-exported as `axum_idempotency::redis`) |
+//! | `encryption` | off | `EncryptedStore`: recorded headers and bodies sealed with AES-256-GCM over any store |
+//! | `metrics` | off | outcome counters by route and store latency histograms through the `metrics` facade |
+//! | `test-suite` | off | `conformance`, `store_suite!` and `cache_suite!`: the behaviour suite every store passes, for stores of your own (tests only) |
+//!
+//! # Implementing a store
+//!
+//! A store is a type that implements [`IdempotencyStore`]: five atomic operations (claim, complete,
+//! renew, release, purge) whose contracts the trait's documentation states, with an example of a
+//! store wrapping another. Check one against the contract with the `test-suite` feature: its
+//! `store_suite!` runs the same behaviour suite as the crate's own stores (races, fencing,
+//! retention, disconnects, streams) on yours.
 //!
 //! Stores implement [`IdempotencyStore`]: [`MemoryStore`] (one process, the default for examples
 //! and tests), `PostgresStore` (feature `postgres`, on by default) and `RedisStore` (feature

@@ -121,6 +121,84 @@ impl std::error::Error for StoreError {
 /// Every method is a single atomic step; none of them may hold a lock or a transaction open after
 /// it returns. The behaviour suite (feature `test-suite`: `axum_idempotency::conformance` and
 /// `store_suite!`) checks an implementation against all of this; every store of the crate runs it.
+///
+/// A store that wraps another forwards every method, the provided ones included
+/// ([`operation_timeout`](Self::operation_timeout), [`settled_elsewhere`](Self::settled_elsewhere)
+/// and, with `postgres`, `postgres()` and `prepare_response()`): a provided method left to its
+/// default silently drops what the inner store does there (a `CachedStore` inside would keep
+/// answering `409` for records completed in a handler's transaction; an `EncryptedStore` inside
+/// would see transactional records written in clear). Here, a wrapper counting claims:
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::sync::atomic::{AtomicU64, Ordering};
+/// use std::time::Duration;
+/// use axum_idempotency::{
+///     ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyLayer, IdempotencyStore, LeaseToken,
+///     MemoryStore, RecordKey, StoreError, StoredResponse,
+/// };
+///
+/// #[derive(Clone, Debug)]
+/// struct Counted<S> {
+///     inner: S,
+///     claims: Arc<AtomicU64>,
+/// }
+///
+/// impl<S: IdempotencyStore> IdempotencyStore for Counted<S> {
+///     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+///         self.claims.fetch_add(1, Ordering::Relaxed);
+///         self.inner.claim(request).await
+///     }
+///     async fn complete(
+///         &self,
+///         key: &RecordKey,
+///         lease: LeaseToken,
+///         fingerprint: &Fingerprint,
+///         response: Arc<StoredResponse>,
+///         retention: Duration,
+///     ) -> Result<bool, StoreError> {
+///         self.inner.complete(key, lease, fingerprint, response, retention).await
+///     }
+///     async fn renew(
+///         &self,
+///         key: &RecordKey,
+///         lease: LeaseToken,
+///         lifetime: Duration,
+///     ) -> Result<bool, StoreError> {
+///         self.inner.renew(key, lease, lifetime).await
+///     }
+///     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
+///         self.inner.release(key, lease).await
+///     }
+///     async fn purge_expired(&self) -> Result<u64, StoreError> {
+///         self.inner.purge_expired().await
+///     }
+///     // The provided methods, forwarded too.
+///     fn operation_timeout(&self) -> Option<Duration> {
+///         self.inner.operation_timeout()
+///     }
+///     fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
+///         self.inner.settled_elsewhere(key, lease);
+///     }
+///     #[cfg(feature = "postgres")]
+///     fn postgres(&self) -> Option<&axum_idempotency::PostgresStore> {
+///         self.inner.postgres()
+///     }
+///     #[cfg(feature = "postgres")]
+///     fn prepare_response(
+///         &self,
+///         key: &RecordKey,
+///         fingerprint: &Fingerprint,
+///         response: Arc<StoredResponse>,
+///     ) -> Result<Arc<StoredResponse>, StoreError> {
+///         self.inner.prepare_response(key, fingerprint, response)
+///     }
+/// }
+///
+/// let store = Counted { inner: MemoryStore::new(), claims: Arc::default() };
+/// let layer = IdempotencyLayer::new(store);
+/// # let _ = layer;
+/// ```
 pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// Claims a record, atomically:
     ///
