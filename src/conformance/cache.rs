@@ -107,6 +107,9 @@ impl<S: IdempotencyStore> IdempotencyStore for Counting<S> {
     fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
         self.store.settled_elsewhere(key, lease);
     }
+    fn operation_timeout(&self) -> Option<Duration> {
+        self.store.operation_timeout()
+    }
     #[cfg(feature = "postgres")]
     fn postgres(&self) -> Option<&crate::PostgresStore> {
         self.store.postgres()

@@ -9,6 +9,8 @@ use crate::Fingerprint;
 use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
 
 mod cached;
+#[cfg(test)]
+mod forwarding;
 #[cfg(any(feature = "redis", feature = "encryption"))]
 mod header_list;
 mod local_claims;
