@@ -224,7 +224,7 @@ fn direct_sql(store: PostgresStore) -> Router {
             expires_in: None,
         };
         let retention = claim.retention;
-        store
+        let completed = store
             .complete(
                 &claim.key,
                 lease,
@@ -233,7 +233,9 @@ fn direct_sql(store: PostgresStore) -> Router {
                 retention,
             )
             .await
-            .expect("complete");
+            .expect("complete")
+            .is_done();
+        assert!(completed, "the bench's own claim completes");
         created(body).await
     }
     Router::new()
@@ -876,7 +878,7 @@ async fn growth_all(schema: &str) {
                             body_omitted: false,
                             expires_in: None,
                         });
-                        store
+                        let completed = store
                             .complete(
                                 &claim.key,
                                 lease,
@@ -885,7 +887,9 @@ async fn growth_all(schema: &str) {
                                 claim.retention,
                             )
                             .await
-                            .expect("complete");
+                            .expect("complete")
+                            .is_done();
+                        assert!(completed, "the bench's own claim completes");
                         store.claim(&claim).await.expect("read");
                     }
                 });

@@ -21,6 +21,7 @@ use crate::lease::{self, Lease, renewal_bound};
 use crate::metrics::Label;
 use crate::outcome::{Outcome, report};
 use crate::problem::ErrorKind;
+use crate::record::Fenced;
 use crate::record::{ClaimOutcome, ClaimRequest, Generation, LeaseToken, RecordKey};
 use crate::recording;
 use crate::replay;
@@ -402,12 +403,12 @@ async fn fresh<St: IdempotencyStore>(
     let renewal = store.renew(&claim.key, claim.lease, ttl + config.retention);
     match tokio::time::timeout(renewal_bound(config, store), renewal).await {
         // A renewal answered late is no better than the claim: give up rather than trust it.
-        Ok(Ok(true)) if renewing.elapsed() <= ttl / FRESH_FRACTION => Some(renewing),
-        Ok(Ok(true)) => {
+        Ok(Ok(Fenced::Done)) if renewing.elapsed() <= ttl / FRESH_FRACTION => Some(renewing),
+        Ok(Ok(Fenced::Done)) => {
             tracing::warn!("a late claim answer was confirmed too late to be trusted");
             None
         }
-        Ok(Ok(false)) => {
+        Ok(Ok(Fenced::LeaseLost)) => {
             tracing::warn!("a late claim answer: the record was retaken meanwhile");
             None
         }

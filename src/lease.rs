@@ -34,7 +34,7 @@ use crate::Fingerprint;
 use crate::config::Config;
 use crate::metrics::Label;
 use crate::outcome::{Outcome, report};
-use crate::record::{LeaseToken, RecordKey, StoredResponse};
+use crate::record::{Fenced, LeaseToken, RecordKey, StoredResponse};
 use crate::store::{IdempotencyStore, StoreError};
 use tracing::Instrument;
 
@@ -273,15 +273,15 @@ impl<St: IdempotencyStore> Lease<St> {
     }
 
     /// Reports what a completion attempt did; false when the store failed.
-    fn settled(&self, attempt: Result<bool, StoreError>, status: u16) -> bool {
+    fn settled(&self, attempt: Result<Fenced, StoreError>, status: u16) -> bool {
         let config = &self.held.config;
         match attempt {
-            Ok(true) => {
+            Ok(Fenced::Done) => {
                 report(config, &self.label, Outcome::Recorded);
                 tracing::debug!(status, "recorded");
                 true
             }
-            Ok(false) => {
+            Ok(Fenced::LeaseLost) => {
                 report(config, &self.label, Outcome::LeaseLost);
                 tracing::warn!(
                     "the lease was lost (the record was retaken after a TTL without heartbeat); \
@@ -304,8 +304,8 @@ impl<St: IdempotencyStore> Lease<St> {
         report(&held.config, &self.label, Outcome::Released);
         tracing::debug!(reason = why, "releasing the record");
         match held.store.release(&held.key, held.token).await {
-            Ok(true) => {}
-            Ok(false) => {
+            Ok(Fenced::Done) => {}
+            Ok(Fenced::LeaseLost) => {
                 tracing::warn!("the lease was lost before the release; nothing changed")
             }
             Err(e) => {
@@ -331,13 +331,13 @@ async fn heartbeat<St: IdempotencyStore>(held: Arc<Held<St>>, since: Instant) {
         let started = Instant::now();
         let renewal = held.store.renew(&held.key, held.token, lifetime);
         due = match tokio::time::timeout(renewal_bound(&held.config, &held.store), renewal).await {
-            Ok(Ok(true)) => {
+            Ok(Ok(Fenced::Done)) => {
                 tracing::trace!("lease renewed");
                 held.renewals.fetch_add(1, Ordering::Relaxed);
                 *crate::lock::lock(&held.held_since) = started;
                 started + ttl / 3
             }
-            Ok(Ok(false)) => {
+            Ok(Ok(Fenced::LeaseLost)) => {
                 tracing::info!(
                     "the lease was lost while the handler or its recording was running (the \
                      record was retaken after a TTL without heartbeat)"
@@ -465,11 +465,11 @@ async fn keep_releasing<St: IdempotencyStore>(
         }
         pause = (pause * 2).min(Duration::from_secs(2));
         match store.release(&key, token).await {
-            Ok(true) => {
+            Ok(Fenced::Done) => {
                 tracing::debug!("released a claim whose holder could not use it");
                 return;
             }
-            Ok(false) => {
+            Ok(Fenced::LeaseLost) => {
                 absent += 1;
                 if absent >= absent_answers {
                     return;

@@ -188,7 +188,7 @@ pub use policy::{Disposition, default_policy};
 pub use problem::ErrorKind;
 pub use purge::spawn_purge;
 pub use record::{
-    ClaimOutcome, ClaimRequest, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
+    ClaimOutcome, ClaimRequest, Fenced, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
 };
 pub use replay::{IDEMPOTENCY_REPLAY, IDEMPOTENT_REPLAYED};
 pub use service::{IdempotencyService, ResponseFuture};

@@ -56,7 +56,9 @@ mod enabled {
 
     use crate::Fingerprint;
     use crate::outcome::Outcome;
-    use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
+    use crate::record::{
+        ClaimOutcome, ClaimRequest, Fenced, LeaseToken, RecordKey, StoredResponse,
+    };
     use crate::store::{IdempotencyStore, StoreError};
 
     /// The counter of request outcomes: labels `outcome` and `endpoint`.
@@ -134,7 +136,7 @@ mod enabled {
             fingerprint: &Fingerprint,
             response: Arc<StoredResponse>,
             retention: Duration,
-        ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        ) -> impl Future<Output = Result<Fenced, StoreError>> + Send {
             timed(
                 "complete",
                 self.0
@@ -147,7 +149,7 @@ mod enabled {
             key: &RecordKey,
             lease: LeaseToken,
             lifetime: Duration,
-        ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        ) -> impl Future<Output = Result<Fenced, StoreError>> + Send {
             timed("renew", self.0.renew(key, lease, lifetime))
         }
 
@@ -155,7 +157,7 @@ mod enabled {
             &self,
             key: &RecordKey,
             lease: LeaseToken,
-        ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        ) -> impl Future<Output = Result<Fenced, StoreError>> + Send {
             timed("release", self.0.release(key, lease))
         }
 

@@ -155,6 +155,35 @@ pub struct ClaimRequest {
     pub retention: Duration,
 }
 
+/// What a write fenced by a lease (complete, renew, release) found: the lease held the record and
+/// the write was made, or it no longer held it and nothing changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum Fenced {
+    /// The lease held the record: the write was made (for a completion: or this lease had made it
+    /// already, an earlier attempt whose answer was lost).
+    Done,
+    /// The lease no longer holds the record (retaken, released, finished, or never held): nothing
+    /// changed.
+    LeaseLost,
+}
+
+impl Fenced {
+    /// [`Done`](Fenced::Done) when `held`, else [`LeaseLost`](Fenced::LeaseLost).
+    pub fn from_held(held: bool) -> Self {
+        if held {
+            Fenced::Done
+        } else {
+            Fenced::LeaseLost
+        }
+    }
+
+    /// Whether the write was made.
+    pub fn is_done(self) -> bool {
+        self == Fenced::Done
+    }
+}
+
 /// The answer of a store to a claim.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClaimOutcome {

@@ -301,6 +301,7 @@ mod postgres {
                         )
                         .await
                         .expect("complete")
+                        .is_done()
                 );
             }
         };

@@ -220,13 +220,22 @@ impl IdempotencyStore for DownStore {
         _: &axum_idempotency::Fingerprint,
         _: std::sync::Arc<StoredResponse>,
         _: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<axum_idempotency::Fenced, StoreError> {
         Err(StoreError::msg("connection refused"))
     }
-    async fn renew(&self, _: &RecordKey, _: LeaseToken, _: Duration) -> Result<bool, StoreError> {
+    async fn renew(
+        &self,
+        _: &RecordKey,
+        _: LeaseToken,
+        _: Duration,
+    ) -> Result<axum_idempotency::Fenced, StoreError> {
         Err(StoreError::msg("connection refused"))
     }
-    async fn release(&self, _: &RecordKey, _: LeaseToken) -> Result<bool, StoreError> {
+    async fn release(
+        &self,
+        _: &RecordKey,
+        _: LeaseToken,
+    ) -> Result<axum_idempotency::Fenced, StoreError> {
         Err(StoreError::msg("connection refused"))
     }
     async fn purge_expired(&self) -> Result<u64, StoreError> {

@@ -2,6 +2,7 @@
 //! entries never outlive their record, a different body is still `422`, in-progress records are never
 //! cached. `cache_suite!` instantiates these tests, and the whole behavioural suite, for a store.
 
+use crate::Fenced;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -85,7 +86,7 @@ impl<S: IdempotencyStore> IdempotencyStore for Counting<S> {
         fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
-    ) -> Result<bool, crate::StoreError> {
+    ) -> Result<Fenced, crate::StoreError> {
         self.store
             .complete(key, lease, fingerprint, response, retention)
             .await
@@ -95,10 +96,14 @@ impl<S: IdempotencyStore> IdempotencyStore for Counting<S> {
         key: &RecordKey,
         lease: LeaseToken,
         lifetime: Duration,
-    ) -> Result<bool, crate::StoreError> {
+    ) -> Result<Fenced, crate::StoreError> {
         self.store.renew(key, lease, lifetime).await
     }
-    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, crate::StoreError> {
+    async fn release(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> Result<Fenced, crate::StoreError> {
         self.store.release(key, lease).await
     }
     async fn purge_expired(&self) -> Result<u64, crate::StoreError> {

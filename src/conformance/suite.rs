@@ -1,6 +1,7 @@
 //! The behavioural suite every store passes: one test per row of the claim table, plus races,
 //! disconnects, panics, retention and lease fencing. `store_suite!` instantiates it for a store.
 
+use crate::Fenced;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -361,33 +362,38 @@ pub async fn late_completion_with_superseded_lease_changes_nothing<S: Idempotenc
             .complete(&key, old, &request.fingerprint, stored("late"), retention)
             .await
             .expect("complete")
+            .is_done()
     );
-    assert!(!store.release(&key, old).await.expect("release"));
+    assert!(!store.release(&key, old).await.expect("release").is_done());
     assert!(
         !store
             .renew(&key, old, Duration::from_secs(60))
             .await
             .expect("renew")
+            .is_done()
     );
     assert!(
         store
             .complete(&key, new, &request.fingerprint, stored("winner"), retention)
             .await
             .expect("complete")
+            .is_done()
     );
     // Once finished, the record cannot be released nor renewed, and the old lease still has nothing.
-    assert!(!store.release(&key, new).await.expect("release"));
+    assert!(!store.release(&key, new).await.expect("release").is_done());
     assert!(
         !store
             .renew(&key, new, Duration::from_secs(60))
             .await
             .expect("renew")
+            .is_done()
     );
     assert!(
         !store
             .complete(&key, old, &request.fingerprint, stored("late"), retention)
             .await
             .expect("complete")
+            .is_done()
     );
     match store.claim(&request).await.expect("claim") {
         ClaimOutcome::Finished(response) => assert_eq!(&response.body[..], b"winner"),
@@ -446,7 +452,8 @@ pub async fn purge_removes_expired_records<S: IdempotencyStore>(store: S, purged
                 retention,
             )
             .await
-            .expect("complete");
+            .expect("complete")
+            .is_done();
         assert!(done);
     }
     // One record that does not expire yet.
@@ -724,6 +731,7 @@ pub async fn heartbeat_keeps_the_claim_until_it_stops<S: IdempotencyStore>(store
                 .renew(&request.key, lease, lifetime)
                 .await
                 .expect("renew")
+                .is_done()
         );
     }
     // 800 ms after the claim, over two TTLs: still held.
@@ -743,12 +751,14 @@ pub async fn heartbeat_keeps_the_claim_until_it_stops<S: IdempotencyStore>(store
             .renew(&request.key, lease, lifetime)
             .await
             .expect("renew")
+            .is_done()
     );
     assert!(
         store
             .renew(&request.key, other.lease, lifetime)
             .await
             .expect("renew")
+            .is_done()
     );
 }
 
@@ -766,20 +776,23 @@ pub async fn completion_by_the_same_lease_is_idempotent<S: IdempotencyStore>(sto
             .complete(key, lease, &request.fingerprint, stored("first"), retention)
             .await
             .expect("complete")
+            .is_done()
     );
     assert!(
         store
             .complete(key, lease, &request.fingerprint, stored("first"), retention)
             .await
             .expect("complete again")
+            .is_done()
     );
     assert!(
         store
             .complete(key, lease, &request.fingerprint, stored("other"), retention)
             .await
             .expect("complete again")
+            .is_done()
     );
-    assert!(!store.release(key, lease).await.expect("release"));
+    assert!(!store.release(key, lease).await.expect("release").is_done());
     match store.claim(&request).await.expect("claim") {
         ClaimOutcome::Finished(response) => {
             assert_eq!(&response.body[..], b"first");
@@ -971,7 +984,7 @@ impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
         fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
-    ) -> Result<bool, crate::StoreError> {
+    ) -> Result<Fenced, crate::StoreError> {
         self.store
             .complete(key, lease, fingerprint, response, retention)
             .await
@@ -981,10 +994,14 @@ impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
         key: &RecordKey,
         lease: LeaseToken,
         lifetime: Duration,
-    ) -> Result<bool, crate::StoreError> {
+    ) -> Result<Fenced, crate::StoreError> {
         self.store.renew(key, lease, lifetime).await
     }
-    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, crate::StoreError> {
+    async fn release(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> Result<Fenced, crate::StoreError> {
         self.store.release(key, lease).await
     }
     async fn purge_expired(&self) -> Result<u64, crate::StoreError> {
@@ -1161,6 +1178,7 @@ pub async fn a_claim_sent_twice_by_its_lease_is_still_claimed<S: IdempotencyStor
             )
             .await
             .expect("complete")
+            .is_done()
     );
     assert!(matches!(
         store.claim(&request).await.expect("claim after"),
@@ -1229,7 +1247,7 @@ impl<S: IdempotencyStore> IdempotencyStore for LateClaims<S> {
         fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
-    ) -> impl std::future::Future<Output = Result<bool, crate::StoreError>> + Send {
+    ) -> impl std::future::Future<Output = Result<Fenced, crate::StoreError>> + Send {
         self.inner
             .complete(key, lease, fingerprint, response, retention)
     }
@@ -1239,7 +1257,7 @@ impl<S: IdempotencyStore> IdempotencyStore for LateClaims<S> {
         key: &RecordKey,
         lease: LeaseToken,
         lifetime: Duration,
-    ) -> impl std::future::Future<Output = Result<bool, crate::StoreError>> + Send {
+    ) -> impl std::future::Future<Output = Result<Fenced, crate::StoreError>> + Send {
         self.inner.renew(key, lease, lifetime)
     }
 
@@ -1247,7 +1265,7 @@ impl<S: IdempotencyStore> IdempotencyStore for LateClaims<S> {
         &self,
         key: &RecordKey,
         lease: LeaseToken,
-    ) -> impl std::future::Future<Output = Result<bool, crate::StoreError>> + Send {
+    ) -> impl std::future::Future<Output = Result<Fenced, crate::StoreError>> + Send {
         self.inner.release(key, lease)
     }
 
@@ -1353,6 +1371,7 @@ pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: Id
             .release(&retaker.key, retaker.lease)
             .await
             .expect("release")
+            .is_done()
     );
     let retry = claim_request("g", ttl);
     let outcome = store.claim(&retry).await.expect("claim after release");
@@ -1367,6 +1386,7 @@ pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: Id
             .renew(&retaker.key, retaker.lease, Duration::from_secs(60))
             .await
             .expect("renew")
+            .is_done()
     );
     // A released record is held by no lease: lease 0 (which marks it in some stores) finishes
     // and renews nothing.
@@ -1375,6 +1395,7 @@ pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: Id
             .release(&retry.key, retry.lease)
             .await
             .expect("release")
+            .is_done()
     );
     let nobody = LeaseToken(0);
     assert!(
@@ -1388,14 +1409,22 @@ pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: Id
             )
             .await
             .expect("complete")
+            .is_done()
     );
     assert!(
         !store
             .renew(&retry.key, nobody, Duration::from_secs(60))
             .await
             .expect("renew")
+            .is_done()
     );
-    assert!(!store.release(&retry.key, nobody).await.expect("release"));
+    assert!(
+        !store
+            .release(&retry.key, nobody)
+            .await
+            .expect("release")
+            .is_done()
+    );
     let again = claim_request("g", ttl);
     assert_eq!(generation_of(store.claim(&again).await.expect("claim")), g1);
     let retry = again;
@@ -1405,6 +1434,7 @@ pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: Id
             .release(&retry.key, retry.lease)
             .await
             .expect("release")
+            .is_done()
     );
     let mut other = claim_request("g", ttl);
     other.fingerprint = Fingerprint::of(None, b"{\"other\":1}");
@@ -1431,6 +1461,7 @@ pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: Id
             )
             .await
             .expect("complete")
+            .is_done()
     );
     tokio::time::sleep(Duration::from_millis(1200)).await;
     let mut reuse = claim_request("h", ttl);

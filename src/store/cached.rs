@@ -1,5 +1,6 @@
 //! A local cache of finished records in front of any store, so that replays skip the round trip.
 
+use crate::record::Fenced;
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasher;
@@ -301,7 +302,7 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         let done = self
             .inner
             .complete(key, lease, fingerprint, response, retention)
@@ -319,17 +320,17 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         key: &RecordKey,
         lease: LeaseToken,
         lifetime: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         let renewed = self.inner.renew(key, lease, lifetime).await;
         match renewed {
-            Ok(true) => self.local.renewed(&key.digest(), lease),
-            Ok(false) => self.local.let_go(&key.digest(), lease),
+            Ok(Fenced::Done) => self.local.renewed(&key.digest(), lease),
+            Ok(Fenced::LeaseLost) => self.local.let_go(&key.digest(), lease),
             Err(_) => {}
         }
         renewed
     }
 
-    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
+    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
         // Not held here from now on, whatever the store answers: if the release failed, the store
         // still says "in progress", which is what this process would have said.
         self.local.let_go(&key.digest(), lease);

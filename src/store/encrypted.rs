@@ -24,6 +24,7 @@
 //! lacks the fingerprint), so records sealed before an upgrade replay for the rest of their
 //! retention; every record sealed now is format `2`.
 
+use crate::record::Fenced;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -554,7 +555,7 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
         fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         let sealed = Arc::new(self.seal(key, fingerprint, &response)?);
         let stored = self.keyed(fingerprint).unwrap_or(*fingerprint);
         self.inner
@@ -567,11 +568,11 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
         key: &RecordKey,
         lease: LeaseToken,
         lifetime: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.inner.renew(key, lease, lifetime).await
     }
 
-    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
+    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
         self.inner.release(key, lease).await
     }
 

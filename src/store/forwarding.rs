@@ -1,6 +1,7 @@
 //! Every wrapper store of the crate passes on what its inner store does in the provided methods:
 //! a provided method left to its default drops it silently (two bugs came from that).
 
+use crate::record::Fenced;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -32,7 +33,7 @@ impl IdempotencyStore for Probe {
         fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.inner
             .complete(key, lease, fingerprint, response, retention)
             .await
@@ -42,10 +43,10 @@ impl IdempotencyStore for Probe {
         key: &RecordKey,
         lease: LeaseToken,
         lifetime: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         self.inner.renew(key, lease, lifetime).await
     }
-    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
+    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
         self.inner.release(key, lease).await
     }
     async fn purge_expired(&self) -> Result<u64, StoreError> {

@@ -1,5 +1,6 @@
 //! The in-memory store: the embedded default, for one process.
 
+use crate::record::Fenced;
 use std::collections::HashMap;
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
@@ -319,7 +320,7 @@ impl IdempotencyStore for MemoryStore {
         _fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         let mut shard = self.shard(key);
         match shard.records.get_mut(key) {
             Some(record) if holds(record, lease) => {
@@ -328,13 +329,13 @@ impl IdempotencyStore for MemoryStore {
                 record.expires_at = Instant::now() + retention;
                 record.size += grown;
                 self.add(grown);
-                Ok(true)
+                Ok(Fenced::Done)
             }
             Some(Record {
                 state: State::Finished { lease: by, .. },
                 ..
-            }) => Ok(*by == lease),
-            _ => Ok(false),
+            }) => Ok(Fenced::from_held(*by == lease)),
+            _ => Ok(Fenced::LeaseLost),
         }
     }
 
@@ -343,20 +344,20 @@ impl IdempotencyStore for MemoryStore {
         key: &RecordKey,
         lease: LeaseToken,
         lifetime: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         let mut shard = self.shard(key);
         match shard.records.get_mut(key) {
             Some(record) if holds(record, lease) => {
                 let now = Instant::now();
                 record.state = State::InProgress { lease, since: now };
                 record.expires_at = now + lifetime;
-                Ok(true)
+                Ok(Fenced::Done)
             }
-            _ => Ok(false),
+            _ => Ok(Fenced::LeaseLost),
         }
     }
 
-    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
+    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
         let mut shard = self.shard(key);
         match shard.records.get_mut(key) {
             Some(record) if holds(record, lease) => {
@@ -364,9 +365,9 @@ impl IdempotencyStore for MemoryStore {
                 // generation (and its derived key: a provider the released run called sees one
                 // operation).
                 record.state = State::Released;
-                Ok(true)
+                Ok(Fenced::Done)
             }
-            _ => Ok(false),
+            _ => Ok(Fenced::LeaseLost),
         }
     }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::Fingerprint;
-use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
+use crate::record::{ClaimOutcome, ClaimRequest, Fenced, LeaseToken, RecordKey, StoredResponse};
 
 mod cached;
 #[cfg(test)]
@@ -136,8 +136,8 @@ impl std::error::Error for StoreError {
 /// use std::sync::atomic::{AtomicU64, Ordering};
 /// use std::time::Duration;
 /// use axum_idempotency::{
-///     ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyLayer, IdempotencyStore, LeaseToken,
-///     MemoryStore, RecordKey, StoreError, StoredResponse,
+///     ClaimOutcome, ClaimRequest, Fenced, Fingerprint, IdempotencyLayer, IdempotencyStore,
+///     LeaseToken, MemoryStore, RecordKey, StoreError, StoredResponse,
 /// };
 ///
 /// #[derive(Clone, Debug)]
@@ -158,7 +158,7 @@ impl std::error::Error for StoreError {
 ///         fingerprint: &Fingerprint,
 ///         response: Arc<StoredResponse>,
 ///         retention: Duration,
-///     ) -> Result<bool, StoreError> {
+///     ) -> Result<Fenced, StoreError> {
 ///         self.inner.complete(key, lease, fingerprint, response, retention).await
 ///     }
 ///     async fn renew(
@@ -166,10 +166,10 @@ impl std::error::Error for StoreError {
 ///         key: &RecordKey,
 ///         lease: LeaseToken,
 ///         lifetime: Duration,
-///     ) -> Result<bool, StoreError> {
+///     ) -> Result<Fenced, StoreError> {
 ///         self.inner.renew(key, lease, lifetime).await
 ///     }
-///     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
+///     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
 ///         self.inner.release(key, lease).await
 ///     }
 ///     async fn purge_expired(&self) -> Result<u64, StoreError> {
@@ -224,9 +224,9 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<ClaimOutcome, StoreError>> + Send;
 
     /// Stores the response of a claimed record and marks it finished, to live for `retention`.
-    /// Returns `false`, changing nothing, when `lease` no longer holds the record. A record that
-    /// `lease` already completed (an earlier attempt committed, but its answer was lost) answers
-    /// `true` and is left as it is. `fingerprint` is the claim's (the record's own): a store may
+    /// Answers [`Fenced::LeaseLost`], changing nothing, when `lease` no longer holds the record. A
+    /// record that `lease` already completed (an earlier attempt committed, but its answer was
+    /// lost) answers [`Fenced::Done`] and is left as it is. `fingerprint` is the claim's (the record's own): a store may
     /// bind what it writes to it, as `EncryptedStore` binds its ciphertext, so that an answer
     /// moved onto the record of another request does not open.
     fn complete(
@@ -236,17 +236,18 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Fenced, StoreError>> + Send;
 
     /// The lease's heartbeat: while `lease` holds the `in_progress` record, restart its
-    /// in-progress TTL from now and push its expiry to `lifetime` from now. Returns `false`,
-    /// changing nothing, when `lease` no longer holds it (it was retaken, released or finished).
+    /// in-progress TTL from now and push its expiry to `lifetime` from now. Answers
+    /// [`Fenced::LeaseLost`], changing nothing, when `lease` no longer holds it (it was retaken,
+    /// released or finished).
     fn renew(
         &self,
         key: &RecordKey,
         lease: LeaseToken,
         lifetime: Duration,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Fenced, StoreError>> + Send;
 
     /// Releases a claimed record so that a retry runs again: **not deleted**, but kept, held by
     /// no lease, until its expiry, with its fingerprint and generation. The next claim takes it at
@@ -254,13 +255,13 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// released run is the same operation to a provider, which the released run may have called);
     /// another request gets its own (a new operation, not a `422`). Lease `0` is no claim's token
     /// (`LeaseToken::generate` never gives it): stores may use it to mark released records, and
-    /// must never let it complete, renew or release anything. Returns `false`, changing nothing,
-    /// when `lease` no longer holds the record.
+    /// must never let it complete, renew or release anything. Answers [`Fenced::LeaseLost`],
+    /// changing nothing, when `lease` no longer holds the record.
     fn release(
         &self,
         key: &RecordKey,
         lease: LeaseToken,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Fenced, StoreError>> + Send;
 
     /// Deletes every record whose retention has passed; returns how many.
     fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;

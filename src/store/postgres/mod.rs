@@ -1,5 +1,6 @@
 //! The PostgreSQL store: one table shared by every instance of an application.
 
+use crate::record::Fenced;
 use std::borrow::Cow;
 use std::fmt;
 use std::future::Future;
@@ -289,7 +290,7 @@ impl PostgresStore {
         key: &RecordKey,
         lease: LeaseToken,
     ) -> Result<bool, StoreError> {
-        if self.release(key, lease).await? {
+        if self.release(key, lease).await?.is_done() {
             return Ok(false);
         }
         self.finished_by(&key.digest(), lease).await
@@ -358,16 +359,16 @@ impl IdempotencyStore for PostgresStore {
         _fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         let scope = key.digest();
         let completion = self.completion(&scope, lease, &response, retention);
         let (held,): (bool,) =
             on_connection!(self, "complete", conn => completion.fetch_one(&mut *conn))?
                 .map_err(db("complete"))?;
         if held {
-            return Ok(true);
+            return Ok(Fenced::Done);
         }
-        self.finished_by(&scope, lease).await
+        self.finished_by(&scope, lease).await.map(Fenced::from_held)
     }
 
     fn postgres(&self) -> Option<&PostgresStore> {
@@ -383,7 +384,7 @@ impl IdempotencyStore for PostgresStore {
         key: &RecordKey,
         lease: LeaseToken,
         lifetime: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         let scope = key.digest();
         let renewal = self
             .leased(&self.sql().renew, &scope, lease)
@@ -391,17 +392,17 @@ impl IdempotencyStore for PostgresStore {
             .bind(&*self.lock_timeout);
         let done = on_connection!(self, "renew", conn => renewal.execute(&mut *conn))?
             .map_err(db("renew"))?;
-        Ok(done.rows_affected() == 1)
+        Ok(Fenced::from_held(done.rows_affected() == 1))
     }
 
-    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
+    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
         let scope = key.digest();
         let release = self
             .leased(&self.sql().release, &scope, lease)
             .bind(&*self.lock_timeout);
         let done = on_connection!(self, "release", conn => release.execute(&mut *conn))?
             .map_err(db("release"))?;
-        Ok(done.rows_affected() == 1)
+        Ok(Fenced::from_held(done.rows_affected() == 1))
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {

@@ -1,6 +1,7 @@
 //! The Redis store: records as Redis hashes, changed only by Lua scripts, expired by Redis itself;
 //! on one server or on a Redis Cluster.
 
+use crate::record::Fenced;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -367,7 +368,7 @@ impl IdempotencyStore for RedisStore {
         _fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         let blob = encode(&response)
             .ok_or_else(|| StoreError::msg("redis complete: the response is too large to store"))?;
         let done: i64 = self
@@ -378,7 +379,7 @@ impl IdempotencyStore for RedisStore {
                     .arg(millis(retention));
             })
             .await?;
-        Ok(done == 1)
+        Ok(Fenced::from_held(done == 1))
     }
 
     async fn renew(
@@ -386,22 +387,22 @@ impl IdempotencyStore for RedisStore {
         key: &RecordKey,
         lease: LeaseToken,
         lifetime: Duration,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Fenced, StoreError> {
         let done: i64 = self
             .eval("renew", &self.scripts.renew, key, |cmd| {
                 cmd.arg(lease.0).arg(millis(lifetime));
             })
             .await?;
-        Ok(done == 1)
+        Ok(Fenced::from_held(done == 1))
     }
 
-    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
+    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
         let done: i64 = self
             .eval("release", &self.scripts.release, key, |cmd| {
                 cmd.arg(lease.0);
             })
             .await?;
-        Ok(done == 1)
+        Ok(Fenced::from_held(done == 1))
     }
 
     /// Redis expires records itself; there is nothing to purge.
