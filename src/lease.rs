@@ -479,3 +479,202 @@ async fn keep_releasing<St: IdempotencyStore>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The lease's schedule under a paused clock, over the memory store.
+
+    use super::*;
+    use crate::Fingerprint;
+    use crate::record::{ClaimOutcome, ClaimRequest, Finished, Generation};
+    use crate::store::MemoryStore;
+
+    /// The memory store, noting when each renewal reached it (on the paused clock).
+    #[derive(Clone)]
+    struct Timed {
+        inner: MemoryStore,
+        renewals: Arc<std::sync::Mutex<Vec<Instant>>>,
+    }
+
+    impl IdempotencyStore for Timed {
+        async fn claim(
+            &self,
+            request: &ClaimRequest,
+        ) -> Result<crate::record::ClaimOutcome, StoreError> {
+            self.inner.claim(request).await
+        }
+        async fn complete(
+            &self,
+            key: &RecordKey,
+            lease: LeaseToken,
+            fingerprint: &Fingerprint,
+            response: Arc<StoredResponse>,
+            retention: Duration,
+        ) -> Result<Fenced, StoreError> {
+            self.inner
+                .complete(key, lease, fingerprint, response, retention)
+                .await
+        }
+        async fn renew(
+            &self,
+            key: &RecordKey,
+            lease: LeaseToken,
+            lifetime: Duration,
+        ) -> Result<Fenced, StoreError> {
+            crate::lock::lock(&self.renewals).push(Instant::now());
+            self.inner.renew(key, lease, lifetime).await
+        }
+        async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
+            self.inner.release(key, lease).await
+        }
+        async fn purge_expired(&self) -> Result<u64, StoreError> {
+            self.inner.purge_expired().await
+        }
+    }
+
+    const TTL: Duration = Duration::from_millis(900);
+
+    fn config() -> Arc<Config> {
+        Arc::new(Config {
+            in_progress_ttl: TTL,
+            ..Config::default()
+        })
+    }
+
+    fn request(key: &str) -> ClaimRequest {
+        ClaimRequest {
+            key: RecordKey {
+                key: key.into(),
+                subject: "alice".into(),
+                endpoint: "POST /pay".into(),
+            },
+            fingerprint: Fingerprint::of(None, b"{}"),
+            lease: LeaseToken::generate(),
+            generation: Generation::generate(),
+            in_progress_ttl: TTL,
+            retention: Duration::from_secs(60),
+        }
+    }
+
+    fn label() -> Label {
+        let (parts, ()) = http::Request::new(()).into_parts();
+        Label::of(&parts)
+    }
+
+    /// A claimed record and its lease, made as the layer makes them.
+    async fn claimed(
+        store: &Timed,
+        config: &Arc<Config>,
+        key: &str,
+    ) -> (ClaimRequest, Lease<Timed>) {
+        let request = request(key);
+        assert!(matches!(
+            store.claim(&request).await.expect("claim"),
+            ClaimOutcome::Claimed { .. }
+        ));
+        let lease = Lease::new(
+            store.clone(),
+            config.clone(),
+            label(),
+            request.key.clone(),
+            request.fingerprint,
+            request.lease,
+            Instant::now(),
+        );
+        (request, lease)
+    }
+
+    fn store() -> Timed {
+        Timed {
+            inner: MemoryStore::new(),
+            renewals: Arc::default(),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_heartbeat_renews_every_third_of_the_ttl_from_the_claim() {
+        let (store, config) = (store(), config());
+        let start = Instant::now();
+        let (_request, lease) = claimed(&store, &config, "k").await;
+        tokio::time::sleep(TTL * 3 + TTL / 6).await;
+        let renewals = crate::lock::lock(&store.renewals).clone();
+        let offsets: Vec<Duration> = renewals.iter().map(|at| *at - start).collect();
+        let expected: Vec<Duration> = (1..=9).map(|n| TTL / 3 * n).collect();
+        assert_eq!(offsets, expected);
+        assert_eq!(lease.held.renewals.load(Ordering::Relaxed), 9);
+        drop(lease);
+        // The heartbeat stops with its lease.
+        tokio::time::sleep(TTL * 2).await;
+        assert_eq!(crate::lock::lock(&store.renewals).len(), 9);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_heartbeat_stops_once_the_lease_is_lost() {
+        let (store, config) = (store(), config());
+        let (request, lease) = claimed(&store, &config, "k").await;
+        tokio::time::sleep(TTL / 3 + TTL / 6).await;
+        assert_eq!(crate::lock::lock(&store.renewals).len(), 1);
+        // Another process retakes the record (here: its lease is released under it).
+        assert!(
+            store
+                .inner
+                .release(&request.key, request.lease)
+                .await
+                .expect("release")
+                .is_done()
+        );
+        tokio::time::sleep(TTL * 3).await;
+        assert_eq!(
+            crate::lock::lock(&store.renewals).len(),
+            2,
+            "one renewal finds the lease lost, then none"
+        );
+        lease.complete(Arc::new(head(201))).await;
+    }
+
+    fn head(status: u16) -> StoredResponse {
+        StoredResponse {
+            outcome: Finished::Completed,
+            status,
+            headers: Vec::new(),
+            body: bytes::Bytes::from_static(b"{\"id\":1}"),
+            body_omitted: false,
+            expires_in: None,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_dropped_before_the_answer_releases_and_after_it_records_the_head() {
+        let (store, config) = (store(), config());
+        // Dropped before the handler answered: released for another try.
+        let (request, lease) = claimed(&store, &config, "released").await;
+        drop(lease);
+        assert!(config.drain.wait(Duration::from_secs(5)).await);
+        let retry = ClaimRequest {
+            lease: LeaseToken::generate(),
+            ..request.clone()
+        };
+        assert!(matches!(
+            store.claim(&retry).await.expect("claim"),
+            ClaimOutcome::Claimed { retaken: false, .. }
+        ));
+
+        // Dropped after it answered: its status and headers are recorded, without the body.
+        let (answered, mut lease) = claimed(&store, &config, "answered").await;
+        lease.answered(&head(201));
+        drop(lease);
+        assert!(config.drain.wait(Duration::from_secs(5)).await);
+        let replay = ClaimRequest {
+            lease: LeaseToken::generate(),
+            ..answered
+        };
+        match store.claim(&replay).await.expect("claim") {
+            ClaimOutcome::Finished(stored) => {
+                assert_eq!(stored.status, 201);
+                assert!(stored.body_omitted);
+                assert!(stored.body.is_empty());
+            }
+            other => panic!("expected the recorded head, got {other:?}"),
+        }
+    }
+}
