@@ -4,13 +4,12 @@ use std::fmt;
 use std::sync::Arc;
 
 use axum::extract::{FromRequestParts, OptionalFromRequestParts};
-use axum::response::Response;
 use http::request::Parts;
 use sha2::{Digest, Sha256};
 
 use crate::fingerprint::Fingerprint;
 use crate::hmac::hmac_sha256;
-use crate::problem::{ErrorKind, problem};
+use crate::problem::{ErrorKind, IdempotencyRejection};
 use crate::record::{Generation, RecordKey};
 
 /// The idempotent operation a guarded handler is running, in its request extensions whenever the
@@ -130,7 +129,7 @@ impl fmt::Debug for IdempotencyContext {
 }
 
 impl<S: Send + Sync> FromRequestParts<S> for IdempotencyContext {
-    type Rejection = Response;
+    type Rejection = IdempotencyRejection;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
         match parts.extensions.get::<IdempotencyContext>() {
@@ -141,10 +140,9 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotencyContext {
                      claim (no layer on the route, or no Idempotency-Key); use \
                      Option<IdempotencyContext> where the key is optional"
                 );
-                Err(problem(
+                Err(IdempotencyRejection::plain(
                     ErrorKind::InternalError,
                     "this handler needs an idempotent request, and this one was not claimed",
-                    None,
                 ))
             }
         }

@@ -185,7 +185,7 @@ pub use fingerprint::Fingerprint;
 pub use layer::IdempotencyLayer;
 pub use outcome::{Outcome, OutcomeCounters};
 pub use policy::{Disposition, default_policy};
-pub use problem::ErrorKind;
+pub use problem::{ErrorKind, IdempotencyRejection};
 pub use purge::spawn_purge;
 pub use record::{
     ClaimOutcome, ClaimRequest, Fenced, Finished, Generation, LeaseToken, RecordKey, StoredResponse,

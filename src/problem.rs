@@ -229,17 +229,89 @@ const DOCS: &str = "https://docs.rs/axum-idempotency/latest/axum_idempotency/enu
 pub(crate) fn instance() -> String {
     let mut out = String::with_capacity(30 + 32);
     out.push_str("urn:axum-idempotency:problem:");
-    for b in crate::record::Generation::generate().0 {
-        out.push(char::from(b"0123456789abcdef"[usize::from(b >> 4)]));
-        out.push(char::from(b"0123456789abcdef"[usize::from(b & 15)]));
-    }
+    crate::hex::push(&mut out, &crate::record::Generation::generate().0);
     out
 }
 
-/// The problem details response for `kind`, with `type` in this crate's docs (for answers made
-/// outside a layer's settings: extractor rejections).
-pub(crate) fn problem(kind: ErrorKind, detail: &str, retry_after: Option<u32>) -> Response<Body> {
-    ProblemTypes::default().problem(kind, detail, retry_after)
+/// Why an extractor of this crate ([`IdempotencyContext`](crate::IdempotencyContext),
+/// `IdempotencyTx`) refused a request: what kind of error it is, and the problem details answer it
+/// turns into (with the layer's `Retry-After` and `type` URIs where the layer's settings reach it).
+///
+/// ```
+/// use axum::response::IntoResponse;
+/// use axum_idempotency::{ErrorKind, IdempotencyContext, IdempotencyRejection};
+///
+/// // A handler that maps the rejection itself.
+/// async fn handler(
+///     context: Result<IdempotencyContext, IdempotencyRejection>,
+/// ) -> axum::response::Response {
+///     match context {
+///         Ok(context) => context.derived_key().into_response(),
+///         Err(rejection) if rejection.kind() == ErrorKind::InternalError => {
+///             (axum::http::StatusCode::BAD_REQUEST, "send an Idempotency-Key").into_response()
+///         }
+///         Err(rejection) => rejection.into_response(),
+///     }
+/// }
+/// # let _ = handler;
+/// ```
+pub struct IdempotencyRejection {
+    kind: ErrorKind,
+    detail: &'static str,
+    response: Response<Body>,
+}
+
+impl IdempotencyRejection {
+    pub(crate) fn new(
+        types: &ProblemTypes,
+        kind: ErrorKind,
+        detail: &'static str,
+        retry_after: Option<u32>,
+    ) -> Self {
+        IdempotencyRejection {
+            kind,
+            detail,
+            response: types.problem(kind, detail, retry_after),
+        }
+    }
+
+    /// A rejection made outside any layer's settings: `type` URIs in this crate's docs.
+    pub(crate) fn plain(kind: ErrorKind, detail: &'static str) -> Self {
+        Self::new(&ProblemTypes::default(), kind, detail, None)
+    }
+
+    /// What kind of error it is.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// What the answer's `detail` says.
+    pub fn detail(&self) -> &str {
+        self.detail
+    }
+}
+
+impl std::fmt::Debug for IdempotencyRejection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyRejection")
+            .field("kind", &self.kind)
+            .field("detail", &self.detail)
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Display for IdempotencyRejection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.detail)
+    }
+}
+
+impl std::error::Error for IdempotencyRejection {}
+
+impl axum::response::IntoResponse for IdempotencyRejection {
+    fn into_response(self) -> axum::response::Response {
+        self.response
+    }
 }
 
 /// The media type of the layer's error answers.
@@ -291,9 +363,11 @@ mod tests {
 
     #[test]
     fn retryable_answers_carry_retry_after() {
-        let response = problem(ErrorKind::StoreUnavailable, "down", Some(4));
+        let response =
+            ProblemTypes::default().problem(ErrorKind::StoreUnavailable, "down", Some(4));
         assert_eq!(response.headers()[header::RETRY_AFTER], "4");
-        let response = problem(ErrorKind::IdempotencyKeyReuse, "reused", None);
+        let response =
+            ProblemTypes::default().problem(ErrorKind::IdempotencyKeyReuse, "reused", None);
         assert!(response.headers().get(header::RETRY_AFTER).is_none());
     }
 }

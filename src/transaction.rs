@@ -10,12 +10,11 @@ use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use axum::extract::{FromRequestParts, OptionalFromRequestParts};
-use axum::response::Response;
 use http::request::Parts;
 use sqlx::{PgConnection, Postgres, Transaction};
 
 use crate::config::Config;
-use crate::problem::{ErrorKind, problem};
+use crate::problem::{ErrorKind, IdempotencyRejection};
 use crate::store::PostgresStore;
 
 /// The transaction of an idempotent request on a [`PostgresStore`]: write the handler's effects
@@ -93,7 +92,7 @@ impl Drop for IdempotencyTx {
 }
 
 impl<S: Send + Sync> FromRequestParts<S> for IdempotencyTx {
-    type Rejection = Response;
+    type Rejection = IdempotencyRejection;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
         let Some(slot) = parts.extensions.get::<Arc<TxSlot>>().cloned() else {
@@ -102,10 +101,9 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotencyTx {
                  request to be claimed (an Idempotency-Key, a working store); the handler was not \
                  run without its transaction"
             );
-            return Err(problem(
+            return Err(IdempotencyRejection::plain(
                 ErrorKind::InternalError,
                 "this operation needs a transaction the idempotency layer did not provide",
-                None,
             ));
         };
         take(slot).await
@@ -115,7 +113,7 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotencyTx {
 /// `Option<IdempotencyTx>`: `None` where the layer offers no transaction (its store is not a
 /// `PostgresStore`, or it did not claim the request), for handlers that also run on other stores.
 impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyTx {
-    type Rejection = Response;
+    type Rejection = IdempotencyRejection;
 
     async fn from_request_parts(
         parts: &mut Parts,
@@ -129,12 +127,13 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyTx {
 }
 
 /// Begins the transaction in `slot` for the handler.
-async fn take(slot: Arc<TxSlot>) -> Result<IdempotencyTx, Response> {
+async fn take(slot: Arc<TxSlot>) -> Result<IdempotencyTx, IdempotencyRejection> {
     {
         let mut state = slot.lock();
         if !matches!(*state, SlotState::Unused) {
             tracing::error!("IdempotencyTx was extracted twice for one request");
-            return Err(problem(
+            return Err(IdempotencyRejection::new(
+                &slot.problems,
                 ErrorKind::InternalError,
                 "the transaction of this request was already taken",
                 None,
@@ -147,7 +146,8 @@ async fn take(slot: Arc<TxSlot>) -> Result<IdempotencyTx, Response> {
         Err(e) => {
             *slot.lock() = SlotState::Unused;
             tracing::error!(error = %e, "could not begin the handler's transaction");
-            Err(slot.problems.problem(
+            Err(IdempotencyRejection::new(
+                &slot.problems,
                 ErrorKind::StoreUnavailable,
                 "the idempotency store is unavailable; retry later",
                 Some(slot.retry_after),
