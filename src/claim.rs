@@ -294,7 +294,7 @@ where
         config.derived_key_secret.clone(),
     ));
     #[cfg(feature = "postgres")]
-    let slot = store.postgres().map(|pg| {
+    let slot = store.capabilities().postgres().map(|pg| {
         let slot = crate::transaction::TxSlot::new(pg.clone(), &config);
         request.extensions_mut().insert(slot.clone());
         (pg.clone(), slot)

@@ -492,7 +492,7 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
         if config.in_progress_ttl > MAX_DURATION || config.retention > MAX_DURATION {
             return err("in_progress_ttl and retention must be at most ten years each");
         }
-        if let Some(timeout) = self.store.operation_timeout()
+        if let Some(timeout) = self.store.capabilities().operation_timeout()
             && config.in_progress_ttl < timeout * TTL_PER_OPERATION_TIMEOUT
         {
             return Err(ConfigError(format!(

@@ -179,7 +179,9 @@ impl<St: IdempotencyStore> Lease<St> {
     pub(crate) fn settled_outside(mut self, how: Settled) {
         self.done = true;
         let held = &self.held;
-        held.store.settled_elsewhere(&held.key, held.token);
+        held.store
+            .capabilities()
+            .settled_elsewhere(&held.key, held.token);
         match how {
             Settled::Recorded { status } => {
                 report(&held.config, &self.label, Outcome::Recorded);
@@ -361,6 +363,7 @@ async fn heartbeat<St: IdempotencyStore>(held: Arc<Held<St>>, since: Instant) {
 pub(crate) fn renewal_bound<St: IdempotencyStore>(config: &Config, store: &St) -> Duration {
     let ttl = config.in_progress_ttl;
     store
+        .capabilities()
         .operation_timeout()
         .map_or(ttl / 6, |t| t.max(ttl / 6))
         .min(ttl / 2)
@@ -529,6 +532,9 @@ mod tests {
         }
         async fn purge_expired(&self) -> Result<u64, StoreError> {
             self.inner.purge_expired().await
+        }
+        fn capabilities(&self) -> crate::store::Capabilities<'_> {
+            self.inner.capabilities()
         }
     }
 

@@ -165,29 +165,8 @@ mod enabled {
             timed("purge", self.0.purge_expired())
         }
 
-        fn operation_timeout(&self) -> Option<std::time::Duration> {
-            self.0.operation_timeout()
-        }
-
-        fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
-            self.0.settled_elsewhere(key, lease);
-        }
-
-        #[cfg(feature = "postgres")]
-        fn postgres(&self) -> Option<&crate::PostgresStore> {
-            self.0.postgres()
-        }
-
-        // Forwarded with `postgres()`: a record written in a handler's transaction must be what
-        // the wrapped store's `complete` writes (sealed, over an `EncryptedStore`).
-        #[cfg(feature = "postgres")]
-        fn prepare_response(
-            &self,
-            key: &RecordKey,
-            fingerprint: &Fingerprint,
-            response: Arc<StoredResponse>,
-        ) -> Result<Arc<StoredResponse>, StoreError> {
-            self.0.prepare_response(key, fingerprint, response)
+        fn capabilities(&self) -> crate::store::Capabilities<'_> {
+            self.0.capabilities()
         }
     }
 

@@ -241,6 +241,9 @@ impl IdempotencyStore for DownStore {
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         Err(StoreError::msg("connection refused"))
     }
+    fn capabilities(&self) -> axum_idempotency::store::Capabilities<'_> {
+        axum_idempotency::store::Capabilities::none()
+    }
 }
 
 #[tokio::test]

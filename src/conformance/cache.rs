@@ -109,24 +109,8 @@ impl<S: IdempotencyStore> IdempotencyStore for Counting<S> {
     async fn purge_expired(&self) -> Result<u64, crate::StoreError> {
         self.store.purge_expired().await
     }
-    fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
-        self.store.settled_elsewhere(key, lease);
-    }
-    fn operation_timeout(&self) -> Option<Duration> {
-        self.store.operation_timeout()
-    }
-    #[cfg(feature = "postgres")]
-    fn postgres(&self) -> Option<&crate::PostgresStore> {
-        self.store.postgres()
-    }
-    #[cfg(feature = "postgres")]
-    fn prepare_response(
-        &self,
-        key: &RecordKey,
-        fingerprint: &Fingerprint,
-        response: Arc<StoredResponse>,
-    ) -> Result<Arc<StoredResponse>, crate::StoreError> {
-        self.store.prepare_response(key, fingerprint, response)
+    fn capabilities(&self) -> crate::store::Capabilities<'_> {
+        self.store.capabilities()
     }
 }
 

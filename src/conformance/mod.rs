@@ -41,7 +41,7 @@
 //!
 //! The suite's in-progress TTLs are short (a few hundred milliseconds), and never under
 //! [`TTL_PER_OPERATION_TIMEOUT`](crate::TTL_PER_OPERATION_TIMEOUT) times the store's
-//! [`operation_timeout`](crate::IdempotencyStore::operation_timeout): give the store under test a
+//! operation timeout ([`Capabilities`](crate::store::Capabilities)): give the store under test a
 //! short one ([`SUITE_STORE_TIMEOUT`](app::SUITE_STORE_TIMEOUT)) to keep the suite fast. Its tests
 //! panic on the first behaviour that differs, naming it.
 

@@ -96,6 +96,7 @@ pub async fn until_not_in_progress(
 /// timeout allows when that is longer.
 fn short_ttl<S: IdempotencyStore>(store: &S, base: Duration) -> Duration {
     store
+        .capabilities()
         .operation_timeout()
         .map_or(base, |t| base.max(t * crate::TTL_PER_OPERATION_TIMEOUT))
 }
@@ -1007,6 +1008,9 @@ impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
     async fn purge_expired(&self) -> Result<u64, crate::StoreError> {
         self.store.purge_expired().await
     }
+    fn capabilities(&self) -> crate::store::Capabilities<'_> {
+        self.store.capabilities()
+    }
 }
 
 /// The client goes away while the claim is on its way back: the claim has committed, so the request
@@ -1275,12 +1279,8 @@ impl<S: IdempotencyStore> IdempotencyStore for LateClaims<S> {
         self.inner.purge_expired()
     }
 
-    fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
-        self.inner.settled_elsewhere(key, lease);
-    }
-
-    fn operation_timeout(&self) -> Option<Duration> {
-        self.inner.operation_timeout()
+    fn capabilities(&self) -> crate::store::Capabilities<'_> {
+        self.inner.capabilities()
     }
 }
 

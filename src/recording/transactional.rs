@@ -48,19 +48,19 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
     });
     // What the layer's store writes for this response (sealed, when it encrypts): the record
     // written in the transaction must be the one `complete` would write.
-    let written =
-        match lease
-            .store()
-            .prepare_response(lease.key(), lease.fingerprint(), stored.clone())
-        {
-            Ok(written) => written,
-            Err(e) => {
-                rollback(store, tx).await;
-                tracing::error!(error = %e, "the record could not be prepared for the transaction");
-                lease.release("the record could not be prepared").await;
-                return unavailable(config);
-            }
-        };
+    let written = match lease.store().capabilities().transform(
+        lease.key(),
+        lease.fingerprint(),
+        stored.clone(),
+    ) {
+        Ok(written) => written,
+        Err(e) => {
+            rollback(store, tx).await;
+            tracing::error!(error = %e, "the record could not be prepared for the transaction");
+            lease.release("the record could not be prepared").await;
+            return unavailable(config);
+        }
+    };
     let completed = metrics::timed(
         "complete",
         store.complete_in(

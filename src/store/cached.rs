@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::local_claims::{self, LocalClaims};
-use super::{IdempotencyStore, StoreError};
+use super::{Capabilities, IdempotencyStore, SettleObserver, StoreError};
 use crate::Fingerprint;
 use crate::lock::lock;
 use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
@@ -337,36 +337,22 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         self.inner.release(key, lease).await
     }
 
-    fn operation_timeout(&self) -> Option<std::time::Duration> {
-        self.inner.operation_timeout()
-    }
-
-    fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
-        self.local.let_go(&key.digest(), lease);
-        self.inner.settled_elsewhere(key, lease);
-    }
-
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.cache.sweep();
         self.local.sweep();
         self.inner.purge_expired().await
     }
 
-    #[cfg(feature = "postgres")]
-    fn postgres(&self) -> Option<&super::PostgresStore> {
-        self.inner.postgres()
+    /// The inner store's, and this store told when a lease of its process stops holding its
+    /// record outside it (it then forgets its hold on the key).
+    fn capabilities(&self) -> Capabilities<'_> {
+        self.inner.capabilities().observed_by(self)
     }
+}
 
-    /// Forwarded, so that a record written in a handler's transaction is what the inner store's
-    /// `complete` would write (sealed, over an `EncryptedStore`).
-    #[cfg(feature = "postgres")]
-    fn prepare_response(
-        &self,
-        key: &RecordKey,
-        fingerprint: &Fingerprint,
-        response: Arc<StoredResponse>,
-    ) -> Result<Arc<StoredResponse>, StoreError> {
-        self.inner.prepare_response(key, fingerprint, response)
+impl<S: IdempotencyStore> SettleObserver for CachedStore<S> {
+    fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
+        self.local.let_go(&key.digest(), lease);
     }
 }
 

@@ -34,12 +34,9 @@ use aes_gcm::{Aes256Gcm, Nonce, Tag};
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 
-use super::{IdempotencyStore, StoreError, header_list};
+use super::{Capabilities, IdempotencyStore, ResponseTransform, StoreError, header_list};
 use crate::Fingerprint;
 use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
-
-#[cfg(feature = "postgres")]
-use super::PostgresStore;
 
 /// The id of an encryption key: a `u32` chosen by the application (a counter, or the date the key
 /// was made as `20260301`). It is stored in clear in every sealed record, in 4 bytes, and names the
@@ -204,9 +201,9 @@ impl std::error::Error for EncryptionKeysError {}
 /// written before encryption was turned on are unreadable in the same way: turn it on with a new
 /// table (or key prefix), or accept `503` for those keys until they expire.
 ///
-/// **Transactions** (feature `postgres`). `IdempotencyStore::postgres` is forwarded, so handlers
-/// keep their `IdempotencyTx` over an encrypted Postgres store: the record written in the handler's
-/// transaction is sealed the same way (`IdempotencyStore::prepare_response`).
+/// **Transactions** (feature `postgres`). The inner store's capabilities are passed on, so
+/// handlers keep their `IdempotencyTx` over an encrypted Postgres store: the record written in the
+/// handler's transaction is sealed the same way (the sealing is a [`ResponseTransform`]).
 #[derive(Clone)]
 pub struct EncryptedStore<S> {
     inner: S,
@@ -580,33 +577,25 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
         self.inner.purge_expired().await
     }
 
-    fn operation_timeout(&self) -> Option<std::time::Duration> {
-        self.inner.operation_timeout()
+    /// The inner store's, with this store's sealing as a response transform: a record written in
+    /// a handler's transaction is sealed as `complete` seals it.
+    fn capabilities(&self) -> Capabilities<'_> {
+        self.inner.capabilities().transformed_by(self)
     }
+}
 
-    fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
-        self.inner.settled_elsewhere(key, lease);
-    }
-
-    /// Forwarded: the transactional path seals through
-    /// [`prepare_response`](IdempotencyStore::prepare_response).
-    #[cfg(feature = "postgres")]
-    fn postgres(&self) -> Option<&PostgresStore> {
-        self.inner.postgres()
-    }
-
-    /// Seals `response` as [`complete`](IdempotencyStore::complete) does, then lets the inner
-    /// store prepare the sealed record.
-    #[cfg(feature = "postgres")]
-    fn prepare_response(
+impl<S: IdempotencyStore> ResponseTransform for EncryptedStore<S> {
+    /// Seals `response` as [`complete`](IdempotencyStore::complete) does; the inner store gets the
+    /// fingerprint `complete` gives it.
+    fn transform(
         &self,
         key: &RecordKey,
-        fingerprint: &Fingerprint,
+        fingerprint: &mut Fingerprint,
         response: Arc<StoredResponse>,
     ) -> Result<Arc<StoredResponse>, StoreError> {
         let sealed = Arc::new(self.seal(key, fingerprint, &response)?);
-        let stored = self.keyed(fingerprint).unwrap_or(*fingerprint);
-        self.inner.prepare_response(key, &stored, sealed)
+        *fingerprint = self.keyed(fingerprint).unwrap_or(*fingerprint);
+        Ok(sealed)
     }
 }
 

@@ -1,18 +1,20 @@
-//! Every wrapper store of the crate passes on what its inner store does in the provided methods:
-//! a provided method left to its default drops it silently (two bugs came from that).
+//! Every wrapper store of the crate passes on its inner store's capabilities: the operation
+//! timeout, the transactional store, the response transforms and the settle observers.
 
 use crate::record::Fenced;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use super::{IdempotencyStore, MemoryStore, StoreError};
+use super::{
+    Capabilities, IdempotencyStore, MemoryStore, ResponseTransform, SettleObserver, StoreError,
+};
 use crate::Fingerprint;
 use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
 
 const TIMEOUT: Duration = Duration::from_millis(777);
 
-/// A store that notes every provided method called on it.
+/// A store with every capability, noting each use of them.
 #[derive(Clone)]
 struct Probe {
     inner: MemoryStore,
@@ -52,21 +54,28 @@ impl IdempotencyStore for Probe {
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.inner.purge_expired().await
     }
-    fn operation_timeout(&self) -> Option<Duration> {
-        Some(TIMEOUT)
+    fn capabilities(&self) -> Capabilities<'_> {
+        let capabilities = Capabilities::none()
+            .with_operation_timeout(TIMEOUT)
+            .transformed_by(self)
+            .observed_by(self);
+        #[cfg(feature = "postgres")]
+        let capabilities = capabilities.with_postgres(&self.postgres);
+        capabilities
     }
+}
+
+impl SettleObserver for Probe {
     fn settled_elsewhere(&self, _: &RecordKey, _: LeaseToken) {
         self.settled.fetch_add(1, Ordering::SeqCst);
     }
-    #[cfg(feature = "postgres")]
-    fn postgres(&self) -> Option<&super::PostgresStore> {
-        Some(&self.postgres)
-    }
-    #[cfg(feature = "postgres")]
-    fn prepare_response(
+}
+
+impl ResponseTransform for Probe {
+    fn transform(
         &self,
         _: &RecordKey,
-        _: &Fingerprint,
+        _: &mut Fingerprint,
         response: Arc<StoredResponse>,
     ) -> Result<Arc<StoredResponse>, StoreError> {
         self.prepared.fetch_add(1, Ordering::SeqCst);
@@ -86,50 +95,49 @@ fn probe() -> Probe {
     }
 }
 
-/// Calls every provided method of `wrapper` once and checks that each reached `probe`.
+/// Uses every capability of `wrapper` once and checks that each reached `probe`.
 fn passes_on<W: IdempotencyStore>(name: &str, wrapper: &W, probe: &Probe) {
     let key = RecordKey {
         key: "k".into(),
         subject: "alice".into(),
         endpoint: "POST /pay".into(),
     };
+    let capabilities = wrapper.capabilities();
     assert_eq!(
-        wrapper.operation_timeout(),
+        capabilities.operation_timeout(),
         Some(TIMEOUT),
-        "{name}: operation_timeout"
+        "{name}: operation timeout"
     );
     let settled = probe.settled.load(Ordering::SeqCst);
-    wrapper.settled_elsewhere(&key, LeaseToken(7));
+    capabilities.settled_elsewhere(&key, LeaseToken(7));
     assert_eq!(
         probe.settled.load(Ordering::SeqCst),
         settled + 1,
-        "{name}: settled_elsewhere"
+        "{name}: settle observers"
+    );
+    let prepared = probe.prepared.load(Ordering::SeqCst);
+    let response = Arc::new(StoredResponse {
+        outcome: crate::Finished::Completed,
+        status: 201,
+        headers: Vec::new(),
+        body: bytes::Bytes::from_static(b"{}"),
+        body_omitted: false,
+        expires_in: None,
+    });
+    capabilities
+        .transform(&key, &Fingerprint::of(None, b"{}"), response)
+        .expect("transform");
+    assert_eq!(
+        probe.prepared.load(Ordering::SeqCst),
+        prepared + 1,
+        "{name}: response transforms"
     );
     #[cfg(feature = "postgres")]
-    {
-        assert!(wrapper.postgres().is_some(), "{name}: postgres()");
-        let prepared = probe.prepared.load(Ordering::SeqCst);
-        let response = Arc::new(StoredResponse {
-            outcome: crate::Finished::Completed,
-            status: 201,
-            headers: Vec::new(),
-            body: bytes::Bytes::from_static(b"{}"),
-            body_omitted: false,
-            expires_in: None,
-        });
-        wrapper
-            .prepare_response(&key, &Fingerprint::of(None, b"{}"), response)
-            .expect("prepare");
-        assert_eq!(
-            probe.prepared.load(Ordering::SeqCst),
-            prepared + 1,
-            "{name}: prepare_response"
-        );
-    }
+    assert!(capabilities.postgres().is_some(), "{name}: postgres");
 }
 
 #[tokio::test]
-async fn every_wrapper_passes_on_the_provided_methods() {
+async fn every_wrapper_passes_on_its_inner_stores_capabilities() {
     let p = probe();
     passes_on("CachedStore", &super::CachedStore::new(p.clone()), &p);
     passes_on("metrics", &crate::metrics::store(p.clone()), &p);

@@ -374,6 +374,10 @@ impl IdempotencyStore for MemoryStore {
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         Ok(self.sweep_all(Instant::now()))
     }
+
+    fn capabilities(&self) -> super::Capabilities<'_> {
+        super::Capabilities::none()
+    }
 }
 
 fn holds(record: &Record, lease: LeaseToken) -> bool {

@@ -9,6 +9,7 @@ use crate::Fingerprint;
 use crate::record::{ClaimOutcome, ClaimRequest, Fenced, LeaseToken, RecordKey, StoredResponse};
 
 mod cached;
+mod capabilities;
 #[cfg(test)]
 mod forwarding;
 #[cfg(any(feature = "redis", feature = "encryption"))]
@@ -16,6 +17,7 @@ mod header_list;
 mod local_claims;
 mod memory;
 pub use cached::{CachedStore, DEFAULT_CACHE_BYTES, DEFAULT_CACHE_MAX_AGE};
+pub use capabilities::{Capabilities, ResponseTransform, SettleObserver};
 pub use memory::{DEFAULT_MEMORY_CAPACITY, MemoryStore};
 
 #[cfg(feature = "postgres")]
@@ -124,17 +126,17 @@ impl std::error::Error for StoreError {
 /// it returns. The behaviour suite (feature `test-suite`: `axum_idempotency::conformance` and
 /// `store_suite!`) checks an implementation against all of this; every store of the crate runs it.
 ///
-/// A store that wraps another forwards every method, the provided ones included
-/// ([`operation_timeout`](Self::operation_timeout), [`settled_elsewhere`](Self::settled_elsewhere)
-/// and, with `postgres`, `postgres()` and `prepare_response()`): a provided method left to its
-/// default silently drops what the inner store does there (a `CachedStore` inside would keep
-/// answering `409` for records completed in a handler's transaction; an `EncryptedStore` inside
-/// would see transactional records written in clear). Here, a wrapper counting claims:
+/// A store that wraps another forwards every operation and answers its inner store's
+/// [`capabilities`](Self::capabilities), with what it adds: that one required method is what a
+/// wrapper passes on (the operation timeout, the transactional store, the response transforms and
+/// the settle observers), so that none can be dropped by leaving a default in place. Here, a
+/// wrapper counting claims:
 ///
 /// ```
 /// use std::sync::Arc;
 /// use std::sync::atomic::{AtomicU64, Ordering};
 /// use std::time::Duration;
+/// use axum_idempotency::store::Capabilities;
 /// use axum_idempotency::{
 ///     ClaimOutcome, ClaimRequest, Fenced, Fingerprint, IdempotencyLayer, IdempotencyStore,
 ///     LeaseToken, MemoryStore, RecordKey, StoreError, StoredResponse,
@@ -175,25 +177,9 @@ impl std::error::Error for StoreError {
 ///     async fn purge_expired(&self) -> Result<u64, StoreError> {
 ///         self.inner.purge_expired().await
 ///     }
-///     // The provided methods, forwarded too.
-///     fn operation_timeout(&self) -> Option<Duration> {
-///         self.inner.operation_timeout()
-///     }
-///     fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
-///         self.inner.settled_elsewhere(key, lease);
-///     }
-///     #[cfg(feature = "postgres")]
-///     fn postgres(&self) -> Option<&axum_idempotency::PostgresStore> {
-///         self.inner.postgres()
-///     }
-///     #[cfg(feature = "postgres")]
-///     fn prepare_response(
-///         &self,
-///         key: &RecordKey,
-///         fingerprint: &Fingerprint,
-///         response: Arc<StoredResponse>,
-///     ) -> Result<Arc<StoredResponse>, StoreError> {
-///         self.inner.prepare_response(key, fingerprint, response)
+///     // What the inner store offers, passed on (a counter adds nothing).
+///     fn capabilities(&self) -> Capabilities<'_> {
+///         self.inner.capabilities()
 ///     }
 /// }
 ///
@@ -266,51 +252,9 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// Deletes every record whose retention has passed; returns how many.
     fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
-    /// The longest one operation of this store may take before it fails, if it bounds them.
-    /// [`IdempotencyLayerBuilder::build`](crate::IdempotencyLayerBuilder::build) refuses an
-    /// in-progress TTL under [`TTL_PER_OPERATION_TIMEOUT`](crate::TTL_PER_OPERATION_TIMEOUT) times
-    /// it: a claim answered at the end of its timeout must leave time to prove it still holds the
-    /// record. A store that wraps another forwards it. `None` by default.
-    fn operation_timeout(&self) -> Option<Duration> {
-        None
-    }
-
-    /// Tells the store that `lease` no longer holds the record for a reason it did not see: the
-    /// record was completed in the handler's transaction (`IdempotencyTx`), released by a statement
-    /// of the Postgres store's own, or found lost. Nothing to do for a store that keeps nothing about
-    /// its claims in this process; [`CachedStore`] forgets its hold on the key. A store that wraps
-    /// another must forward it (as it forwards `postgres()`): otherwise a `CachedStore` inside it
-    /// answers `409` for a key recorded in a handler's transaction until its hold times out, up to
-    /// the in-progress TTL.
-    fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
-        let _ = (key, lease);
-    }
-
-    /// The Postgres store behind this one, if any, whose transactions handlers can take as
-    /// [`IdempotencyTx`](crate::IdempotencyTx). A store that wraps a `PostgresStore` forwards it.
-    #[cfg(feature = "postgres")]
-    fn postgres(&self) -> Option<&PostgresStore> {
-        None
-    }
-
-    /// The response as this store would write it, for a record that the layer completes itself in
-    /// a handler's transaction ([`IdempotencyTx`](crate::IdempotencyTx)) through the store that
-    /// [`postgres`](Self::postgres) answers, rather than through [`complete`](Self::complete).
-    /// The identity by default.
-    ///
-    /// A wrapper that changes responses on their way into `complete` (as `EncryptedStore` seals
-    /// them) must change them here the same way and then hand the result to its inner store's
-    /// `prepare_response`; a wrapper that cannot must not forward `postgres()`, or the
-    /// transactional path would write what `complete` never writes. An error rolls the
-    /// transaction back and releases the record, as a failed completion does.
-    #[cfg(feature = "postgres")]
-    fn prepare_response(
-        &self,
-        key: &RecordKey,
-        fingerprint: &Fingerprint,
-        response: Arc<StoredResponse>,
-    ) -> Result<Arc<StoredResponse>, StoreError> {
-        let _ = (key, fingerprint);
-        Ok(response)
-    }
+    /// What the store offers beyond storage ([`Capabilities`]): its operation timeout, the Postgres
+    /// store whose transactions handlers take, the response transforms and the settle observers. A
+    /// store of its own answers [`Capabilities::none`] (with its operation timeout, if it bounds
+    /// its operations); a store wrapping another answers the inner store's, with what it adds.
+    fn capabilities(&self) -> Capabilities<'_>;
 }

@@ -17,7 +17,7 @@ mod statements;
 use migrate::DEFAULT_TABLE;
 use statements::{PURGE_BATCH, Statements};
 
-use super::{IdempotencyStore, StoreError};
+use super::{Capabilities, IdempotencyStore, StoreError};
 use crate::Fingerprint;
 use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
 
@@ -371,12 +371,10 @@ impl IdempotencyStore for PostgresStore {
         self.finished_by(&scope, lease).await.map(Fenced::from_held)
     }
 
-    fn postgres(&self) -> Option<&PostgresStore> {
-        Some(self)
-    }
-
-    fn operation_timeout(&self) -> Option<Duration> {
-        Some(self.timeout)
+    fn capabilities(&self) -> Capabilities<'_> {
+        Capabilities::none()
+            .with_operation_timeout(self.timeout)
+            .with_postgres(self)
     }
 
     async fn renew(

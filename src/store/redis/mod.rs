@@ -12,7 +12,7 @@ use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisFuture, Script, ServerErrorKind, Value};
 
-use super::{IdempotencyStore, StoreError, header_list};
+use super::{Capabilities, IdempotencyStore, StoreError, header_list};
 use crate::Fingerprint;
 use crate::record::{
     ClaimOutcome, ClaimRequest, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
@@ -410,8 +410,8 @@ impl IdempotencyStore for RedisStore {
         Ok(0)
     }
 
-    fn operation_timeout(&self) -> Option<Duration> {
-        Some(self.timeout)
+    fn capabilities(&self) -> Capabilities<'_> {
+        Capabilities::none().with_operation_timeout(self.timeout)
     }
 }
 
