@@ -19,12 +19,13 @@ use crate::context::IdempotencyContext;
 use crate::key;
 use crate::lease::{self, Lease, renewal_bound};
 use crate::metrics::Label;
-use crate::outcome::{Outcome, report};
+use crate::outcome::Outcome;
 use crate::problem::ErrorKind;
 use crate::record::Fenced;
 use crate::record::{ClaimOutcome, ClaimRequest, Generation, LeaseToken, RecordKey};
 use crate::recording;
 use crate::replay;
+use crate::report::report;
 use crate::store::IdempotencyStore;
 
 /// Runs one request through the layer. `inner` is a ready clone of the wrapped service.

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use tower::Layer;
 
-use crate::config::{Config, IdempotencyLayerBuilder};
+use crate::config::Config;
 use crate::drain::Drain;
 use crate::service::IdempotencyService;
 use crate::store::IdempotencyStore;
@@ -31,11 +31,6 @@ impl<S: IdempotencyStore> IdempotencyLayer<S> {
     /// A layer with the default settings (see the crate docs' configuration table).
     pub fn new(store: S) -> Self {
         Self::from_parts(store, Config::default())
-    }
-
-    /// A builder to change the settings; [`IdempotencyLayerBuilder::build`] validates them.
-    pub fn builder(store: S) -> IdempotencyLayerBuilder<S> {
-        IdempotencyLayerBuilder::new(store)
     }
 
     pub(crate) fn from_parts(store: S, config: Config) -> Self {

@@ -33,8 +33,9 @@ use tokio::time::Instant;
 use crate::Fingerprint;
 use crate::config::Config;
 use crate::metrics::Label;
-use crate::outcome::{Outcome, report};
+use crate::outcome::Outcome;
 use crate::record::{Fenced, LeaseToken, RecordKey, StoredResponse};
+use crate::report::report;
 use crate::store::{IdempotencyStore, StoreError};
 use tracing::Instrument;
 

@@ -138,6 +138,7 @@
 #![warn(missing_docs)]
 
 mod body;
+mod builder;
 mod canonical_json;
 mod claim;
 mod config;
@@ -166,6 +167,7 @@ mod purge;
 mod record;
 mod recording;
 mod replay;
+mod report;
 mod secret;
 mod service;
 pub mod store;
@@ -173,11 +175,12 @@ mod subject;
 #[cfg(feature = "postgres")]
 mod transaction;
 
+pub use builder::IdempotencyLayerBuilder;
 pub use canonical_json::{MAX_DEPTH, canonicalize};
 pub use config::{
     ConfigError, DEFAULT_MAX_HOLD, DEFAULT_MAX_RUNNING, DEFAULT_STORED_HEADERS, DENIED_HEADERS,
-    IdempotencyLayerBuilder, MAX_BODY_LIMIT, MAX_DURATION, MAX_RESPONSE_LIMIT, MIN_IN_PROGRESS_TTL,
-    MIN_RETENTION, TTL_PER_OPERATION_TIMEOUT,
+    MAX_BODY_LIMIT, MAX_DURATION, MAX_RESPONSE_LIMIT, MIN_IN_PROGRESS_TTL, MIN_RETENTION,
+    TTL_PER_OPERATION_TIMEOUT,
 };
 pub use context::IdempotencyContext;
 pub use drain::Drain;

@@ -6,20 +6,6 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::config::Config;
-use crate::metrics::Label;
-
-/// Reports an outcome as a DEBUG event of the current span (one per outcome: a span field recorded
-/// twice would print twice), to the configured hook and, with the `metrics` feature, to the
-/// outcome counter under the request's endpoint `label`.
-pub(crate) fn report(config: &Config, label: &Label, outcome: Outcome) {
-    tracing::debug!(outcome = outcome.as_str(), "idempotency outcome");
-    if let Some(hook) = &config.on_outcome {
-        hook(outcome);
-    }
-    label.count(outcome);
-}
-
 /// One thing the layer did with a guarded request. A request that runs the handler reports two: how
 /// it was claimed, then whether its answer was recorded or released.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

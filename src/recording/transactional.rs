@@ -10,10 +10,11 @@ use sqlx::{Postgres, Transaction};
 use crate::config::Config;
 use crate::lease::{Lease, Settled};
 use crate::metrics;
-use crate::outcome::{Outcome, report};
+use crate::outcome::Outcome;
 use crate::problem::ErrorKind;
 use crate::record::{Finished, StoredResponse};
 use crate::recording;
+use crate::report::report;
 use crate::store::{IdempotencyStore, PostgresStore};
 
 /// Records a response whose handler wrote its effects through `tx`: reads the body up to the

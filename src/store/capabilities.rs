@@ -19,7 +19,14 @@ use super::IdempotencyStore;
 
 /// What a store offers beyond its five operations, as [`IdempotencyStore::capabilities`] answers
 /// it. A store of its own answers [`Capabilities::none`] (with its operation timeout, if it bounds
-/// its operations); a store wrapping another answers the inner store's, with what it adds:
+/// its operations); a store wrapping another answers the inner store's, with what it adds.
+///
+/// **A wrapper that changes responses on their way into `complete`** (compresses, encrypts,
+/// rewrites them) must add the same change as a [`ResponseTransform`]
+/// ([`transformed_by`](Self::transformed_by)), or answer
+/// [`without_postgres`](Self::without_postgres): records written in a handler's transaction
+/// (`IdempotencyTx`) do not go through its `complete`, and would be written unchanged. A wrapper
+/// that only forwards or observes passes the inner store's on as they are:
 ///
 /// ```
 /// # use axum_idempotency::store::Capabilities;

@@ -251,7 +251,8 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
     /// Format 1 does not bind the request's fingerprint, so someone with write access who kept a
     /// format 1 ciphertext could move it onto a later record of its scope made by another request.
     /// Set it once every instance has sealed in format 2 for a whole retention: no legitimate
-    /// format 1 record is left then.
+    /// format 1 record is left then. It overrides
+    /// [`with_format_1_sealing`](Self::with_format_1_sealing): this store then seals format 2.
     pub fn refuse_format_1(mut self) -> Self {
         self.open_format_1 = false;
         self
@@ -308,7 +309,8 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
         fingerprint: &Fingerprint,
         response: &StoredResponse,
     ) -> Result<StoredResponse, StoreError> {
-        let bound = (!self.seal_format_1).then_some(fingerprint);
+        // Refusing format 1 wins: a store never seals what it would refuse to open.
+        let bound = (!self.seal_format_1 || !self.open_format_1).then_some(fingerprint);
         self.seal_as(key, bound, response)
     }
 
@@ -731,6 +733,15 @@ mod tests {
         assert!(now.open(&key("k"), &fp("a"), &sealed).is_ok());
         let strict = store(&[(1, [1; 32])]).refuse_format_1();
         assert!(reason(strict.open(&key("k"), &fp("a"), &sealed)).contains("format 1"));
+        // Both set: refusing wins, so the store opens what it seals.
+        let both = store(&[(1, [1; 32])])
+            .with_format_1_sealing()
+            .refuse_format_1();
+        let own = both
+            .seal(&key("k"), &fp("a"), &response(false))
+            .expect("seal");
+        assert_eq!(own.body[0], FORMAT_V2);
+        assert!(both.open(&key("k"), &fp("a"), &own).is_ok());
         let bound = now
             .seal(&key("k"), &fp("a"), &response(false))
             .expect("seal");

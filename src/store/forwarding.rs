@@ -20,6 +20,8 @@ struct Probe {
     inner: MemoryStore,
     settled: Arc<AtomicUsize>,
     prepared: Arc<AtomicUsize>,
+    /// The fingerprint the last transform received.
+    handed: Arc<std::sync::Mutex<Option<Fingerprint>>>,
     #[cfg(feature = "postgres")]
     postgres: super::PostgresStore,
 }
@@ -75,10 +77,11 @@ impl ResponseTransform for Probe {
     fn transform(
         &self,
         _: &RecordKey,
-        _: &mut Fingerprint,
+        fingerprint: &mut Fingerprint,
         response: Arc<StoredResponse>,
     ) -> Result<Arc<StoredResponse>, StoreError> {
         self.prepared.fetch_add(1, Ordering::SeqCst);
+        *crate::lock::lock(&self.handed) = Some(*fingerprint);
         Ok(response)
     }
 }
@@ -88,6 +91,7 @@ fn probe() -> Probe {
         inner: MemoryStore::new(),
         settled: Arc::default(),
         prepared: Arc::default(),
+        handed: Arc::default(),
         #[cfg(feature = "postgres")]
         postgres: super::PostgresStore::new(
             sqlx::postgres::PgPoolOptions::new().connect_lazy_with(Default::default()),
@@ -154,10 +158,26 @@ async fn every_wrapper_passes_on_its_inner_stores_capabilities() {
             &super::EncryptedStore::new(p.clone(), keys()),
             &p,
         );
+        let plain = Fingerprint::of(None, b"{}");
+        passes_on(
+            "EncryptedStore",
+            &super::EncryptedStore::new(p.clone(), keys()),
+            &p,
+        );
+        assert_eq!(
+            *crate::lock::lock(&p.handed),
+            Some(plain),
+            "the claim's fingerprint"
+        );
         passes_on(
             "EncryptedStore with keyed fingerprints",
             &super::EncryptedStore::new(p.clone(), keys()).with_fingerprint_secret([4; 32]),
             &p,
+        );
+        let handed = *crate::lock::lock(&p.handed);
+        assert!(
+            handed.is_some() && handed != Some(plain),
+            "the inner store's transform gets the keyed fingerprint, as its complete does"
         );
         passes_on(
             "CachedStore over EncryptedStore",

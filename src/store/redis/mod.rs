@@ -431,8 +431,8 @@ fn encode(response: &StoredResponse) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// The inverse of [`encode`]; `None` for bytes it did not write. Invalid or denied headers are
-/// dropped, as from any store the layer does not own.
+/// The inverse of [`encode`]; `None` for bytes it did not write. Headers that are not valid HTTP
+/// are dropped (the layer's header policy applies on replay).
 fn decode(blob: &[u8]) -> Option<StoredResponse> {
     let mut rest = blob;
     let mut take = |n: usize| -> Option<&[u8]> {

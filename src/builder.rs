@@ -1,0 +1,497 @@
+//! [`IdempotencyLayerBuilder`]: the settings of a layer, checked when it is built.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::request::Parts;
+use http::{HeaderName, Method, StatusCode};
+
+use crate::config::{
+    Config, ConfigError, DEFAULT_MAX_HOLD, FingerprintRule, MAX_BODY_LIMIT, MAX_DURATION,
+    MAX_RESPONSE_LIMIT, MIN_IN_PROGRESS_TTL, MIN_RETENTION, MIN_SECRET_LEN,
+    TTL_PER_OPERATION_TIMEOUT,
+};
+use crate::drain::Drain;
+use crate::fingerprint::Fingerprint;
+use crate::header_policy;
+use crate::json_pointer::Pointer;
+use crate::layer::IdempotencyLayer;
+use crate::outcome::Outcome;
+use crate::policy::Disposition;
+use crate::problem::ProblemTypes;
+use crate::store::IdempotencyStore;
+use crate::subject::SubjectExtractor;
+#[cfg(doc)]
+use crate::{DEFAULT_MAX_RUNNING, DEFAULT_STORED_HEADERS, DENIED_HEADERS, default_policy};
+
+impl<S: IdempotencyStore> IdempotencyLayer<S> {
+    /// A builder to change the settings; [`IdempotencyLayerBuilder::build`] validates them.
+    pub fn builder(store: S) -> IdempotencyLayerBuilder<S> {
+        IdempotencyLayerBuilder::new(store)
+    }
+}
+
+/// Builds an [`IdempotencyLayer`]; [`build`](Self::build) checks the settings and says what is
+/// wrong ([`ConfigError`]) instead of panicking.
+///
+/// | setting | default | meaning |
+/// |---|---|---|
+/// | `in_progress_ttl` | 90 s | an `in_progress` record not renewed by its holder's heartbeat for this long is presumed abandoned and may be retaken; the heartbeat renews every third of it. 30 ms to 10 years, and at least twice the store's operation timeout (Postgres 5 s, Redis 2 s by default) |
+/// | `max_hold` | 10 min (or the TTL, if longer) | the longest a claim may be held by its handler and its body; past it a handler is cancelled and the key's record becomes a definitive `504 idempotency_handler_timeout` that replays (on the transactional path: rolled back, key released); a streamed body is cut and its response recorded without the body. From the TTL to 10 years |
+/// | `max_running` | 1024 | requests running detached (their clients went away), counted in the layer's `Drain`; past it, new guarded requests get `503 idempotency_overloaded` before any claim |
+/// | `drain` | one per layer | share one `Drain` across layers, to wait for all of them at shutdown |
+/// | `retention` | 24 h | how long completed and failed records are replayed; after that the key is new again. At most 10 years |
+/// | `retry_after_secs` | 2 | `Retry-After` of `409 in_progress` and `503` |
+/// | `body_limit` | 1 MiB | largest request body read (`Content-Length` checked first); larger is `413` |
+/// | `response_limit` | 1 MiB | largest response body recorded; a larger one is passed on whole and recorded without its body (replayed with an empty body and `Idempotency-Replay: omitted`) |
+/// | `require_key` | `false` | without a key: pass through (`false`) or `400 missing_idempotency_key` (`true`) |
+/// | `methods` | `POST`, `PATCH` | methods guarded; others pass through; safe methods are refused |
+/// | `store_header` | `content-type`, `location`, `content-language`, `etag`, `cache-control` | response headers recorded (repeated ones in order); `set-cookie`, `authorization` and the like are never stored and refused here |
+/// | `response_policy` | `default_policy` | status to `Complete` / `Fail` / `Release` |
+/// | `subject_extractor` | the `Subject` extension | where the subject comes from |
+/// | `allow_anonymous` | `false` | one shared scope for requests without a subject |
+/// | `endpoint` | `METHOD /path` | the endpoint part of the scope; the path is the original one (before `Router::nest`), without the query |
+/// | `fail_open` | `false` | store failure: `503` (`false`) or run unguarded, logged (`true`) |
+/// | `fingerprint_ignore` | none | JSON fields left out of the fingerprint, by JSON pointer (`/client_timestamp`, `/metadata/request_id`); see below |
+/// | `fingerprint_fn` | canonical body and query | the application's own fingerprint, `Fn(&Parts, &[u8]) -> Fingerprint` |
+/// | `replay_header` | `Idempotent-Replayed` | the header, set to `true`, that marks a replay; names with another meaning (`set-cookie`, `idempotency-key`, ...) or that are recorded are refused |
+pub struct IdempotencyLayerBuilder<S> {
+    store: S,
+    config: Config,
+    extra_headers: Vec<String>,
+    replay_header_name: Option<String>,
+    ignored_fields: Vec<String>,
+    max_hold_set: bool,
+    problem_type_base: Option<String>,
+}
+
+impl<S> fmt::Debug for IdempotencyLayerBuilder<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayerBuilder")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
+    pub(crate) fn new(store: S) -> Self {
+        IdempotencyLayerBuilder {
+            store,
+            config: Config::default(),
+            extra_headers: Vec::new(),
+            replay_header_name: None,
+            ignored_fields: Vec::new(),
+            max_hold_set: false,
+            problem_type_base: None,
+        }
+    }
+
+    /// How long an `in_progress` record may go without a heartbeat before it is presumed abandoned
+    /// (its worker died) and may be retaken. The holder renews it every third of this, so a live
+    /// handler, however slow, is never retaken; keep it well above the longest store outage you want
+    /// to ride out. From [`MIN_IN_PROGRESS_TTL`] to [`MAX_DURATION`]. Default: 90 s.
+    pub fn in_progress_ttl(mut self, ttl: Duration) -> Self {
+        self.config.in_progress_ttl = ttl;
+        self
+    }
+
+    /// How long finished records are kept and replayed; after that the key is new again.
+    /// Default: 24 h.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.config.retention = retention;
+        self
+    }
+
+    /// The `Retry-After` seconds sent with `409 in_progress` and `503`. Default: 2.
+    pub fn retry_after_secs(mut self, secs: u32) -> Self {
+        self.config.retry_after_secs = secs;
+        self
+    }
+
+    /// The largest request body read, in bytes; larger ones get `413`. Default: 1 MiB.
+    pub fn body_limit(mut self, bytes: usize) -> Self {
+        self.config.body_limit = bytes;
+        self
+    }
+
+    /// The largest response body recorded, in bytes, at most [`MAX_RESPONSE_LIMIT`]; a larger
+    /// response is passed to the client whole and recorded without its body (its replay has the
+    /// status and headers, an empty body and `Idempotency-Replay: omitted`). Default: 1 MiB.
+    pub fn response_limit(mut self, bytes: usize) -> Self {
+        self.config.response_limit = bytes;
+        self
+    }
+
+    /// With `true`, a guarded request without a key gets `400 missing_idempotency_key`; by default it
+    /// passes through unguarded.
+    pub fn require_key(mut self, required: bool) -> Self {
+        self.config.require_key = required;
+        self
+    }
+
+    /// The methods guarded; others pass through. Default: `POST` and `PATCH`. Safe methods (`GET`,
+    /// `HEAD`, `OPTIONS`, `TRACE`) are refused.
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.config.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Records one more response header (on top of [`DEFAULT_STORED_HEADERS`]). Names on
+    /// [`DENIED_HEADERS`] are refused by [`build`](Self::build).
+    pub fn store_header(mut self, name: impl Into<String>) -> Self {
+        self.extra_headers.push(name.into());
+        self
+    }
+
+    /// Decides, from the handler's status, whether a response is recorded as completed, recorded as
+    /// failed, or released for another try. Default: [`default_policy`].
+    pub fn response_policy(
+        mut self,
+        policy: impl Fn(StatusCode) -> Disposition + Send + Sync + 'static,
+    ) -> Self {
+        self.config.policy = Arc::new(policy);
+        self
+    }
+
+    /// Where the subject comes from. Default: the [`Subject`](crate::Subject) extension.
+    pub fn subject_extractor(mut self, extractor: impl SubjectExtractor) -> Self {
+        self.config.subject = Arc::new(extractor);
+        self
+    }
+
+    /// With `true`, requests without a subject share one anonymous scope instead of getting
+    /// `401 missing_subject`. Only for routes that have no authenticated users at all.
+    ///
+    /// **The anonymous scope is shared by every anonymous caller**: anyone who sends the same
+    /// key (and body) gets the same recorded answer, and anyone who sends it with another body
+    /// gets `422` for the retention. Require long random keys there
+    /// ([`min_key_length`](Self::min_key_length)), and do not return anything private.
+    pub fn allow_anonymous(mut self, allow: bool) -> Self {
+        self.config.allow_anonymous = allow;
+        self
+    }
+
+    /// How the endpoint part of a record's scope is named. Default: method and original path,
+    /// without the query, e.g. `POST /orders/42/pay`.
+    pub fn endpoint(mut self, endpoint: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
+        self.config.endpoint = Arc::new(endpoint);
+        self
+    }
+
+    /// With `true`, a failing store lets requests through unguarded (logged) instead of answering
+    /// `503 idempotency_store_unavailable`. Default: `false` (fail closed).
+    pub fn fail_open(mut self, fail_open: bool) -> Self {
+        self.config.fail_open = fail_open;
+        self
+    }
+
+    /// Calls `hook` with every [`Outcome`] of a guarded request, for metrics; see
+    /// [`OutcomeCounters`](crate::OutcomeCounters). It runs on the request path: keep it cheap.
+    pub fn on_outcome(mut self, hook: impl Fn(Outcome) + Send + Sync + 'static) -> Self {
+        self.config.on_outcome = Some(Arc::new(hook));
+        self
+    }
+
+    /// Leaves fields of a JSON body out of the fingerprint, named by JSON pointers (RFC 6901), such as
+    /// `/client_timestamp` or `/metadata/request_id` (`~1` stands for `/` in a name, `~0` for `~`; a
+    /// number names an array element). A retry that differs only in those fields, or lacks them, is
+    /// the same request; any other difference still gets `422`. The query and bodies that are not
+    /// JSON are fingerprinted whole. Default: none, the whole canonical body and query.
+    pub fn fingerprint_ignore(
+        mut self,
+        pointers: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self {
+        self.ignored_fields
+            .extend(pointers.into_iter().map(Into::into));
+        self
+    }
+
+    /// Computes fingerprints with `f` instead, from the request's head and its whole body (at most
+    /// `body_limit` bytes); build the result with [`Fingerprint::of`] (on a body you transformed)
+    /// or [`Fingerprint::of_material`]. Two requests with one key and different fingerprints get
+    /// `422`; equal fingerprints replay each other's answers, so leave out only what does not change
+    /// the operation. Not together with [`fingerprint_ignore`](Self::fingerprint_ignore).
+    pub fn fingerprint_fn(
+        mut self,
+        f: impl Fn(&Parts, &[u8]) -> Fingerprint + Send + Sync + 'static,
+    ) -> Self {
+        self.config.fingerprint = FingerprintRule::Custom(Arc::new(f));
+        self
+    }
+
+    /// The response header, set to `true`, that marks a replay. Default: `Idempotent-Replayed`
+    /// ([`IDEMPOTENT_REPLAYED`](crate::IDEMPOTENT_REPLAYED), as Stripe names it). It is never
+    /// recorded from a handler's answer, so a replay carries it once. [`build`](Self::build)
+    /// refuses a name on [`DENIED_HEADERS`] (but the default) or one the layer records.
+    pub fn replay_header(mut self, name: impl Into<String>) -> Self {
+        self.replay_header_name = Some(name.into());
+        self
+    }
+
+    /// The longest a claim may be held: from the claim until the handler has answered and its body
+    /// has ended. A handler (or a streamed body) still running then is cancelled. Its effect may
+    /// have happened, so the record becomes a definitive `504 idempotency_handler_timeout` that
+    /// replays, and the handler never runs again for that key; on the transactional path
+    /// (`IdempotencyTx`) nothing was committed, so the transaction is rolled back and the key
+    /// released instead. From the in-progress TTL to [`MAX_DURATION`]. Default:
+    /// [`DEFAULT_MAX_HOLD`] (10 minutes), or the in-progress TTL when that is longer. A streamed body
+    /// still running then is cut, and the response recorded without its body (its client saw the
+    /// handler's status).
+    pub fn max_hold(mut self, hold: Duration) -> Self {
+        self.config.max_hold = hold;
+        self.max_hold_set = true;
+        self
+    }
+
+    /// How many requests of this layer whose clients went away ([`Drain::detached`]) may run on
+    /// their own before new guarded requests get `503 idempotency_overloaded` with `Retry-After`, before any claim. Bounds what a
+    /// client that resets requests in a loop can make the server run. At least 1. Default:
+    /// [`DEFAULT_MAX_RUNNING`].
+    pub fn max_running(mut self, tasks: usize) -> Self {
+        self.config.max_running = tasks;
+        self
+    }
+
+    /// Counts this layer's background work in `drain`, shared with other layers (each layer has
+    /// one of its own by default; [`IdempotencyLayer::drain`] gives it). The bound of
+    /// [`max_running`](Self::max_running) applies to everything counted in it.
+    pub fn drain(mut self, drain: Drain) -> Self {
+        self.config.drain = drain;
+        self
+    }
+
+    /// A deployment secret (at least 16 bytes) mixed into
+    /// [`IdempotencyContext::derived_key`](crate::IdempotencyContext::derived_key) as an
+    /// HMAC-SHA-256 key. Set one per deployment whenever two deployments (staging and production,
+    /// two tenants' apps, two services) share one account at a downstream provider: without it, the
+    /// same subject, key, endpoint and body would give both the same provider key, and one would
+    /// get the other's result. Keep it stable: changing it changes every derived key, so a retake
+    /// after the change is a new operation at the provider. Default: none.
+    pub fn derived_key_secret(mut self, secret: impl AsRef<[u8]>) -> Self {
+        self.config.derived_key_secret =
+            Some(Arc::new(crate::secret::Secret::new(secret.as_ref())));
+        self
+    }
+
+    /// With `true`, the request's span logs the subject and the endpoint as they are; by default
+    /// it logs their hashes (the first 8 bytes of their SHA-256), since subjects and paths are
+    /// personal data and a forged one could fake log lines.
+    pub fn log_scope(mut self, raw: bool) -> Self {
+        self.config.log_scope = raw;
+        self
+    }
+
+    /// The shortest `Idempotency-Key` accepted (shorter: `400 invalid_idempotency_key`), at most
+    /// 255. Default: 1. Raise it where keys must be unguessable: with
+    /// [`allow_anonymous`](Self::allow_anonymous) every anonymous caller shares one scope, so a
+    /// guessed key replays another caller's answer or blocks their request with `422`; require
+    /// random keys (16 characters or more, a UUID) there.
+    pub fn min_key_length(mut self, chars: usize) -> Self {
+        self.config.min_key_length = chars;
+        self
+    }
+
+    /// The base of the `type` URI of the layer's error answers: the application's own
+    /// documentation, such as `https://api.example.com/errors/`, followed by the error code
+    /// (`…/errors/in_progress`). An absolute `http` or `https` URI. Default: this crate's
+    /// documentation of [`ErrorKind`](crate::ErrorKind), at each variant's anchor.
+    pub fn problem_type_base(mut self, base: impl Into<String>) -> Self {
+        self.problem_type_base = Some(base.into());
+        self
+    }
+
+    /// Checks the settings and builds the layer.
+    pub fn build(self) -> Result<IdempotencyLayer<S>, ConfigError> {
+        let mut config = self.config;
+        let err = |s: &str| Err(ConfigError(s.to_owned()));
+        if config.in_progress_ttl < MIN_IN_PROGRESS_TTL {
+            return err("in_progress_ttl must be at least 30 ms");
+        }
+        if config.retention.is_zero() {
+            return err("retention must be more than zero");
+        }
+        if config.in_progress_ttl > MAX_DURATION || config.retention > MAX_DURATION {
+            return err("in_progress_ttl and retention must be at most ten years each");
+        }
+        if let Some(timeout) = self.store.capabilities().operation_timeout()
+            && config.in_progress_ttl < timeout * TTL_PER_OPERATION_TIMEOUT
+        {
+            return Err(ConfigError(format!(
+                "in_progress_ttl ({:?}) must be at least {TTL_PER_OPERATION_TIMEOUT} times the \
+                 store's operation timeout ({timeout:?}): a claim answered late must still leave \
+                 time to prove it holds the record",
+                config.in_progress_ttl
+            )));
+        }
+        if !self.max_hold_set {
+            // The default never refuses a long TTL: it is at least the TTL.
+            config.max_hold = DEFAULT_MAX_HOLD.max(config.in_progress_ttl);
+        }
+        if config.max_hold < config.in_progress_ttl || config.max_hold > MAX_DURATION {
+            return err("max_hold must be from the in-progress TTL to ten years");
+        }
+        if config
+            .derived_key_secret
+            .as_ref()
+            .is_some_and(|s| s.bytes().len() < MIN_SECRET_LEN)
+        {
+            return err("derived_key_secret must be at least 16 bytes");
+        }
+        if let Some(base) = self.problem_type_base {
+            let absolute = http::Uri::try_from(base.as_str()).is_ok_and(|uri| {
+                matches!(uri.scheme_str(), Some("http" | "https")) && uri.authority().is_some()
+            });
+            if !absolute {
+                return Err(ConfigError(format!(
+                    "problem_type_base {base:?} is not an absolute http(s) URI"
+                )));
+            }
+            config.problems = ProblemTypes::with_base(&base);
+        }
+        if config.max_running == 0 {
+            return err("max_running must be at least 1");
+        }
+        if config.retry_after_secs == 0 {
+            return err("retry_after_secs must be at least 1");
+        }
+        if config.body_limit == 0 || config.body_limit > MAX_BODY_LIMIT {
+            return err("body_limit must be from 1 byte to 64 MiB");
+        }
+        if config.retention < MIN_RETENTION {
+            return err("retention must be at least 100 ms");
+        }
+        if config.min_key_length == 0 || config.min_key_length > crate::key::MAX_KEY_LEN {
+            return err("min_key_length must be from 1 to 255");
+        }
+        if config.response_limit == 0 || config.response_limit > MAX_RESPONSE_LIMIT {
+            return err("response_limit must be from 1 byte to 64 MiB");
+        }
+        if config.methods.is_empty() {
+            return err("at least one method must be guarded");
+        }
+        if let Some(safe) = config.methods.iter().find(|m| m.is_safe()) {
+            return Err(ConfigError(format!(
+                "{safe} is a safe method and cannot be guarded"
+            )));
+        }
+        for name in self.extra_headers {
+            let header = HeaderName::try_from(name.as_str())
+                .map_err(|_| ConfigError(format!("{name:?} is not a valid header name")))?;
+            if header_policy::is_denied(&header) {
+                return Err(ConfigError(format!(
+                    "{header} is never stored: it carries credentials or belongs to one transfer"
+                )));
+            }
+            if !config.stored_headers.contains(&header) {
+                config.stored_headers.push(header);
+            }
+        }
+        if let Some(name) = self.replay_header_name {
+            let header = HeaderName::try_from(name.as_str())
+                .map_err(|_| ConfigError(format!("{name:?} is not a valid header name")))?;
+            if header != crate::replay::IDEMPOTENT_REPLAYED && header_policy::is_denied(&header) {
+                return Err(ConfigError(format!(
+                    "{header} cannot mark replays: the layer or HTTP gives it another meaning"
+                )));
+            }
+            config.replay_header = header;
+        }
+        if !self.ignored_fields.is_empty() {
+            if matches!(config.fingerprint, FingerprintRule::Custom(_)) {
+                return err("fingerprint_ignore and fingerprint_fn cannot be used together");
+            }
+            let pointers = self
+                .ignored_fields
+                .iter()
+                .map(|p| Pointer::parse(p))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(ConfigError)?;
+            config.fingerprint = FingerprintRule::Canonical(pointers.into());
+        }
+        if config.stored_headers.contains(&config.replay_header) {
+            return Err(ConfigError(format!(
+                "{} cannot both mark replays and be recorded",
+                config.replay_header
+            )));
+        }
+        Ok(IdempotencyLayer::from_parts(self.store, config))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemoryStore;
+
+    fn builder() -> IdempotencyLayerBuilder<MemoryStore> {
+        IdempotencyLayerBuilder::new(MemoryStore::new())
+    }
+
+    fn refused(b: IdempotencyLayerBuilder<MemoryStore>) -> String {
+        match b.build() {
+            Ok(_) => panic!("configuration accepted"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn defaults_build() {
+        assert!(builder().build().is_ok());
+        assert!(builder().store_header("x-request-id").build().is_ok());
+    }
+
+    #[test]
+    fn invalid_settings_say_why() {
+        assert!(refused(builder().in_progress_ttl(Duration::ZERO)).contains("in_progress_ttl"));
+        assert!(refused(builder().in_progress_ttl(Duration::from_millis(29))).contains("30 ms"));
+        assert!(refused(builder().retention(Duration::ZERO)).contains("retention"));
+        assert!(refused(builder().retention(Duration::MAX)).contains("ten years"));
+        assert!(refused(builder().in_progress_ttl(Duration::MAX)).contains("ten years"));
+        let centuries = Duration::from_secs(300_000 * 365 * 24 * 3600);
+        assert!(refused(builder().retention(centuries)).contains("ten years"));
+        assert!(builder().retention(MAX_DURATION).build().is_ok());
+        assert!(refused(builder().retry_after_secs(0)).contains("retry_after_secs"));
+        assert!(refused(builder().body_limit(0)).contains("body_limit"));
+        assert!(refused(builder().response_limit(0)).contains("response_limit"));
+        assert!(refused(builder().response_limit(MAX_RESPONSE_LIMIT + 1)).contains("64 MiB"));
+        assert!(refused(builder().methods([])).contains("at least one method"));
+        assert!(refused(builder().methods([Method::POST, Method::GET])).contains("GET"));
+        assert!(refused(builder().store_header("set-cookie")).contains("never stored"));
+        assert!(refused(builder().store_header("Authorization")).contains("never stored"));
+        assert!(refused(builder().store_header("bad header")).contains("not a valid header"));
+        assert!(refused(builder().replay_header("bad header")).contains("not a valid header"));
+        assert!(refused(builder().replay_header("Set-Cookie")).contains("another meaning"));
+        assert!(refused(builder().replay_header("idempotency-key")).contains("another meaning"));
+        assert!(refused(builder().replay_header("location")).contains("be recorded"));
+        let both = builder()
+            .store_header("x-replayed")
+            .replay_header("X-Replayed");
+        assert!(refused(both).contains("be recorded"));
+        assert!(
+            builder()
+                .replay_header("Idempotent-Replayed")
+                .build()
+                .is_ok()
+        );
+        assert!(
+            builder()
+                .replay_header("x-idempotent-replay")
+                .build()
+                .is_ok()
+        );
+        assert!(refused(builder().fingerprint_ignore(["ts"])).contains("start with '/'"));
+        assert!(refused(builder().fingerprint_ignore(["/a~2"])).contains("'~'"));
+        assert!(refused(builder().fingerprint_ignore([""])).contains("start with '/'"));
+        let both = builder()
+            .fingerprint_fn(|_, body| Fingerprint::of_material(body))
+            .fingerprint_ignore(["/ts"]);
+        assert!(refused(both).contains("together"));
+        assert!(
+            builder()
+                .fingerprint_ignore(["/ts", "/a/0/b"])
+                .build()
+                .is_ok()
+        );
+    }
+}
