@@ -153,11 +153,6 @@ async fn every_wrapper_passes_on_its_inner_stores_capabilities() {
     #[cfg(feature = "encryption")]
     {
         let keys = || super::EncryptionKeys::single(1, [3; 32]);
-        passes_on(
-            "EncryptedStore",
-            &super::EncryptedStore::new(p.clone(), keys()),
-            &p,
-        );
         let plain = Fingerprint::of(None, b"{}");
         passes_on(
             "EncryptedStore",
