@@ -485,7 +485,7 @@ async fn keep_releasing<St: IdempotencyStore>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     //! The lease's schedule under a paused clock, over the memory store.
 
     use super::*;
@@ -541,14 +541,14 @@ mod tests {
 
     const TTL: Duration = Duration::from_millis(900);
 
-    fn config() -> Arc<Config> {
+    pub(crate) fn config() -> Arc<Config> {
         Arc::new(Config {
             in_progress_ttl: TTL,
             ..Config::default()
         })
     }
 
-    fn request(key: &str) -> ClaimRequest {
+    pub(crate) fn request(key: &str) -> ClaimRequest {
         ClaimRequest {
             key: RecordKey {
                 key: key.into(),
@@ -569,11 +569,11 @@ mod tests {
     }
 
     /// A claimed record and its lease, made as the layer makes them.
-    async fn claimed(
-        store: &Timed,
+    pub(crate) async fn claimed<St: IdempotencyStore>(
+        store: &St,
         config: &Arc<Config>,
         key: &str,
-    ) -> (ClaimRequest, Lease<Timed>) {
+    ) -> (ClaimRequest, Lease<St>) {
         let request = request(key);
         assert!(matches!(
             store.claim(&request).await.expect("claim"),

@@ -519,3 +519,143 @@ pub(crate) fn body_of(read: Read) -> Body {
         }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The recorders over the memory store, under a paused clock.
+
+    use super::*;
+    use crate::lease::tests::{claimed, config};
+    use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken};
+    use crate::store::MemoryStore;
+
+    fn response(status: u16, body: Body) -> Response<Body> {
+        Response::builder()
+            .status(status)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(body)
+            .expect("response")
+    }
+
+    /// What a retry of `claim` finds.
+    async fn retry(store: &MemoryStore, claim: &ClaimRequest) -> ClaimOutcome {
+        let again = ClaimRequest {
+            lease: LeaseToken::generate(),
+            ..claim.clone()
+        };
+        store.claim(&again).await.expect("claim")
+    }
+
+    async fn read(response: Response<Body>) -> Bytes {
+        response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes()
+    }
+
+    /// A body of `parts`, each after `pause`.
+    fn slow_body(parts: &'static [&'static str], pause: Duration) -> Body {
+        use futures_util::StreamExt as _;
+        let frames = futures_util::stream::iter(parts.iter()).then(move |part| async move {
+            tokio::time::sleep(pause).await;
+            Ok::<_, std::io::Error>(Frame::data(Bytes::from_static(part.as_bytes())))
+        });
+        Body::new(http_body_util::StreamBody::new(frames))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_whole_body_is_recorded_before_it_is_answered() {
+        let (store, config) = (MemoryStore::new(), config());
+        let (claim, lease) = claimed(&store, &config, "whole").await;
+        let answer = record(&config, lease, response(201, Body::from("{\"id\":1}"))).await;
+        // Recorded already: the client has not read a byte yet.
+        match retry(&store, &claim).await {
+            ClaimOutcome::Finished(stored) => {
+                assert_eq!(stored.status, 201);
+                assert_eq!(&stored.body[..], b"{\"id\":1}");
+                assert!(!stored.body_omitted);
+            }
+            other => panic!("expected the record, got {other:?}"),
+        }
+        assert_eq!(&read(answer).await[..], b"{\"id\":1}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_streamed_body_is_recorded_when_it_ends_and_reaches_the_client_first() {
+        use futures_util::StreamExt as _;
+        let (store, config) = (MemoryStore::new(), config());
+        let (claim, lease) = claimed(&store, &config, "stream").await;
+        let body = slow_body(&["part1;", "part2;", "part3"], Duration::from_millis(100));
+        let answer = record(&config, lease, response(201, body)).await;
+        // The headers are the client's at once; the record waits for the body's end.
+        assert_eq!(answer.status(), 201);
+        assert!(matches!(
+            retry(&store, &claim).await,
+            ClaimOutcome::InProgress
+        ));
+        let mut frames = answer.into_body().into_data_stream();
+        let first = frames.next().await.expect("a frame").expect("data");
+        assert_eq!(&first[..], b"part1;");
+        assert!(matches!(
+            retry(&store, &claim).await,
+            ClaimOutcome::InProgress
+        ));
+        let mut rest = Vec::new();
+        while let Some(frame) = frames.next().await {
+            rest.extend_from_slice(&frame.expect("data"));
+        }
+        assert_eq!(&rest[..], b"part2;part3");
+        match retry(&store, &claim).await {
+            ClaimOutcome::Finished(stored) => {
+                assert_eq!(&stored.body[..], b"part1;part2;part3");
+            }
+            other => panic!("expected the record, got {other:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_over_the_limit_reaches_the_client_whole_and_is_recorded_without_it() {
+        let store = MemoryStore::new();
+        let config = Arc::new(Config {
+            response_limit: 8,
+            ..Config::default()
+        });
+        let (claim, lease) = claimed(&store, &config, "big").await;
+        let big = "x".repeat(100);
+        let answer = record(&config, lease, response(201, Body::from(big.clone()))).await;
+        assert_eq!(read(answer).await, big.as_bytes());
+        assert!(config.drain.wait(Duration::from_secs(5)).await);
+        match retry(&store, &claim).await {
+            ClaimOutcome::Finished(stored) => {
+                assert_eq!(stored.status, 201);
+                assert!(stored.body_omitted);
+                assert!(stored.body.is_empty());
+            }
+            other => panic!("expected the record, got {other:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_retryable_answer_releases_the_record() {
+        let (store, config) = (MemoryStore::new(), config());
+        let (claim, lease) = claimed(&store, &config, "retry").await;
+        let answer = record(&config, lease, response(503, Body::from("later"))).await;
+        assert_eq!(answer.status(), 503);
+        assert!(matches!(
+            retry(&store, &claim).await,
+            ClaimOutcome::Claimed { .. }
+        ));
+    }
+
+    #[cfg(feature = "postgres")]
+    #[tokio::test(start_paused = true)]
+    async fn a_body_still_going_at_the_deadline_is_left_out_and_still_reaches_the_client() {
+        let body = slow_body(&["a", "b", "c"], Duration::from_millis(100));
+        let read = read_up_to(body, 1024, Instant::now() + Duration::from_millis(150)).await;
+        assert!(read.copy.is_none(), "cut at the deadline: not recorded");
+        let whole = body_of(read).collect().await.expect("body").to_bytes();
+        assert_eq!(&whole[..], b"abc", "what was read, then the rest");
+    }
+}
