@@ -368,6 +368,65 @@ async fn a_shadowing_table_in_an_earlier_schema_changes_nothing() {
     assert!(fixed(&settings(admin.clone(), function.clone()).await));
 }
 
+#[tokio::test]
+async fn migrate_without_the_privilege_for_the_claim_function_warns_and_claims_still_work() {
+    // A role that may write the table but neither create in its schema nor own the function:
+    // migrate() must not fail (it warns), and claims work through the fallback statements.
+    let admin = pool(2).await;
+    let schema = fresh_schema(&admin).await;
+    let table = format!("{schema}.idempotency_records");
+    let owner = PostgresStore::with_table(admin.clone(), &table).expect("table");
+    owner.migrate().await.expect("migrate as the owner");
+    let role = format!("{schema}_writer");
+    let function = format!(
+        "{schema}.idempotency_records_claim_v2(bytea,text,text,text,bytea,bigint,\
+         double precision,double precision,bytea)"
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE ROLE {role} LOGIN; GRANT USAGE ON SCHEMA {schema} TO {role}; \
+         GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO {role}; \
+         ALTER FUNCTION {function} RESET search_path"
+    )))
+    .execute(&admin)
+    .await
+    .expect("a role without privileges on the schema");
+    let as_writer = PgConnectOptions::from_str(&database_url())
+        .expect("url")
+        .username(&role);
+    let writer_pool = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(as_writer)
+        .await
+        .expect("connect as the writer");
+    let writer = PostgresStore::with_table(writer_pool.clone(), &table)
+        .expect("table")
+        .with_timeout(common::SUITE_STORE_TIMEOUT);
+    // Not the function's owner: its search path cannot be fixed; migrate goes on.
+    writer
+        .migrate()
+        .await
+        .expect("migrate without owning the function");
+    // No CREATE on the schema: the function cannot be made again; migrate goes on.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP FUNCTION {function}")))
+        .execute(&admin)
+        .await
+        .expect("drop the function");
+    writer.migrate().await.expect("migrate without CREATE");
+    let (router, counters) = app(IdempotencyLayer::new(writer));
+    let first = send(&router, post("/pay").key("k").user("alice").json("{}")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let replay = send(&router, post("/pay").key("k").user("alice").json("{}")).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(counters.started(), 1);
+    writer_pool.close().await;
+    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP SCHEMA {schema} CASCADE; DROP ROLE {role}"
+    )))
+    .execute(&admin)
+    .await;
+}
+
 /// The number of rows in `table`; panics when the table is gone.
 async fn rows_in(pool: &PgPool, table: String) -> i64 {
     let (rows,): (i64,) =

@@ -222,30 +222,16 @@ impl PostgresStore {
             .await
             .map_err(db("migrate: look up the claim function"))?;
         if !function {
-            sqlx::query("SAVEPOINT claim_function")
-                .execute(&mut *tx)
-                .await
-                .map_err(db("migrate: savepoint"))?;
-            match sqlx::raw_sql(sqlx::AssertSqlSafe(function_sql))
-                .execute(&mut *tx)
-                .await
-            {
-                Ok(_) => {}
-                // A role that may write the table but not create in its schema: claims work
-                // without the function (two statements when they race), as they did before it.
-                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42501") => {
-                    tracing::warn!(
-                        error = %e,
-                        "migrate: no privilege to create the claim function; claims that race \
-                         will take two round trips (apply migrations/0003 as a role that may)"
-                    );
-                    sqlx::query("ROLLBACK TO SAVEPOINT claim_function")
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(db("migrate: rollback to savepoint"))?;
-                }
-                Err(e) => return Err(db("migrate: create the claim function")(e)),
-            }
+            // A role that may write the table but not create in its schema: claims work without
+            // the function (two statements when they race), as they did before it.
+            unless_forbidden(
+                tx,
+                function_sql,
+                "create the claim function",
+                "migrate: no privilege to create the claim function; claims that race will take \
+                 two round trips (apply migrations/0003 as a role that may)",
+            )
+            .await?;
         }
         // A claim function without a fixed search path (made by an earlier version, or by
         // hand from 0003): fix it, so that its statements resolve in the table's schema only.
@@ -260,31 +246,46 @@ impl PostgresStore {
         .map_err(db("migrate: look up the claim function's settings"))?
         .unwrap_or((false,));
         if unfixed {
-            sqlx::query("SAVEPOINT claim_function_path")
-                .execute(&mut *tx)
-                .await
-                .map_err(db("migrate: savepoint"))?;
-            match sqlx::raw_sql(sqlx::AssertSqlSafe(search_path_sql))
-                .execute(&mut *tx)
-                .await
-            {
-                Ok(_) => {}
-                // Not the function's owner: it keeps working as it did.
-                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42501") => {
-                    tracing::warn!(
-                        error = %e,
-                        "migrate: no privilege to fix the claim function's search path \
-                         (apply migrations/0004 as its owner)"
-                    );
-                    sqlx::query("ROLLBACK TO SAVEPOINT claim_function_path")
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(db("migrate: rollback to savepoint"))?;
-                }
-                Err(e) => return Err(db("migrate: fix the claim function's search path")(e)),
-            }
+            // Not the function's owner: it keeps working as it did.
+            unless_forbidden(
+                tx,
+                search_path_sql,
+                "fix the claim function's search path",
+                "migrate: no privilege to fix the claim function's search path (apply \
+                 migrations/0004 as its owner)",
+            )
+            .await?;
         }
         Ok(())
+    }
+}
+
+/// Runs `sql` under a savepoint; a refusal for want of privilege (SQLSTATE 42501) is logged with
+/// `warning` and rolled back to the savepoint, so the migration goes on without it.
+async fn unless_forbidden(
+    tx: &mut sqlx::PgConnection,
+    sql: String,
+    what: &'static str,
+    warning: &'static str,
+) -> Result<(), StoreError> {
+    sqlx::query("SAVEPOINT migrate_step")
+        .execute(&mut *tx)
+        .await
+        .map_err(db("migrate: savepoint"))?;
+    match sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(&mut *tx)
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42501") => {
+            tracing::warn!(error = %e, "{warning}");
+            sqlx::query("ROLLBACK TO SAVEPOINT migrate_step")
+                .execute(&mut *tx)
+                .await
+                .map_err(db("migrate: rollback to savepoint"))?;
+            Ok(())
+        }
+        Err(e) => Err(StoreError::new(format!("postgres migrate: {what}"), e)),
     }
 }
 
