@@ -9,6 +9,7 @@ use http::{HeaderName, Method, StatusCode};
 
 #[cfg(doc)]
 use crate::IdempotencyLayerBuilder;
+use crate::coalesce::LocalClaims;
 use crate::drain::Drain;
 use crate::fingerprint::Fingerprint;
 pub use crate::header_policy::DENIED_HEADERS;
@@ -132,6 +133,9 @@ pub(crate) struct Config {
     pub log_scope: bool,
     /// The shortest `Idempotency-Key` accepted.
     pub min_key_length: usize,
+    /// This layer's own claims and leases, answering duplicates that reach it (shared by the
+    /// layer's clones and services).
+    pub local: Arc<LocalClaims>,
 }
 
 impl fmt::Debug for Config {
@@ -195,6 +199,7 @@ impl Default for Config {
             problems: ProblemTypes::default(),
             log_scope: false,
             min_key_length: 1,
+            local: Arc::default(),
         }
     }
 }

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use tower::Layer;
 
+use crate::coalesce::Coalesced;
 use crate::config::Config;
 use crate::drain::Drain;
 use crate::service::IdempotencyService;
@@ -67,9 +68,10 @@ impl<Inner, S: IdempotencyStore> Layer<Inner> for IdempotencyLayer<S> {
     type Service = IdempotencyService<Inner, S>;
 
     fn layer(&self, inner: Inner) -> Self::Service {
+        let store = crate::metrics::store(self.store.clone());
         IdempotencyService::new(
             inner,
-            crate::metrics::store(self.store.clone()),
+            Coalesced::new(store, self.config.local.clone()),
             self.config.clone(),
         )
     }

@@ -180,9 +180,7 @@ impl<St: IdempotencyStore> Lease<St> {
     pub(crate) fn settled_outside(mut self, how: Settled) {
         self.done = true;
         let held = &self.held;
-        held.store
-            .capabilities()
-            .settled_elsewhere(&held.key, held.token);
+        held.config.local.let_go(&held.key.digest(), held.token);
         match how {
             Settled::Recorded { status } => {
                 report(&held.config, &self.label, Outcome::Recorded);

@@ -119,8 +119,9 @@
 //!
 //! Stores implement [`IdempotencyStore`]: [`MemoryStore`] (one process, the default for examples
 //! and tests), `PostgresStore` (feature `postgres`, on by default) and `RedisStore` (feature
-//! `redis`; one server or a Redis Cluster); [`CachedStore`] in front of any of them answers replays,
-//! and duplicates arriving at the same instance, without a round trip. What counts as the same
+//! `redis`; one server or a Redis Cluster); [`CachedStore`] in front of any of them answers replays
+//! without a round trip, and the layer answers duplicates of a request this instance is running
+//! without one, over every store. What counts as the same
 //! request can be narrowed ([`IdempotencyLayerBuilder::fingerprint_ignore`]). While a request holds
 //! its claim, the layer renews it
 //! (a heartbeat), so only a claim whose holder died is retaken. On a `PostgresStore`, a handler that takes `IdempotencyTx` writes
@@ -141,6 +142,7 @@ mod body;
 mod builder;
 mod canonical_json;
 mod claim;
+mod coalesce;
 mod config;
 #[cfg(feature = "test-suite")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-suite")))]
@@ -148,6 +150,8 @@ pub mod conformance;
 mod context;
 mod drain;
 mod fingerprint;
+#[cfg(test)]
+mod forwarding;
 mod header_policy;
 mod hex;
 mod hmac;

@@ -10,6 +10,7 @@ use http::{Request, Response};
 use tower::{BoxError, Service};
 
 use crate::claim;
+use crate::coalesce::Coalesced;
 use crate::config::Config;
 use crate::drain::Drain;
 use crate::metrics::Measured;
@@ -75,9 +76,9 @@ impl<E: 'static> Drop for ResponseFuture<E> {
 /// Guards an inner service; built by [`IdempotencyLayer`](crate::IdempotencyLayer).
 pub struct IdempotencyService<Inner, S> {
     inner: Inner,
-    /// Each operation timed, with the `metrics` feature (wrapped once, when the layer built this
-    /// service); the store itself without.
-    store: Measured<S>,
+    /// Duplicates at this process answered from the layer's own claims, and each operation timed
+    /// with the `metrics` feature (wrapped once, when the layer built this service).
+    store: Coalesced<Measured<S>>,
     config: Arc<Config>,
 }
 
@@ -108,7 +109,7 @@ impl<Inner, S> IdempotencyService<Inner, S> {
 }
 
 impl<Inner, S> IdempotencyService<Inner, S> {
-    pub(crate) fn new(inner: Inner, store: Measured<S>, config: Arc<Config>) -> Self {
+    pub(crate) fn new(inner: Inner, store: Coalesced<Measured<S>>, config: Arc<Config>) -> Self {
         IdempotencyService {
             inner,
             store,

@@ -21,11 +21,6 @@ async fn memory_records_are_not_cached() {
     common::cache::records_without_an_expiry_are_not_cached(MemoryStore::new()).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn cached_store_answers_a_burst_with_one_claim() {
-    common::cache::memory_bursts_are_answered_locally(MemoryStore::new()).await;
-}
-
 fn layer() -> IdempotencyLayer<MemoryStore> {
     IdempotencyLayer::new(MemoryStore::new())
 }

@@ -5,7 +5,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use crate::{IdempotencyLayer, IdempotencyStore, Subject};
+use crate::{
+    ClaimOutcome, ClaimRequest, Fenced, Fingerprint, IdempotencyLayer, IdempotencyStore,
+    LeaseToken, RecordKey, StoredResponse, Subject,
+};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -286,4 +289,65 @@ pub async fn eventually(mut check: impl FnMut() -> bool) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("condition not reached within five seconds");
+}
+
+/// A store that counts the claims that reach it.
+#[derive(Clone, Debug)]
+pub struct Counting<S> {
+    store: S,
+    claims: Arc<AtomicUsize>,
+}
+
+impl<S> Counting<S> {
+    /// Counts the claims that reach `store`.
+    pub fn new(store: S) -> Self {
+        Counting {
+            store,
+            claims: Arc::default(),
+        }
+    }
+    /// The claims counted so far.
+    pub fn claims(&self) -> usize {
+        self.claims.load(Ordering::SeqCst)
+    }
+}
+
+impl<S: IdempotencyStore> IdempotencyStore for Counting<S> {
+    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, crate::StoreError> {
+        self.claims.fetch_add(1, Ordering::SeqCst);
+        self.store.claim(request).await
+    }
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        fingerprint: &Fingerprint,
+        response: Arc<StoredResponse>,
+        retention: Duration,
+    ) -> Result<Fenced, crate::StoreError> {
+        self.store
+            .complete(key, lease, fingerprint, response, retention)
+            .await
+    }
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        lifetime: Duration,
+    ) -> Result<Fenced, crate::StoreError> {
+        self.store.renew(key, lease, lifetime).await
+    }
+    async fn release(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> Result<Fenced, crate::StoreError> {
+        self.store.release(key, lease).await
+    }
+    async fn purge_expired(&self) -> Result<u64, crate::StoreError> {
+        self.store.purge_expired().await
+    }
+    fn capabilities(&self) -> crate::store::Capabilities<'_> {
+        self.store.capabilities()
+    }
 }

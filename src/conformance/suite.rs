@@ -13,7 +13,7 @@ use axum::http::StatusCode;
 use bytes::Bytes;
 use tokio::task::JoinSet;
 
-use super::app::{Answer, Req, app, eventually, post, send};
+use super::app::{Answer, Counting, Req, app, eventually, post, send};
 
 /// Instantiates every suite test for a store. `$make` is an async expression giving a fresh store;
 /// `purged` is what `purge_expired` reports for five expired records (0 for a store whose backend
@@ -62,6 +62,8 @@ macro_rules! store_suite {
             handler_blocking_its_thread_is_not_retaken,
             generation_is_kept_by_retakes_and_new_after_expiry_or_release,
             claim_answered_after_the_ttl_does_not_run_twice,
+            duplicates_at_the_holding_instance_skip_the_store,
+            a_burst_of_duplicates_costs_the_store_one_claim,
         );
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
@@ -1474,4 +1476,75 @@ pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: Id
     let g4 = generation_of(outcome);
     assert_eq!(g4, reuse.generation);
     assert_ne!(g4, g3, "a key reused after retention is another operation");
+}
+
+/// While this instance holds a key, a duplicate here gets `409` (or `422` for another body) from the
+/// layer's own hold, with no claim reaching the store; another instance (another layer) asks the
+/// store and gets `409` too. Once the record is finished, claims reach the store again.
+pub async fn duplicates_at_the_holding_instance_skip_the_store<S: IdempotencyStore>(store: S) {
+    let counting = Counting::new(store);
+    let (router, counters) = app(IdempotencyLayer::new(counting.clone()));
+    let (other, other_counters) = app(IdempotencyLayer::new(counting.clone()));
+    let req = || post("/pay").key("k").user("alice").json("{}");
+    let slow = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, req().header("x-delay-ms", "600")).await }
+    });
+    eventually(|| counters.started() == 1).await;
+    for n in 0..3 {
+        let duplicate = send(&router, req()).await;
+        assert_eq!(duplicate.status, StatusCode::CONFLICT);
+        assert_eq!(duplicate.problem(), "in_progress");
+        let reused = send(&router, post("/pay").key("k").user("alice").json("[]")).await;
+        assert_eq!(reused.status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(counting.claims(), 1 + n, "answered by this instance's hold");
+        assert_eq!(send(&other, req()).await.status, StatusCode::CONFLICT);
+        assert_eq!(
+            counting.claims(),
+            2 + n,
+            "the other instance asked the store"
+        );
+    }
+    let first = slow.await.expect("slow request");
+    assert_eq!(first.status, StatusCode::CREATED);
+    let before = counting.claims();
+    let replay = send(&router, req()).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(counting.claims(), before + 1, "no hold left once recorded");
+    assert!(send(&other, req()).await.replayed());
+    assert_eq!((counters.started(), other_counters.started()), (1, 0));
+}
+
+/// Twenty duplicates at once at one instance, over rounds: one claim reaches the store, the
+/// handler runs once, and the other nineteen get `409`.
+pub async fn a_burst_of_duplicates_costs_the_store_one_claim<S: IdempotencyStore>(store: S) {
+    let counting = Counting::new(store);
+    let (router, counters) = app(IdempotencyLayer::new(counting.clone()));
+    for round in 0..3 {
+        let before = counting.claims();
+        let key = format!("burst-{round}");
+        let barrier = Arc::new(tokio::sync::Barrier::new(20));
+        let mut racers = JoinSet::new();
+        for _ in 0..20 {
+            let (router, barrier, key) = (router.clone(), barrier.clone(), key.clone());
+            racers.spawn(async move {
+                barrier.wait().await;
+                let req = post("/pay").key(&key).user("alice").json("{}");
+                send(&router, req.header("x-delay-ms", "300")).await.status
+            });
+        }
+        let mut statuses = Vec::new();
+        while let Some(status) = racers.join_next().await {
+            statuses.push(status.expect("racer"));
+        }
+        let count = |wanted| statuses.iter().filter(|s| **s == wanted).count();
+        assert_eq!(
+            (count(StatusCode::CREATED), count(StatusCode::CONFLICT)),
+            (1, 19),
+            "{statuses:?}"
+        );
+        assert_eq!(counting.claims() - before, 1, "one claim reached the store");
+    }
+    assert_eq!(counters.started(), 3);
 }

@@ -7,8 +7,7 @@ use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::local_claims::{self, LocalClaims};
-use super::{Capabilities, IdempotencyStore, SettleObserver, StoreError};
+use super::{Capabilities, IdempotencyStore, StoreError};
 use crate::Fingerprint;
 use crate::lock::lock;
 use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
@@ -45,14 +44,12 @@ const ENTRY_OVERHEAD: usize = 160;
 ///   in 16 independently locked shards, each evicting its oldest entries first. A record larger than
 ///   a sixteenth of a shard's share is not cached (so a capacity under about 64 KiB caches
 ///   nothing).
-/// - **Duplicates at the same instance.** While a claim of a key is on its way to the store, other
-///   claims of that key in this process wait for its answer (one round trip) rather than each
-///   sending their own, and answer from it (`409`, the replay, or `422`); while this process holds
-///   a key's lease (no longer than the in-progress TTL after its last renewal), a duplicate here is
-///   answered `409` at once. Only the store ever grants a claim, so this cannot make a handler run
-///   twice; a burst of duplicates costs the store one claim.
 ///
-/// **Clones share** the cache and the in-process claims: clone it into every layer of the process
+/// Duplicates of a request still in progress at this instance are answered by the layer itself,
+/// whatever the store, without a round trip (see [`IdempotencyLayer`](crate::IdempotencyLayer));
+/// this cache adds the replays of finished records.
+///
+/// **Clones share** the cache: clone it into every layer of the process
 /// (two `CachedStore::new` over one store are two caches, each answering only what it saw).
 /// Migrate the store it wraps before wrapping it (`PostgresStore::migrate`): the cache has no
 /// migration of its own.
@@ -71,7 +68,6 @@ const ENTRY_OVERHEAD: usize = 160;
 pub struct CachedStore<S> {
     inner: S,
     cache: Arc<Cache>,
-    local: Arc<LocalClaims>,
 }
 
 impl<S: std::fmt::Debug> std::fmt::Debug for CachedStore<S> {
@@ -114,8 +110,7 @@ impl<S: IdempotencyStore> CachedStore<S> {
         Self::build(inner, DEFAULT_CACHE_BYTES, DEFAULT_CACHE_MAX_AGE)
     }
 
-    /// Bounds the bytes cached (0 turns the cache of finished records off; duplicates at the same
-    /// instance are still answered without the store).
+    /// Bounds the bytes cached (0 turns the cache off).
     pub fn with_capacity(self, bytes: usize) -> Self {
         Self::build(self.inner, bytes, self.cache.max_age)
     }
@@ -128,7 +123,6 @@ impl<S: IdempotencyStore> CachedStore<S> {
     fn build(inner: S, bytes: usize, max_age: Duration) -> Self {
         CachedStore {
             inner,
-            local: Arc::default(),
             cache: Arc::new(Cache {
                 hasher: RandomState::new(),
                 shards: Default::default(),
@@ -275,24 +269,7 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         {
             return Ok(answer);
         }
-        match self.local.enter(scope, request.fingerprint, request.lease) {
-            local_claims::Entry::Answer(answer) => Ok(answer),
-            local_claims::Entry::Follow(leader, answer) => {
-                match LocalClaims::follow(leader, request.fingerprint, answer).await? {
-                    Some(answer) => Ok(answer),
-                    None => self.read(request, scope).await,
-                }
-            }
-            local_claims::Entry::Lead(leader) => {
-                let outcome = self.read(request, scope).await;
-                leader.settle(
-                    request.fingerprint,
-                    request.in_progress_ttl,
-                    outcome.as_ref(),
-                );
-                outcome
-            }
-        }
+        self.read(request, scope).await
     }
 
     async fn complete(
@@ -303,16 +280,9 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         response: Arc<StoredResponse>,
         retention: Duration,
     ) -> Result<Fenced, StoreError> {
-        let done = self
-            .inner
+        self.inner
             .complete(key, lease, fingerprint, response, retention)
-            .await;
-        // Finished, or lost: either way not held here any more. After an error the completion is
-        // tried again, and the record is still in progress as far as anyone knows.
-        if done.is_ok() {
-            self.local.let_go(&key.digest(), lease);
-        }
-        done
+            .await
     }
 
     async fn renew(
@@ -321,38 +291,21 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         lease: LeaseToken,
         lifetime: Duration,
     ) -> Result<Fenced, StoreError> {
-        let renewed = self.inner.renew(key, lease, lifetime).await;
-        match renewed {
-            Ok(Fenced::Done) => self.local.renewed(&key.digest(), lease),
-            Ok(Fenced::LeaseLost) => self.local.let_go(&key.digest(), lease),
-            Err(_) => {}
-        }
-        renewed
+        self.inner.renew(key, lease, lifetime).await
     }
 
     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
-        // Not held here from now on, whatever the store answers: if the release failed, the store
-        // still says "in progress", which is what this process would have said.
-        self.local.let_go(&key.digest(), lease);
         self.inner.release(key, lease).await
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.cache.sweep();
-        self.local.sweep();
         self.inner.purge_expired().await
     }
 
-    /// The inner store's, and this store told when a lease of its process stops holding its
-    /// record outside it (it then forgets its hold on the key).
+    /// The inner store's: the cache changes nothing that is written.
     fn capabilities(&self) -> Capabilities<'_> {
-        self.inner.capabilities().observed_by(self)
-    }
-}
-
-impl<S: IdempotencyStore> SettleObserver for CachedStore<S> {
-    fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
-        self.local.let_go(&key.digest(), lease);
+        self.inner.capabilities()
     }
 }
 

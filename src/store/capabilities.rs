@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::StoreError;
 use crate::Fingerprint;
-use crate::record::{LeaseToken, RecordKey, StoredResponse};
+use crate::record::{RecordKey, StoredResponse};
 
 #[cfg(feature = "postgres")]
 use super::PostgresStore;
@@ -46,17 +46,13 @@ use super::IdempotencyStore;
 ///   `postgres`);
 /// - the **response transforms**: how the wrappers change a response on its way into `complete`
 ///   (an `EncryptedStore` seals it), applied, outermost first, to a record the layer writes itself
-///   in a handler's transaction;
-/// - the **settle observers**: stores told when a lease stops holding its record for a reason they
-///   did not see (completed in a handler's transaction, released by a statement of the Postgres
-///   store's own, found lost), as a `CachedStore` forgets its hold on the key.
+///   in a handler's transaction.
 #[must_use]
 pub struct Capabilities<'a> {
     operation_timeout: Option<Duration>,
     #[cfg(feature = "postgres")]
     postgres: Option<&'a PostgresStore>,
     transforms: Vec<&'a dyn ResponseTransform>,
-    observers: Vec<&'a dyn SettleObserver>,
 }
 
 /// How a wrapper changes a response on its way into `complete`, for a record the layer writes in a
@@ -74,21 +70,14 @@ pub trait ResponseTransform: Send + Sync {
     ) -> Result<Arc<StoredResponse>, StoreError>;
 }
 
-/// A store told when a lease stops holding its record for a reason it did not see.
-pub trait SettleObserver: Send + Sync {
-    /// `lease` no longer holds the record of `key`.
-    fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken);
-}
-
 impl<'a> Capabilities<'a> {
-    /// Nothing beyond storage: no operation timeout, no transactions, no transform, no observer.
+    /// Nothing beyond storage: no operation timeout, no transactions, no transform.
     pub fn none() -> Self {
         Capabilities {
             operation_timeout: None,
             #[cfg(feature = "postgres")]
             postgres: None,
             transforms: Vec::new(),
-            observers: Vec::new(),
         }
     }
 
@@ -119,12 +108,6 @@ impl<'a> Capabilities<'a> {
         self
     }
 
-    /// With `observer` told too.
-    pub fn observed_by(mut self, observer: &'a dyn SettleObserver) -> Self {
-        self.observers.push(observer);
-        self
-    }
-
     /// The operation timeout, if the store bounds its operations.
     pub fn operation_timeout(&self) -> Option<Duration> {
         self.operation_timeout
@@ -150,13 +133,6 @@ impl<'a> Capabilities<'a> {
         }
         Ok(response)
     }
-
-    /// Tells every observer that `lease` no longer holds the record of `key`.
-    pub fn settled_elsewhere(&self, key: &RecordKey, lease: LeaseToken) {
-        for observer in &self.observers {
-            observer.settled_elsewhere(key, lease);
-        }
-    }
 }
 
 impl fmt::Debug for Capabilities<'_> {
@@ -165,8 +141,6 @@ impl fmt::Debug for Capabilities<'_> {
         s.field("operation_timeout", &self.operation_timeout);
         #[cfg(feature = "postgres")]
         s.field("postgres", &self.postgres.is_some());
-        s.field("transforms", &self.transforms.len())
-            .field("observers", &self.observers.len())
-            .finish()
+        s.field("transforms", &self.transforms.len()).finish()
     }
 }

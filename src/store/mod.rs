@@ -10,14 +10,11 @@ use crate::record::{ClaimOutcome, ClaimRequest, Fenced, LeaseToken, RecordKey, S
 
 mod cached;
 mod capabilities;
-#[cfg(test)]
-mod forwarding;
 #[cfg(any(feature = "redis", feature = "encryption"))]
 mod header_list;
-mod local_claims;
 mod memory;
 pub use cached::{CachedStore, DEFAULT_CACHE_BYTES, DEFAULT_CACHE_MAX_AGE};
-pub use capabilities::{Capabilities, ResponseTransform, SettleObserver};
+pub use capabilities::{Capabilities, ResponseTransform};
 pub use memory::{DEFAULT_MEMORY_CAPACITY, MemoryStore};
 
 #[cfg(feature = "postgres")]

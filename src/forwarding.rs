@@ -1,16 +1,15 @@
-//! Every wrapper store of the crate passes on its inner store's capabilities: the operation
-//! timeout, the transactional store, the response transforms and the settle observers.
+//! Every wrapper store of the crate (the public ones, and the layer's own: metrics, coalescing)
+//! passes on its inner store's capabilities: the operation timeout, the transactional store and
+//! the response transforms.
 
 use crate::record::Fenced;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use super::{
-    Capabilities, IdempotencyStore, MemoryStore, ResponseTransform, SettleObserver, StoreError,
-};
 use crate::Fingerprint;
 use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
+use crate::store::{Capabilities, IdempotencyStore, MemoryStore, ResponseTransform, StoreError};
 
 const TIMEOUT: Duration = Duration::from_millis(777);
 
@@ -18,12 +17,11 @@ const TIMEOUT: Duration = Duration::from_millis(777);
 #[derive(Clone)]
 struct Probe {
     inner: MemoryStore,
-    settled: Arc<AtomicUsize>,
     prepared: Arc<AtomicUsize>,
     /// The fingerprint the last transform received.
     handed: Arc<std::sync::Mutex<Option<Fingerprint>>>,
     #[cfg(feature = "postgres")]
-    postgres: super::PostgresStore,
+    postgres: crate::store::PostgresStore,
 }
 
 impl IdempotencyStore for Probe {
@@ -59,17 +57,10 @@ impl IdempotencyStore for Probe {
     fn capabilities(&self) -> Capabilities<'_> {
         let capabilities = Capabilities::none()
             .with_operation_timeout(TIMEOUT)
-            .transformed_by(self)
-            .observed_by(self);
+            .transformed_by(self);
         #[cfg(feature = "postgres")]
         let capabilities = capabilities.with_postgres(&self.postgres);
         capabilities
-    }
-}
-
-impl SettleObserver for Probe {
-    fn settled_elsewhere(&self, _: &RecordKey, _: LeaseToken) {
-        self.settled.fetch_add(1, Ordering::SeqCst);
     }
 }
 
@@ -89,11 +80,10 @@ impl ResponseTransform for Probe {
 fn probe() -> Probe {
     Probe {
         inner: MemoryStore::new(),
-        settled: Arc::default(),
         prepared: Arc::default(),
         handed: Arc::default(),
         #[cfg(feature = "postgres")]
-        postgres: super::PostgresStore::new(
+        postgres: crate::store::PostgresStore::new(
             sqlx::postgres::PgPoolOptions::new().connect_lazy_with(Default::default()),
         ),
     }
@@ -111,13 +101,6 @@ fn passes_on<W: IdempotencyStore>(name: &str, wrapper: &W, probe: &Probe) {
         capabilities.operation_timeout(),
         Some(TIMEOUT),
         "{name}: operation timeout"
-    );
-    let settled = probe.settled.load(Ordering::SeqCst);
-    capabilities.settled_elsewhere(&key, LeaseToken(7));
-    assert_eq!(
-        probe.settled.load(Ordering::SeqCst),
-        settled + 1,
-        "{name}: settle observers"
     );
     let prepared = probe.prepared.load(Ordering::SeqCst);
     let response = Arc::new(StoredResponse {
@@ -143,20 +126,29 @@ fn passes_on<W: IdempotencyStore>(name: &str, wrapper: &W, probe: &Probe) {
 #[tokio::test]
 async fn every_wrapper_passes_on_its_inner_stores_capabilities() {
     let p = probe();
-    passes_on("CachedStore", &super::CachedStore::new(p.clone()), &p);
+    passes_on(
+        "CachedStore",
+        &crate::store::CachedStore::new(p.clone()),
+        &p,
+    );
     passes_on("metrics", &crate::metrics::store(p.clone()), &p);
     passes_on(
+        "the layer's coalescing",
+        &crate::coalesce::Coalesced::new(crate::metrics::store(p.clone()), Arc::default()),
+        &p,
+    );
+    passes_on(
         "CachedStore over metrics",
-        &super::CachedStore::new(crate::metrics::store(p.clone())),
+        &crate::store::CachedStore::new(crate::metrics::store(p.clone())),
         &p,
     );
     #[cfg(feature = "encryption")]
     {
-        let keys = || super::EncryptionKeys::single(1, [3; 32]);
+        let keys = || crate::store::EncryptionKeys::single(1, [3; 32]);
         let plain = Fingerprint::of(None, b"{}");
         passes_on(
             "EncryptedStore",
-            &super::EncryptedStore::new(p.clone(), keys()),
+            &crate::store::EncryptedStore::new(p.clone(), keys()),
             &p,
         );
         assert_eq!(
@@ -166,7 +158,7 @@ async fn every_wrapper_passes_on_its_inner_stores_capabilities() {
         );
         passes_on(
             "EncryptedStore with keyed fingerprints",
-            &super::EncryptedStore::new(p.clone(), keys()).with_fingerprint_secret([4; 32]),
+            &crate::store::EncryptedStore::new(p.clone(), keys()).with_fingerprint_secret([4; 32]),
             &p,
         );
         let handed = *crate::lock::lock(&p.handed);
@@ -176,19 +168,19 @@ async fn every_wrapper_passes_on_its_inner_stores_capabilities() {
         );
         passes_on(
             "CachedStore over EncryptedStore",
-            &super::CachedStore::new(super::EncryptedStore::new(p.clone(), keys())),
+            &crate::store::CachedStore::new(crate::store::EncryptedStore::new(p.clone(), keys())),
             &p,
         );
         passes_on(
             "EncryptedStore over CachedStore",
-            &super::EncryptedStore::new(super::CachedStore::new(p.clone()), keys()),
+            &crate::store::EncryptedStore::new(crate::store::CachedStore::new(p.clone()), keys()),
             &p,
         );
     }
     #[cfg(feature = "test-suite")]
     passes_on(
         "conformance Counting",
-        &crate::conformance::cache::Counting::new(p.clone()),
+        &crate::conformance::app::Counting::new(p.clone()),
         &p,
     );
 }

@@ -1,5 +1,5 @@
 //! What this process knows of the claims it is making and holding, so that a duplicate arriving at
-//! the same instance is answered without a round trip to the store (see [`CachedStore`]).
+//! the same instance is answered without a round trip to the store.
 //!
 //! - While a claim of a scope is on its way to the store, other claims of that scope in this
 //!   process wait for its answer (one round trip, bounded by the store's timeout) instead of each
@@ -12,8 +12,6 @@
 //!
 //! Nothing here ever answers "claimed": only the store grants a claim, so a handler cannot run twice
 //! because of this; at worst a duplicate gets `409` where the store would have answered sooner.
-//!
-//! [`CachedStore`]: super::CachedStore
 
 use std::collections::HashMap;
 use std::collections::hash_map::RandomState;
@@ -23,10 +21,10 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use super::StoreError;
 use crate::Fingerprint;
 use crate::lock::lock;
 use crate::record::{ClaimOutcome, LeaseToken};
+use crate::store::StoreError;
 
 const SHARDS: usize = 16;
 
@@ -67,7 +65,7 @@ struct Shard {
 /// let go, say by a lease dropped outside a runtime), so the map stays bounded without a purge.
 const SWEEP_EVERY: u64 = 1024;
 
-pub(super) struct LocalClaims {
+pub(crate) struct LocalClaims {
     hasher: RandomState,
     shards: [Mutex<Shard>; SHARDS],
 }
@@ -210,7 +208,7 @@ impl LocalClaims {
     }
 
     /// This process no longer holds `scope` by `lease` (completed, released, or lost).
-    pub(super) fn let_go(&self, scope: &[u8; 32], lease: LeaseToken) {
+    pub(crate) fn let_go(&self, scope: &[u8; 32], lease: LeaseToken) {
         let mut shard = self.shard(scope);
         if matches!(shard.scopes.get(scope), Some(Local::Held { lease: held, .. }) if *held == lease)
         {
