@@ -4,11 +4,3 @@
 
 #[allow(unused_imports)]
 pub use axum_idempotency::conformance::suite::*;
-
-/// Instantiates every suite test for a store: `axum_idempotency::store_suite!`.
-#[macro_export]
-macro_rules! store_suite {
-    ($($args:tt)*) => {
-        axum_idempotency::store_suite!($($args)*);
-    };
-}

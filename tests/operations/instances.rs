@@ -3,7 +3,7 @@
 //! duplicates of one key spread across them still make exactly one charge.
 #![cfg(feature = "postgres")]
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -5,7 +5,8 @@
 //! store was made. Every test uses a key prefix of its own.
 #![cfg(feature = "redis")]
 
-mod common;
+use crate::common;
+use axum_idempotency::store_suite;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};

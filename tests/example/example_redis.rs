@@ -4,7 +4,7 @@
 //! in PostgreSQL, and a restarted example still replays it.
 #![cfg(all(feature = "postgres", feature = "redis"))]
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! clear answer (replay, 409 or 503).
 #![cfg(feature = "postgres")]
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::str::FromStr;

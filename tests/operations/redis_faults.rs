@@ -4,7 +4,7 @@
 //! (replay, 409 or 503).
 #![cfg(feature = "redis")]
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -1,7 +1,8 @@
 //! The layer on the memory store: the shared behavioural suite, the request checks of SPEC 1 and 4,
 //! and the store's own bounds.
 
-mod common;
+use crate::common;
+use axum_idempotency::store_suite;
 
 use std::time::Duration;
 

@@ -2,10 +2,10 @@
 //! stores; and the example binary itself, killed and restarted, on Postgres.
 #![cfg(feature = "postgres")]
 
-#[path = "../examples/checkout.rs"]
+#[path = "../../examples/checkout.rs"]
 #[allow(dead_code)]
 mod checkout;
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::str::FromStr;

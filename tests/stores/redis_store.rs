@@ -3,7 +3,8 @@
 //! server. Every test uses a key prefix of its own.
 #![cfg(feature = "redis")]
 
-mod common;
+use crate::common;
+use axum_idempotency::{cache_suite, store_suite};
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! `IdempotencyTx`, commit together with the record of its answer, or not at all.
 #![cfg(feature = "postgres")]
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -4,7 +4,8 @@
 //! moved) is answered `503` without running the handler again.
 #![cfg(feature = "encryption")]
 
-mod common;
+use crate::common;
+use axum_idempotency::store_suite;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -3,7 +3,8 @@
 //! `postgres://postgres@127.0.0.1:5432/test`). Every test works in a schema of its own, so tests run in
 //! parallel and leave each other alone.
 
-mod common;
+use crate::common;
+use axum_idempotency::{cache_suite, store_suite};
 
 use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -713,7 +714,7 @@ async fn records_of_the_previous_version_keep_their_derived_key_after_migrate() 
     let schema = fresh_schema(&pool).await;
     let table = format!("{schema}.idempotency_records");
     let quoted = format!("\"{schema}\".\"idempotency_records\"");
-    let old_sql = include_str!("../migrations/0001_idempotency_records.sql")
+    let old_sql = include_str!("../../migrations/0001_idempotency_records.sql")
         .replace("idempotency_records_expires_at_idx", "\u{0}")
         .replace("idempotency_records", &quoted)
         .replace('\u{0}', "\"idempotency_records_expires_at_idx\"");

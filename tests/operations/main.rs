@@ -1,0 +1,14 @@
+//! What production throws at the layer: database and Redis connections cut or stalled at every
+//! step, the handler's transaction committed with its record (or not at all), and several instances
+//! of the example started at once on one database.
+//!
+//! One test binary for the group (each binary links the whole crate once); every module is one
+//! former test file.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod faults;
+mod instances;
+mod redis_faults;
+mod transactions;
