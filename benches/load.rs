@@ -406,8 +406,8 @@ async fn postgres_vs_direct_sql(schema: &str) {
     store.pool().close().await;
 }
 
-/// The duplicate of a request in progress: the layer's 409 against one `SELECT 1` round trip, and
-/// against a design whose claim shares the handler's transaction, so a duplicate waits on its lock.
+/// The duplicate of a request in progress at another instance: the layer's 409 (the store's answer)
+/// against one `SELECT 1` round trip, and against a design whose claim shares the handler's transaction, so a duplicate waits on its lock.
 async fn duplicate_in_progress(schema: &str) {
     let samples = scale(400);
     let store = fresh_pg_store(schema, 8).await;
@@ -430,11 +430,16 @@ async fn duplicate_in_progress(schema: &str) {
         tokio::time::sleep(Duration::from_secs(2)).await;
         created(Bytes::new()).await
     }
-    let router = Router::new()
-        .route("/checkout", post(slow))
-        .route_layer(IdempotencyLayer::new(store.clone()))
-        .layer(middleware::from_fn(auth));
-    let addr = serve(router).await;
+    let router = || {
+        Router::new()
+            .route("/checkout", post(slow))
+            .route_layer(IdempotencyLayer::new(store.clone()))
+            .layer(middleware::from_fn(auth))
+    };
+    let addr = serve(router()).await;
+    // The duplicates go to another instance (another layer over the same store): the instance that
+    // holds a key answers its duplicates itself, without the store.
+    let other = serve(router()).await;
     let mut conflicts = Vec::new();
     let mut key = 0;
     while conflicts.len() < samples {
@@ -450,7 +455,7 @@ async fn duplicate_in_progress(schema: &str) {
             }
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let mut client = Client::connect(addr).await;
+        let mut client = Client::connect(other).await;
         // Duplicates for the next 1.5 s, while the first is still in its handler.
         let until = Instant::now() + Duration::from_millis(1500);
         while Instant::now() < until && conflicts.len() < samples {
@@ -731,10 +736,12 @@ async fn replays_by_store(schema: &str) {
 
 /// Twenty requests with one key released at once on their own connections, the first one's
 /// handler taking 300 ms: the other nineteen get `409`. The Postgres pool is warm (every connection
-/// open and its statements prepared). Run with the claim function, and without it (dropped: the
-/// claim's two statements sent one by one, as before the function existed), through `CachedStore`
-/// (duplicates at one instance wait for the claim in flight instead of each sending their own),
-/// and on the memory store for what HTTP and the two cores cost alone.
+/// open and its statements prepared). At one instance (one layer: duplicates wait for the claim in
+/// flight, or meet the layer's hold on the key, instead of each sending their own), also through
+/// `CachedStore`; at twenty instances (twenty layers over one store, each racer on its own: every
+/// duplicate asks the store), with the claim function and without it (dropped: the claim's two
+/// statements sent one by one, as before the function existed); and on the memory store for what
+/// HTTP and the two cores cost alone.
 async fn burst_of_duplicates(schema: &str) {
     const RACERS: usize = 20;
     let rounds = scale(40).max(5);
@@ -748,10 +755,11 @@ async fn burst_of_duplicates(schema: &str) {
             .route_layer(IdempotencyLayer::new(store))
             .layer(middleware::from_fn(auth))
     }
-    async fn bursts(addr: SocketAddr, label: &str, rounds: usize) -> Stats {
+    /// Racer `i` sends to `addrs[i % addrs.len()]`.
+    async fn bursts(addrs: &[SocketAddr], label: &str, rounds: usize) -> Stats {
         let mut clients = Vec::new();
-        for _ in 0..RACERS {
-            clients.push(Client::connect(addr).await);
+        for i in 0..RACERS {
+            clients.push(Client::connect(addrs[i % addrs.len()]).await);
         }
         let mut conflicts = Vec::new();
         // Round 0 warms up every connection and is not counted.
@@ -784,21 +792,30 @@ async fn burst_of_duplicates(schema: &str) {
         Stats::of(conflicts, Duration::from_secs(1))
     }
 
-    let memory = bursts(serve(router(MemoryStore::new())).await, "memory", rounds).await;
-    // One pool for the three Postgres runs (the database allows only so many connections).
+    async fn instances<S: IdempotencyStore>(store: &S, count: usize) -> Vec<SocketAddr> {
+        let mut addrs = Vec::new();
+        for _ in 0..count {
+            addrs.push(serve(router(store.clone())).await);
+        }
+        addrs
+    }
+    let memory = bursts(&instances(&MemoryStore::new(), 1).await, "memory", rounds).await;
+    // One pool for the Postgres runs (the database allows only so many connections).
     let store = fresh_pg_store(schema, RACERS as u32 + 4).await;
-    let with_function = bursts(serve(router(store.clone())).await, "function", rounds).await;
+    let one = bursts(&instances(&store, 1).await, "one", rounds).await;
     let cached = bursts(
-        serve(router(CachedStore::new(store.clone()))).await,
+        &instances(&CachedStore::new(store.clone()), 1).await,
         "cached",
         rounds,
     )
     .await;
+    let spread = instances(&store, RACERS).await;
+    let with_function = bursts(&spread, "function", rounds).await;
     sqlx::raw_sql("DROP FUNCTION idempotency_records_claim_v1")
         .execute(store.pool())
         .await
         .expect("drop the claim function");
-    let two_statements = bursts(serve(router(store.clone())).await, "direct", rounds).await;
+    let two_statements = bursts(&spread, "direct", rounds).await;
     store.pool().close().await;
 
     println!(
@@ -808,14 +825,18 @@ async fn burst_of_duplicates(schema: &str) {
     println!("| store | 409 p50 | 409 p99 |");
     println!("|---|---|---|");
     for (name, stats) in [
-        ("memory (HTTP and scheduling alone)", memory),
-        ("Postgres, claim function (one round trip)", with_function),
+        ("memory, one instance (HTTP and scheduling alone)", memory),
         (
-            "Postgres + `CachedStore` (one claim per burst; the rest wait for it)",
-            cached,
+            "Postgres, one instance (one claim per burst; the rest wait for it)",
+            one,
+        ),
+        ("Postgres + `CachedStore`, one instance", cached),
+        (
+            "Postgres, twenty instances, claim function (every duplicate asks the store)",
+            with_function,
         ),
         (
-            "Postgres, two statements (the earlier claim)",
+            "Postgres, twenty instances, two statements (the earlier claim)",
             two_statements,
         ),
     ] {

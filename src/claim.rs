@@ -432,7 +432,7 @@ struct Held {
 }
 
 /// A claim answered within this fraction of the in-progress TTL is used at once.
-const FRESH_FRACTION: u32 = 10;
+pub(crate) const FRESH_FRACTION: u32 = 10;
 
 fn internal_error(config: &Config) -> Response<Body> {
     config.problem(

@@ -161,19 +161,30 @@ impl LocalClaims {
     /// The answer of a follower with `fingerprint` to the claim in flight of `leader`'s
     /// fingerprint; `Ok(None)` when it must ask the store itself (the leader was cancelled, or its
     /// answer does not settle this one).
+    /// A follower waits at most `patience`: an answer later than that is not trusted by its leader
+    /// either (see [`Leader::settle`]), so past it the follower asks the store itself.
     pub(super) async fn follow(
         leader: Fingerprint,
         fingerprint: Fingerprint,
         mut answer: watch::Receiver<Settled>,
+        patience: Duration,
     ) -> Result<Option<ClaimOutcome>, StoreError> {
-        let settled = match answer.wait_for(|s| !matches!(s, Settled::Pending)).await {
-            Ok(settled) => settled.clone(),
-            Err(_) => return Ok(None),
+        let waited = tokio::time::timeout(
+            patience,
+            answer.wait_for(|s| !matches!(s, Settled::Pending)),
+        )
+        .await;
+        let settled = match waited {
+            Ok(Ok(settled)) => settled.clone(),
+            Ok(Err(_)) | Err(_) => return Ok(None),
         };
         let same = leader == fingerprint;
         Ok(match settled {
-            // The record is there and cannot be read: the same for every follower.
-            Settled::Failed(error, true) => {
+            // The record is there and cannot be read. Stores say so only for the body they were
+            // asked with (another one gets `422` without the record being opened), so only the
+            // followers with the leader's body share the error; they must not fail open either:
+            // the record says the operation happened.
+            Settled::Failed(error, true) if same => {
                 return Err(StoreError::unreadable_record(format!(
                     "the claim in flight for this key met an unreadable record: {error}"
                 )));
@@ -330,8 +341,8 @@ mod tests {
         let Entry::Follow(_, other) = claims.enter([1; 32], fp(2), LeaseToken(99)) else {
             panic!("the third follows");
         };
-        let same = tokio::spawn(LocalClaims::follow(leader_fp, fp(1), same));
-        let other = tokio::spawn(LocalClaims::follow(leader_fp, fp(2), other));
+        let same = tokio::spawn(LocalClaims::follow(leader_fp, fp(1), same, TTL));
+        let other = tokio::spawn(LocalClaims::follow(leader_fp, fp(2), other, TTL));
         let lease = LeaseToken(7);
         leader.settle(
             fp(1),
@@ -377,7 +388,10 @@ mod tests {
         };
         leader.settle(fp(1), TTL, Err(&StoreError::msg("down")));
         // A plain failure may be the leader's alone: the followers ask the store themselves.
-        assert!(matches!(LocalClaims::follow(l, fp(1), rx).await, Ok(None)));
+        assert!(matches!(
+            LocalClaims::follow(l, fp(1), rx, TTL).await,
+            Ok(None)
+        ));
         assert_eq!(claims.len(), 0);
 
         // A record that could not be read stays unreadable for the followers: they must not
@@ -388,9 +402,17 @@ mod tests {
         let Entry::Follow(l, rx) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
             panic!("follows");
         };
+        let Entry::Follow(_, other) = claims.enter([1; 32], fp(2), LeaseToken(99)) else {
+            panic!("follows");
+        };
         leader.settle(fp(1), TTL, Err(&StoreError::unreadable_record("sealed")));
-        let failed = LocalClaims::follow(l, fp(1), rx).await;
+        let failed = LocalClaims::follow(l, fp(1), rx, TTL).await;
         assert!(failed.is_err_and(|e| e.is_unreadable_record()));
+        // Another body would get `422` from the store, which does not open the record for it.
+        assert!(matches!(
+            LocalClaims::follow(l, fp(2), other, TTL).await,
+            Ok(None)
+        ));
         assert_eq!(claims.len(), 0);
 
         let Entry::Lead(leader) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
@@ -400,7 +422,10 @@ mod tests {
             panic!("follows");
         };
         drop(leader);
-        assert!(matches!(LocalClaims::follow(l, fp(1), rx).await, Ok(None)));
+        assert!(matches!(
+            LocalClaims::follow(l, fp(1), rx, TTL).await,
+            Ok(None)
+        ));
         assert_eq!(claims.len(), 0);
 
         // A mismatch settles only the followers with the leader's body.
@@ -415,11 +440,11 @@ mod tests {
         };
         leader.settle(fp(1), TTL, Ok(&ClaimOutcome::FingerprintMismatch));
         assert!(matches!(
-            LocalClaims::follow(l, fp(1), same).await,
+            LocalClaims::follow(l, fp(1), same, TTL).await,
             Ok(Some(ClaimOutcome::FingerprintMismatch))
         ));
         assert!(matches!(
-            LocalClaims::follow(l, fp(2), other).await,
+            LocalClaims::follow(l, fp(2), other, TTL).await,
             Ok(None)
         ));
 
@@ -436,11 +461,11 @@ mod tests {
         };
         leader.settle(fp(1), TTL, Ok(&ClaimOutcome::InProgress));
         assert!(matches!(
-            LocalClaims::follow(l, fp(1), same).await,
+            LocalClaims::follow(l, fp(1), same, TTL).await,
             Ok(Some(ClaimOutcome::InProgress))
         ));
         assert!(matches!(
-            LocalClaims::follow(l, fp(2), other).await,
+            LocalClaims::follow(l, fp(2), other, TTL).await,
             Ok(None)
         ));
     }
@@ -469,5 +494,24 @@ mod tests {
             claims.enter([1; 32], fp(1), LeaseToken(99)),
             Entry::Lead(_)
         ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_follower_waits_no_longer_than_its_patience() {
+        let claims = Arc::new(LocalClaims::default());
+        let Entry::Lead(leader) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
+            panic!("leads");
+        };
+        let Entry::Follow(l, rx) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
+            panic!("follows");
+        };
+        let started = tokio::time::Instant::now();
+        let patience = Duration::from_secs(9);
+        assert!(matches!(
+            LocalClaims::follow(l, fp(1), rx, patience).await,
+            Ok(None)
+        ));
+        assert_eq!(started.elapsed(), patience, "then it asks the store itself");
+        drop(leader);
     }
 }

@@ -125,8 +125,8 @@ impl std::error::Error for StoreError {
 ///
 /// A store that wraps another forwards every operation and answers its inner store's
 /// [`capabilities`](Self::capabilities), with what it adds: that one required method is what a
-/// wrapper passes on (the operation timeout, the transactional store, the response transforms and
-/// the settle observers), so that none can be dropped by leaving a default in place. Here, a
+/// wrapper passes on (the operation timeout, the transactional store and the response
+/// transforms), so that none can be dropped by leaving a default in place. Here, a
 /// wrapper counting claims:
 ///
 /// ```
@@ -250,7 +250,7 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// What the store offers beyond storage ([`Capabilities`]): its operation timeout, the Postgres
-    /// store whose transactions handlers take, the response transforms and the settle observers. A
+    /// store whose transactions handlers take and the response transforms. A
     /// store of its own answers [`Capabilities::none`] (with its operation timeout, if it bounds
     /// its operations); a store wrapping another answers the inner store's, with what it adds.
     fn capabilities(&self) -> Capabilities<'_>;
