@@ -135,6 +135,11 @@ pub struct StoredResponse {
     pub expires_in: Option<Duration>,
 }
 
+/// A claim answered within this fraction of its in-progress TTL is trusted at once; a later answer
+/// may describe a record another instance has retaken since, so the layer proves it held (a guarded
+/// renewal) before running anything, and answers no duplicate from it.
+pub(crate) const FRESH_FRACTION: u32 = 10;
+
 /// A claim to make: the record's scope and fingerprint, and the layer's time limits.
 #[derive(Debug, Clone)]
 pub struct ClaimRequest {

@@ -18,8 +18,9 @@ use tokio::time::Instant;
 pub(crate) use local::LocalClaims;
 
 use crate::Fingerprint;
-use crate::claim::FRESH_FRACTION;
-use crate::record::{ClaimOutcome, ClaimRequest, Fenced, LeaseToken, RecordKey, StoredResponse};
+use crate::record::{
+    ClaimOutcome, ClaimRequest, FRESH_FRACTION, Fenced, LeaseToken, RecordKey, StoredResponse,
+};
 use crate::store::{Capabilities, IdempotencyStore, StoreError};
 
 /// `St` with duplicates at this process answered from its own claims (see the module docs).
