@@ -5,6 +5,8 @@
 //! `postgres://postgres@127.0.0.1:5432/test`; `LOAD_SCALE=0.2` for a quick run). Every loop is bounded
 //! by a request count; the servers listen on 127.0.0.1 only and stop with the process.
 
+#[path = "load/cpu.rs"]
+mod cpu;
 mod support;
 
 use std::net::SocketAddr;
@@ -485,8 +487,13 @@ async fn duplicate_in_progress(schema: &str) {
     store.claim(&busy).await.expect("claim");
     let mut claims = Vec::new();
     for _ in 0..samples {
+        // Another request's claim (its own lease): the same lease's claim sent again is granted.
+        let duplicate = ClaimRequest {
+            lease: LeaseToken::generate(),
+            ..busy.clone()
+        };
         let t = Instant::now();
-        let outcome = store.claim(&busy).await.expect("claim");
+        let outcome = store.claim(&duplicate).await.expect("claim");
         claims.push(t.elapsed());
         assert_eq!(outcome, ClaimOutcome::InProgress);
     }
@@ -635,6 +642,7 @@ async fn main() {
     // `cargo bench --bench load -- memory growth`: only the named parts (memory, postgres,
     // duplicate, growth); all of them by default.
     let parts = [
+        "cpu",
         "memory",
         "postgres",
         "replays",
@@ -649,7 +657,7 @@ async fn main() {
     if run("memory") {
         memory_vs_bare().await;
     }
-    if !["postgres", "replays", "burst", "duplicate", "growth"]
+    if !["cpu", "postgres", "replays", "burst", "duplicate", "growth"]
         .iter()
         .any(|p| run(p))
     {
@@ -665,6 +673,9 @@ async fn main() {
     .execute(&admin)
     .await
     .expect("schema");
+    if run("cpu") {
+        cpu::server_cpu_per_request(&schema).await;
+    }
     if run("postgres") {
         postgres_vs_direct_sql(&schema).await;
     }
@@ -811,7 +822,7 @@ async fn burst_of_duplicates(schema: &str) {
     .await;
     let spread = instances(&store, RACERS).await;
     let with_function = bursts(&spread, "function", rounds).await;
-    sqlx::raw_sql("DROP FUNCTION idempotency_records_claim_v1")
+    sqlx::raw_sql("DROP FUNCTION idempotency_records_claim_v2")
         .execute(store.pool())
         .await
         .expect("drop the claim function");

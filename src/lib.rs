@@ -51,7 +51,8 @@
 //! let postgres = PostgresStore::new(records).with_transaction_pool(transactions);
 //! postgres.migrate().await?; // on the store itself, before wrapping it
 //! spawn_purge(postgres.clone(), Duration::from_secs(3600));
-//! // Replays and duplicates at this instance without a round trip; clones share the cache.
+//! // Replays of finished records without a round trip (the layer itself answers duplicates at
+//! // this instance); clones share the cache.
 //! let store = CachedStore::new(postgres);
 //! let idempotency = IdempotencyLayer::builder(store).require_key(true).build()?;
 //! let drain = idempotency.drain();

@@ -37,6 +37,16 @@ const RELEASED: i64 = 0;
 /// `migrate()` runs again), a claim that races a concurrent insert of its key takes two.
 ///
 /// Times are the database's `now()`, so the clocks of application machines do not matter.
+///
+/// **The pool's pings.** Each operation takes a connection from the pool and gives it back, and
+/// sqlx adds round trips to that: a ping when it hands a connection out
+/// (`PgPoolOptions::test_before_acquire`, on by default), and one it always sends when a
+/// connection goes back. A fresh key (claim, then completion) thus costs six round trips with a
+/// default pool, four with a pool of the records' own built with `.test_before_acquire(false)`
+/// (BENCHMARKS.md, "Server CPU time per request"). The price of turning the first ping off: a
+/// connection that died while idle (a database restart) is found by the statement that uses it,
+/// which fails: a claim answers `503` (or runs unguarded, with `fail_open`), and a completion is
+/// retried in the background. Nothing runs twice either way.
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: PgPool,

@@ -1,0 +1,244 @@
+//! The server's CPU time per request: the server runs on a thread of its own (a current-thread
+//! runtime, one core's worth, as a server pinned to one core), the load generator on the main
+//! runtime, and the server thread's CPU time is read from the kernel's accounting of that thread
+//! (`/proc/self/task/<tid>/schedstat`, nanoseconds on the CPU) before and after each run. Every
+//! task the server starts (connections, handlers, heartbeats, the Postgres pool's connections) runs
+//! on that thread, so its time is the server's whole cost; the load generator's is not in it.
+//!
+//! Beside it, what PostgreSQL itself sustains for the store's two statements of a fresh key
+//! (`benches/pgbench/claim_complete.sql`, run by `pgbench` with as many clients), so the Postgres
+//! route's rate reads as a fraction of it.
+
+use std::process::Command;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum_idempotency::{CachedStore, MemoryStore, PostgresStore};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use tokio::runtime::Handle;
+
+use super::{MakeRequest, Stats, bare, database_url, fresh_keys, guarded, load, ms, scale};
+
+/// Clients of the load generator, and connections of the Postgres pool.
+const CLIENTS: usize = 8;
+
+/// A current-thread runtime on a thread of its own, and that thread's id.
+struct ServerThread {
+    handle: Handle,
+    tid: u32,
+}
+
+impl ServerThread {
+    fn start() -> ServerThread {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("server".into())
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("server runtime");
+                let tid = std::fs::read_link("/proc/thread-self")
+                    .ok()
+                    .and_then(|p| p.file_name()?.to_str()?.parse().ok())
+                    .expect("this thread's id (Linux /proc)");
+                tx.send((runtime.handle().clone(), tid)).expect("send");
+                runtime.block_on(std::future::pending::<()>());
+            })
+            .expect("server thread");
+        let (handle, tid) = rx.recv().expect("server thread started");
+        ServerThread { handle, tid }
+    }
+
+    /// CPU time the server thread has used so far.
+    fn cpu(&self) -> Duration {
+        let stat = std::fs::read_to_string(format!("/proc/self/task/{}/schedstat", self.tid))
+            .expect("schedstat");
+        let ns: u64 = stat
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse().ok())
+            .expect("time on the CPU");
+        Duration::from_nanos(ns)
+    }
+
+    /// Serves `router` on the server thread.
+    async fn serve(&self, router: Router) -> std::net::SocketAddr {
+        self.handle
+            .spawn(super::serve(router))
+            .await
+            .expect("serve")
+    }
+
+    /// A Postgres store made on the server thread (its connections' I/O is driven there), on a
+    /// fresh table, `CLIENTS` connections, pinging every connection it hands out or not.
+    async fn postgres(&self, schema: &str, test_before_acquire: bool) -> PostgresStore {
+        let options = PgConnectOptions::from_str(&database_url())
+            .expect("DATABASE_URL")
+            .options([("search_path", schema)]);
+        self.handle
+            .spawn(async move {
+                let pool = PgPoolOptions::new()
+                    .max_connections(CLIENTS as u32)
+                    .min_connections(CLIENTS as u32)
+                    .test_before_acquire(test_before_acquire)
+                    .connect_with(options)
+                    .await
+                    .expect("PostgreSQL must be running");
+                let store = PostgresStore::new(pool);
+                sqlx::raw_sql("DROP TABLE IF EXISTS idempotency_records CASCADE")
+                    .execute(store.pool())
+                    .await
+                    .expect("drop");
+                store.migrate().await.expect("migrate");
+                store
+            })
+            .await
+            .expect("store")
+    }
+
+    /// `n` requests made by `make` against `router`, after a warm-up of `warm` made by `warm_make`:
+    /// the load's figures and the server's CPU time per request.
+    async fn measure(
+        &self,
+        router: Router,
+        warm: usize,
+        warm_make: MakeRequest,
+        n: usize,
+        make: MakeRequest,
+    ) -> (Stats, Duration) {
+        let addr = self.serve(router).await;
+        load(addr, CLIENTS, warm, warm_make).await;
+        let before = self.cpu();
+        let stats = load(addr, CLIENTS, n, make).await;
+        let used = self.cpu() - before;
+        (stats, used / n as u32)
+    }
+}
+
+/// Replays of `recorded` keys made with `prefix` by [`fresh_keys`].
+fn replays(prefix: &str, recorded: usize) -> MakeRequest {
+    let fresh = fresh_keys(prefix);
+    Arc::new(move |i| fresh(i % recorded))
+}
+
+/// pgbench's transactions per second (one claim and one completion each) with `CLIENTS` clients,
+/// in `schema`, for `seconds`.
+fn pgbench(schema: &str, seconds: u32) -> Option<f64> {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/benches/pgbench/claim_complete.sql"
+    );
+    let output = Command::new("pgbench")
+        .env("PGOPTIONS", format!("-c search_path={schema}"))
+        .args([
+            "-n",
+            "-M",
+            "prepared",
+            "-c",
+            &CLIENTS.to_string(),
+            "-j",
+            "2",
+        ])
+        .args(["-T", &seconds.to_string(), "-f", script, &database_url()])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    text.lines()
+        .find(|l| l.starts_with("tps = "))
+        .and_then(|l| l["tps = ".len()..].split_whitespace().next()?.parse().ok())
+}
+
+pub(super) async fn server_cpu_per_request(schema: &str) {
+    let n = scale(20_000);
+    let warm = 1_000.min(n);
+    let server = ServerThread::start();
+    let fresh = |p: &str| fresh_keys(p);
+    let mut rows: Vec<(&str, Stats, Duration)> = Vec::new();
+
+    let (s, cpu) = server
+        .measure(bare(), warm, fresh("bw"), n, fresh("b"))
+        .await;
+    rows.push(("bare route", s, cpu));
+    let memory = MemoryStore::new();
+    let (s, cpu) = server
+        .measure(guarded(memory.clone()), warm, fresh("mw"), n, fresh("m"))
+        .await;
+    rows.push(("layer + memory, fresh keys", s, cpu));
+    // The first `warm` keys of the fresh run are recorded: replay them over and over (the
+    // warm-up replays each once, so a cache in front of the store has read them all).
+    let (s, cpu) = server
+        .measure(
+            guarded(memory),
+            warm,
+            replays("m", warm),
+            n,
+            replays("m", warm),
+        )
+        .await;
+    rows.push(("layer + memory, replays", s, cpu));
+
+    let pinging = server.postgres(schema, true).await;
+    let (s, cpu) = server
+        .measure(guarded(pinging.clone()), warm, fresh("pw"), n, fresh("p"))
+        .await;
+    rows.push((
+        "layer + Postgres, fresh keys, pool pings on acquire (sqlx default)",
+        s,
+        cpu,
+    ));
+    pinging.pool().close().await;
+    let store = server.postgres(schema, false).await;
+    let (s, cpu) = server
+        .measure(guarded(store.clone()), warm, fresh("qw"), n, fresh("q"))
+        .await;
+    let postgres_fresh = s;
+    rows.push((
+        "layer + Postgres, fresh keys, `test_before_acquire(false)`",
+        s,
+        cpu,
+    ));
+    let cached = CachedStore::new(store.clone());
+    let (s, cpu) = server
+        .measure(
+            guarded(cached),
+            warm,
+            replays("q", warm),
+            n,
+            replays("q", warm),
+        )
+        .await;
+    rows.push(("layer + `CachedStore` over Postgres, replays", s, cpu));
+
+    // 10 s at LOAD_SCALE=1, 3 s at least.
+    let seconds = (scale(10_000) as u32 / 1_000).clamp(3, 20);
+    let pgbench = pgbench(schema, seconds);
+    store.pool().close().await;
+
+    println!(
+        "\n### Server CPU time per request ({CLIENTS} clients, server on one thread, {n} requests a route, body {} bytes)\n",
+        super::request_body().len()
+    );
+    println!("| route | req/s | p50 | server CPU per request | vs bare |");
+    println!("|---|---|---|---|---|");
+    let bare_cpu = rows[0].2;
+    for (name, stats, cpu) in &rows {
+        println!(
+            "| {name} | {:.0} | {} | {:.1} us | **{:.2}x** |",
+            stats.rps,
+            ms(stats.p50),
+            cpu.as_secs_f64() * 1e6,
+            cpu.as_secs_f64() / bare_cpu.as_secs_f64(),
+        );
+    }
+    match pgbench {
+        Some(tps) => println!(
+            "\npgbench, the same two statements, {CLIENTS} clients, {seconds} s: **{tps:.0} pairs/s**; \
+             the layer on Postgres (fresh keys, no ping) reaches **{:.2}x** of it.",
+            postgres_fresh.rps / tps
+        ),
+        None => println!("\npgbench did not run (is it installed?)."),
+    }
+}
