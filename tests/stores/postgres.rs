@@ -762,3 +762,140 @@ async fn records_of_the_previous_version_keep_their_derived_key_after_migrate() 
         ClaimOutcome::Claimed { generation: Some(g), .. } if g == fresh.generation
     ));
 }
+
+/// The store keeps an operation's connection for the next one, which skips the pings sqlx sends
+/// when a connection goes back to the pool and when it is handed out; a kept connection goes back to
+/// the pool once idle, and `Pool::close` still completes. Many claims at once on a small pool shared
+/// with handlers' transactions leave it able to hand out a connection (at most half is kept).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kept_connections_go_back_to_the_pool_and_let_it_close() {
+    let pool = pool(4).await;
+    let schema = fresh_schema(&pool).await;
+    let store = PostgresStore::with_table(pool.clone(), &format!("{schema}.idempotency_records"))
+        .expect("valid table name");
+    store.migrate().await.expect("migrate");
+    let all_idle = |pool: &PgPool| pool.num_idle() == pool.size() as usize;
+
+    // Kept: some time after an operation, but well within the idle bound, its connection is still
+    // out of the pool (a connection given back would be idle again after its ping). Tried a few
+    // times, against a machine that stalls longer than the bound now and then.
+    let mut seen_kept = false;
+    for i in 0..20 {
+        let claim = claim_request(&format!("kept-{i}"), b"{}");
+        let outcome = store.claim(&claim).await.expect("claim");
+        assert!(matches!(outcome, ClaimOutcome::Claimed { .. }));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        if !all_idle(&pool) {
+            seen_kept = true;
+            break;
+        }
+    }
+    assert!(
+        seen_kept,
+        "an operation's connection is kept for the next one"
+    );
+
+    // Many at once: every claim answered; a transaction can still begin meanwhile.
+    let mut claims = tokio::task::JoinSet::new();
+    for i in 0..32 {
+        let store = store.clone();
+        claims.spawn(async move {
+            let claim = claim_request(&format!("many-{i}"), b"{}");
+            store.claim(&claim).await.expect("claim")
+        });
+    }
+    let mut tx = pool
+        .begin()
+        .await
+        .expect("a transaction finds a connection");
+    sqlx::query("SELECT 1")
+        .execute(&mut *tx)
+        .await
+        .expect("select");
+    tx.rollback().await.expect("rollback");
+    while let Some(outcome) = claims.join_next().await {
+        assert!(matches!(
+            outcome.expect("task"),
+            ClaimOutcome::Claimed { .. }
+        ));
+    }
+
+    // Given back once idle.
+    let mut waited = 0;
+    while !all_idle(&pool) {
+        assert!(
+            waited < 500,
+            "kept connections go back to the pool once idle"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        waited += 1;
+    }
+    // Kept again, then the pool closes: the kept connection does not hold it up.
+    store
+        .claim(&claim_request("last", b"{}"))
+        .await
+        .expect("claim");
+    tokio::time::timeout(Duration::from_secs(10), pool.close())
+        .await
+        .expect("Pool::close completes with a connection kept");
+}
+
+/// A kept connection whose session the server ended while it waited (a restart, an administrator's
+/// `pg_terminate_backend`) costs nothing: its statement goes again on a connection from the pool,
+/// as the pool's ping would have replaced it, and the operation succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_kept_connection_ended_by_the_server_is_replaced() {
+    static RUN: AtomicUsize = AtomicUsize::new(0);
+    let name = format!(
+        "idem-kept-{}-{}",
+        std::process::id(),
+        RUN.fetch_add(1, Ordering::SeqCst)
+    );
+    let admin = pool(2).await;
+    let schema = fresh_schema(&admin).await;
+    let options = PgConnectOptions::from_str(&database_url())
+        .expect("DATABASE_URL")
+        .application_name(&name);
+    let records = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let store = PostgresStore::with_table(records, &format!("{schema}.idempotency_records"))
+        .expect("valid table name")
+        .with_transaction_pool(admin.clone());
+    store.migrate().await.expect("migrate");
+    for round in 0..5 {
+        let claim = claim_request(&format!("ended-{round}"), b"{}");
+        let ClaimOutcome::Claimed { lease, .. } = store.claim(&claim).await.expect("claim") else {
+            panic!("a fresh key is claimed");
+        };
+        // The claim's connection is kept; the server ends every session of the store's pool.
+        sqlx::query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+        )
+        .bind(&name)
+        .execute(&admin)
+        .await
+        .expect("terminate");
+        let response = std::sync::Arc::new(axum_idempotency::StoredResponse {
+            outcome: Finished::Completed,
+            status: 201,
+            headers: Vec::new(),
+            body: axum::body::Bytes::from_static(b"{}"),
+            body_omitted: false,
+            expires_in: None,
+        });
+        let done = store
+            .complete(
+                &claim.key,
+                lease,
+                &claim.fingerprint,
+                response,
+                Duration::from_secs(60),
+            )
+            .await
+            .expect("the completion goes again on a live connection");
+        assert!(done.is_done(), "round {round}");
+    }
+}

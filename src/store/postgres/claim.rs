@@ -162,8 +162,11 @@ impl PostgresStore {
             Some(since) => (since.elapsed() >= FUNCTION_PROBE, true),
         };
         if use_function {
-            let call = self.claim_statement(&self.sql().claim, request, scope);
-            match on_connection!(self, "claim", conn => call.fetch_optional(&mut *conn)) {
+            let claimed = on_connection!(self, "claim", conn => {
+                self.claim_statement(&self.sql().claim, request, scope)
+                    .fetch_optional(&mut *conn)
+            });
+            match claimed {
                 Ok(Err(sqlx::Error::Database(e))) if e.code().as_deref() == Some("42883") => {
                     tracing::warn!(
                         table = %self.sql().table,

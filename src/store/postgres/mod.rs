@@ -9,13 +9,18 @@ use std::time::Duration;
 
 use http::{HeaderName, HeaderValue};
 use sqlx::PgPool;
+use sqlx::pool::PoolConnection;
+use tokio::time::Instant;
 
 mod claim;
 mod migrate;
+mod parking;
 mod statements;
 
 use migrate::DEFAULT_TABLE;
 use statements::{PURGE_BATCH, Statements};
+
+use parking::lost_connection;
 
 use super::{Capabilities, IdempotencyStore, StoreError};
 use crate::Fingerprint;
@@ -38,15 +43,27 @@ const RELEASED: i64 = 0;
 ///
 /// Times are the database's `now()`, so the clocks of application machines do not matter.
 ///
-/// **The pool's pings.** Each operation takes a connection from the pool and gives it back, and
-/// sqlx adds round trips to that: a ping when it hands a connection out
-/// (`PgPoolOptions::test_before_acquire`, on by default), and one it always sends when a
-/// connection goes back. A fresh key (claim, then completion) thus costs six round trips with a
-/// default pool, four with a pool of the records' own built with `.test_before_acquire(false)`
-/// (BENCHMARKS.md, "Server CPU time per request"). The price of turning the first ping off: a
-/// connection that died while idle (a database restart) is found by the statement that uses it,
-/// which fails: a claim answers `503` (or runs unguarded, with `fail_open`), and a completion is
-/// retried in the background. Nothing runs twice either way.
+/// **Connections between operations.** sqlx pings a connection every time it goes back to the
+/// pool, and by default every time it hands one out (`PgPoolOptions::test_before_acquire`): a round
+/// trip each. The store keeps the connection of an operation that succeeded for its next
+/// operation instead, so under load a fresh key costs the database its two statements and little
+/// else (BENCHMARKS.md, "Server CPU time per request"):
+///
+/// - a kept connection goes back to the pool after 100 to 200 ms idle, after its operation once it
+///   first came from the pool 30 s ago (so the pool's lifetime rules and hooks still apply), and
+///   at once when the pool closes (`Pool::close` completes);
+/// - a store and its clones keep at most the pool's size, or half of it when handlers'
+///   transactions come from the same pool, so that they find connections; give the records a pool
+///   of their own ([`with_transaction_pool`](Self::with_transaction_pool), with another pool) to
+///   let it keep them all. Two stores built on one pool keep their shares each;
+/// - a kept connection is not pinged: one that died while kept (a database restart, a session
+///   ended by the server) fails its statement, which then goes once more on a connection from the
+///   pool, so the operation succeeds as it would have after the pool's ping.
+///
+/// A connection taken from the pool is pinged unless the pool says `.test_before_acquire(false)`.
+/// Without that ping, a pooled connection that died while idle fails the statement that uses it: a
+/// claim answers `503` (or, with `fail_open`, runs the handler unguarded, as for any store
+/// failure), and a completion is retried in the background.
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: PgPool,
@@ -63,6 +80,8 @@ pub struct PostgresStore {
     lock_timeout: Arc<str>,
     /// Whether the key, subject and endpoint are written in clear beside the scope digest.
     scope_columns: bool,
+    /// Connections kept between operations (see `parking.rs`). Shared by clones.
+    parking: Arc<parking::Parking>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -104,6 +123,7 @@ impl PostgresStore {
             timeout: DEFAULT_OPERATION_TIMEOUT,
             lock_timeout: lock_timeout_for(DEFAULT_OPERATION_TIMEOUT),
             scope_columns: true,
+            parking: Arc::default(),
         }
     }
 
@@ -134,6 +154,7 @@ impl PostgresStore {
             timeout: DEFAULT_OPERATION_TIMEOUT,
             lock_timeout: lock_timeout_for(DEFAULT_OPERATION_TIMEOUT),
             scope_columns: true,
+            parking: Arc::default(),
         })
     }
 
@@ -161,6 +182,39 @@ impl PostgresStore {
         }
     }
 
+    /// A connection for one operation: one kept from an earlier operation (unless `from_pool`), or
+    /// one from the pool within the operation timeout; with when it first came from the pool
+    /// (`None` for one taken from the pool now).
+    async fn connection(
+        &self,
+        what: &'static str,
+        from_pool: bool,
+    ) -> Result<(PoolConnection<sqlx::Postgres>, Option<Instant>), StoreError> {
+        if !from_pool && let Some((connection, since)) = self.parking.take(&self.pool) {
+            return Ok((connection, Some(since)));
+        }
+        match tokio::time::timeout(self.timeout, self.pool.acquire()).await {
+            Err(_) => Err(self.no_answer(what)),
+            Ok(result) => result.map(|c| (c, None)).map_err(db(what)),
+        }
+    }
+
+    /// Keeps the connection of an operation that succeeded for the next one (see `parking.rs`).
+    fn keep(&self, connection: PoolConnection<sqlx::Postgres>, since: Option<Instant>) {
+        let size = self.pool.options().get_max_connections() as usize;
+        let capacity = if self.transactions.is_some() {
+            size
+        } else {
+            size / 2
+        };
+        self.parking.keep(
+            connection,
+            since.unwrap_or_else(Instant::now),
+            &self.pool,
+            capacity,
+        );
+    }
+
     fn no_answer(&self, what: &str) -> StoreError {
         StoreError::msg(format!(
             "postgres {what}: no answer within {:?}",
@@ -175,6 +229,8 @@ impl PostgresStore {
     /// their own claims). Both pools must reach the same database.
     pub fn with_transaction_pool(mut self, pool: PgPool) -> Self {
         self.transactions = Some(pool);
+        // Kept connections are bounded by what this store shares: its own set from here on.
+        self.parking = Arc::default();
         self
     }
 
@@ -308,12 +364,13 @@ impl PostgresStore {
 
     /// Whether `lease` finished the record (see `Statements::finished_by`).
     async fn finished_by(&self, scope: &[u8; 32], lease: LeaseToken) -> Result<bool, StoreError> {
-        let query = sqlx::query_as(sqlx::AssertSqlSafe(self.sql().finished_by.as_str()))
-            .bind(&scope[..])
-            .bind(lease.0);
-        let (finished,): (bool,) =
-            on_connection!(self, "complete", conn => query.fetch_one(&mut *conn))?
-                .map_err(db("complete"))?;
+        let (finished,): (bool,) = on_connection!(self, "complete", conn => {
+            sqlx::query_as(sqlx::AssertSqlSafe(self.sql().finished_by.as_str()))
+                .bind(&scope[..])
+                .bind(lease.0)
+                .fetch_one(&mut *conn)
+        })?
+        .map_err(db("complete"))?;
         Ok(finished)
     }
 
@@ -371,10 +428,11 @@ impl IdempotencyStore for PostgresStore {
         retention: Duration,
     ) -> Result<Fenced, StoreError> {
         let scope = key.digest();
-        let completion = self.completion(&scope, lease, &response, retention);
-        let (held,): (bool,) =
-            on_connection!(self, "complete", conn => completion.fetch_one(&mut *conn))?
-                .map_err(db("complete"))?;
+        let (held,): (bool,) = on_connection!(self, "complete", conn => {
+            self.completion(&scope, lease, &response, retention)
+                .fetch_one(&mut *conn)
+        })?
+        .map_err(db("complete"))?;
         if held {
             return Ok(Fenced::Done);
         }
@@ -394,32 +452,36 @@ impl IdempotencyStore for PostgresStore {
         lifetime: Duration,
     ) -> Result<Fenced, StoreError> {
         let scope = key.digest();
-        let renewal = self
-            .leased(&self.sql().renew, &scope, lease)
-            .bind(micros(lifetime))
-            .bind(&*self.lock_timeout);
-        let done = on_connection!(self, "renew", conn => renewal.execute(&mut *conn))?
-            .map_err(db("renew"))?;
+        let done = on_connection!(self, "renew", conn => {
+            self.leased(&self.sql().renew, &scope, lease)
+                .bind(micros(lifetime))
+                .bind(&*self.lock_timeout)
+                .execute(&mut *conn)
+        })?
+        .map_err(db("renew"))?;
         Ok(Fenced::from_held(done.rows_affected() == 1))
     }
 
     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
         let scope = key.digest();
-        let release = self
-            .leased(&self.sql().release, &scope, lease)
-            .bind(&*self.lock_timeout);
-        let done = on_connection!(self, "release", conn => release.execute(&mut *conn))?
-            .map_err(db("release"))?;
+        let done = on_connection!(self, "release", conn => {
+            self.leased(&self.sql().release, &scope, lease)
+                .bind(&*self.lock_timeout)
+                .execute(&mut *conn)
+        })?
+        .map_err(db("release"))?;
         Ok(Fenced::from_held(done.rows_affected() == 1))
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
-            let purge = sqlx::query(sqlx::AssertSqlSafe(self.sql().purge.as_str()))
-                .bind(&*self.lock_timeout);
-            let done = on_connection!(self, "purge", conn => purge.execute(&mut *conn))?
-                .map_err(db("purge"))?;
+            let done = on_connection!(self, "purge", conn => {
+                sqlx::query(sqlx::AssertSqlSafe(self.sql().purge.as_str()))
+                    .bind(&*self.lock_timeout)
+                    .execute(&mut *conn)
+            })?
+            .map_err(db("purge"))?;
             total += done.rows_affected();
             if done.rows_affected() < PURGE_BATCH as u64 {
                 return Ok(total);
@@ -461,28 +523,47 @@ fn parse_headers(names: Vec<String>, values: Vec<Vec<u8>>) -> Vec<(HeaderName, H
         .collect()
 }
 
-/// Runs `$op` (an expression using the connection `$conn`) on a connection of `$store`'s pool,
-/// the pool wait and the statement each within the operation timeout; gives `Result<Result<T, sqlx::Error>,
+/// Runs `$op` (an expression using the connection `$conn`, evaluated again if the statement goes
+/// twice) on a connection kept from an earlier operation or taken from `$store`'s pool, the pool
+/// wait and the statement each within the operation timeout; gives `Result<Result<T, sqlx::Error>,
 /// StoreError>`, the outer error for a timeout or a failed acquire. A connection whose statement
-/// was cut short by the timeout is closed rather than returned: sqlx would keep it out of the pool
-/// until the server finished the statement, which for a connection that died quietly is hours, so
-/// a few such timeouts would empty the pool.
+/// succeeded is kept for the next operation; one whose statement failed goes back to the pool; a
+/// kept one found dead is closed and the statement goes once more on one from the pool. A
+/// connection whose statement was cut short by the timeout is closed rather than returned: sqlx
+/// would keep it out of the pool until the server finished the statement, which for a connection
+/// that died quietly is hours, so a few such timeouts would empty the pool.
 macro_rules! on_connection {
     ($store:expr, $what:expr, $conn:ident => $op:expr) => {{
         let store = $store;
-        match tokio::time::timeout(store.timeout, store.pool.acquire()).await {
-            Err(_) => Err(store.no_answer($what)),
-            Ok(Err(e)) => Err(db($what)(e)),
-            Ok(Ok(mut $conn)) => {
-                // The statement has a whole timeout of its own: one that waited long for its
-                // connection must not cut a healthy statement short (and close its connection).
-                let done = tokio::time::timeout(store.timeout, $op).await;
-                match done {
-                    Ok(result) => Ok(result),
-                    Err(_) => {
-                        drop($conn.detach());
-                        Err(store.no_answer($what))
+        let mut from_pool = false;
+        loop {
+            let (mut $conn, kept) = match store.connection($what, from_pool).await {
+                Ok(taken) => taken,
+                Err(e) => break Err(e),
+            };
+            // The statement has a whole timeout of its own: one that waited long for its
+            // connection must not cut a healthy statement short (and close its connection).
+            let done = tokio::time::timeout(store.timeout, $op).await;
+            match done {
+                // A kept connection that died while it waited (the database restarted, or ended
+                // the session): the statement goes once more, on a connection from the pool, as
+                // the pool's own ping would have replaced it. Every operation is safe to repeat
+                // under its lease (a claim by its own lease is granted again, a completion by it
+                // is done already).
+                Ok(Err(e)) if kept.is_some() && $crate::store::postgres::lost_connection(&e) => {
+                    drop($conn.detach());
+                    from_pool = true;
+                    continue;
+                }
+                Ok(result) => {
+                    if result.is_ok() {
+                        store.keep($conn, kept);
                     }
+                    break Ok(result);
+                }
+                Err(_) => {
+                    drop($conn.detach());
+                    break Err(store.no_answer($what));
                 }
             }
         }

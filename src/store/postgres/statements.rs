@@ -12,8 +12,8 @@ pub(super) const LOCK_BOUND: &str = "(SELECT bound FROM lock_bound) IS NOT NULL"
 /// any row lock (the statement's condition refers to it through [`LOCK_BOUND`]). Every statement on
 /// a record carries it, so that no wait on a row lock (a handler's transaction whose connection
 /// died between its completion and its commit, say) outlives the client's timeout: the server gives
-/// up first and answers, and the connection goes back to the pool instead of being held until the
-/// server finishes. A `statement_timeout` cannot be set this way (it is armed when the statement
+/// up first and answers, and the connection is kept or goes back to the pool instead of being held
+/// until the server finishes. A `statement_timeout` cannot be set this way (it is armed when the statement
 /// starts); the statements are single-row index lookups, and lock waits are what can last.
 pub(super) fn lock_bound_cte(n: u8) -> String {
     format!(
