@@ -548,8 +548,9 @@ macro_rules! on_connection {
                 // A kept connection that died while it waited (the database restarted, or ended
                 // the session): the statement goes once more, on a connection from the pool, as
                 // the pool's own ping would have replaced it. Every operation is safe to repeat
-                // under its lease (a claim by its own lease is granted again, a completion by it
-                // is done already).
+                // under its lease, also when the first one committed before the connection was
+                // lost: a claim or a retake by its own lease is granted again, a completion by it
+                // is done already, a renewal renews again, a release answers the lease lost.
                 Ok(Err(e)) if kept.is_some() && $crate::store::postgres::lost_connection(&e) => {
                     drop($conn.detach());
                     from_pool = true;

@@ -123,7 +123,8 @@ async fn sweep(parking: Sweeping, pool: PgPool) {
         };
         drop(stale);
         if done {
-            // Already cleared; the guard's store is harmless.
+            // The flag is cleared already; the guard clears it again, so a second sweeper may
+            // briefly run beside one started meanwhile: they share the lock, and cost a wake-up.
             return;
         }
     }
@@ -135,8 +136,9 @@ pub(super) fn lost_connection(error: &sqlx::Error) -> bool {
     match error {
         sqlx::Error::Io(_) | sqlx::Error::Protocol(_) => true,
         sqlx::Error::Database(e) => e.code().is_some_and(|code| {
-            // admin_shutdown, crash_shutdown, cannot_connect_now; the connection exception class.
-            matches!(&*code, "57P01" | "57P02" | "57P03") || code.starts_with("08")
+            // Operator intervention (shutdown, crash, database dropped, session timeouts) and the
+            // connection exception class: the server ended the session.
+            code.starts_with("57P") || code.starts_with("08")
         }),
         _ => false,
     }

@@ -127,6 +127,9 @@ impl Statements {
             // a released one taken by another request; a retake of the same operation keeps its
             // own). It answers the generation it left, which is the run's: the row may have been
             // taken and released again since the claim read it (every released row has lease 0).
+            // The row already under the new lease matches too: the same retake sent again (its
+            // connection was lost after the first one committed) is granted again, not refused as a
+            // lost race, which would leave the key in progress with no worker for a TTL.
             retake: format!(
                 "{LOCK_BOUND_CTE} UPDATE {t} SET fingerprint = $2, status = 'in_progress', lease_token = $3, \
                    generation = CASE WHEN status = 'in_progress' AND expires_at > now() \
@@ -134,10 +137,12 @@ impl Statements {
                    response_status = NULL, header_names = NULL, header_values = NULL, \
                    response_body = NULL, created_at = now(), updated_at = now(), \
                    expires_at = now() + $4::float8 * interval '1 microsecond' \
-                 WHERE scope = $1 AND lease_token = $5 AND status = $6 \
-                   AND (expires_at <= now() \
-                        OR (status = 'in_progress' \
-                            AND updated_at <= now() - $7::float8 * interval '1 microsecond')) \
+                 WHERE scope = $1 \
+                   AND ((lease_token = $5 AND status = $6 \
+                         AND (expires_at <= now() \
+                              OR (status = 'in_progress' \
+                                  AND updated_at <= now() - $7::float8 * interval '1 microsecond'))) \
+                        OR (lease_token = $3 AND status = 'in_progress')) \
                    AND {LOCK_BOUND} \
                  RETURNING generation",
                 LOCK_BOUND_CTE = lock_bound_cte(8)
