@@ -158,7 +158,9 @@ where
         #[cfg(feature = "postgres")]
         if let Some((pg, crate::transaction::Left::Transaction(tx))) = left {
             tracing::warn!("the handler was still running at the maximum hold; rolled back");
-            crate::recording::transactional::rollback(&pg, tx).await;
+            // Boxed, as the transactional recording below: sqlx's futures are large, and
+            // carried inline they would be moved with every request's future.
+            Box::pin(crate::recording::transactional::rollback(&pg, tx)).await;
             lease.release("the handler ran past the maximum hold").await;
             return Ok(config.problem(
                 ErrorKind::HandlerTimeout,
@@ -186,9 +188,11 @@ where
             #[cfg(feature = "postgres")]
             match left {
                 Some((pg, crate::transaction::Left::Transaction(tx))) => {
-                    return Ok(crate::recording::transactional::record_in(
+                    // Boxed: its commit's futures are the largest part of this state machine,
+                    // and only requests that took a transaction need them.
+                    return Ok(Box::pin(crate::recording::transactional::record_in(
                         &config, lease, &pg, tx, response,
-                    )
+                    ))
                     .await);
                 }
                 Some((_, crate::transaction::Left::Kept)) => {

@@ -45,7 +45,8 @@ enum Local {
     InFlight {
         fingerprint: Fingerprint,
         number: u64,
-        answer: watch::Receiver<Settled>,
+        /// Made when the first follower arrives: a claim that none follows costs no channel.
+        answer: Option<watch::Sender<Settled>>,
     },
     Held {
         fingerprint: Fingerprint,
@@ -86,7 +87,7 @@ pub(super) struct Leader {
     claims: Arc<LocalClaims>,
     scope: [u8; 32],
     number: u64,
-    answer: Option<watch::Sender<Settled>>,
+    settled: bool,
 }
 
 impl Default for LocalClaims {
@@ -112,7 +113,7 @@ impl LocalClaims {
     ) -> Entry {
         let now = Instant::now();
         let mut shard = self.shard(&scope);
-        match shard.scopes.get(&scope) {
+        match shard.scopes.get_mut(&scope) {
             // Held by this very lease: the same claim made twice; the store answers it.
             Some(Local::Held {
                 fingerprint: held,
@@ -130,7 +131,17 @@ impl LocalClaims {
                 fingerprint: leader,
                 answer,
                 ..
-            }) => return Entry::Follow(*leader, answer.clone()),
+            }) => {
+                let receiver = match answer {
+                    Some(sender) => sender.subscribe(),
+                    None => {
+                        let (sender, receiver) = watch::channel(Settled::Pending);
+                        *answer = Some(sender);
+                        receiver
+                    }
+                };
+                return Entry::Follow(*leader, receiver);
+            }
             // A hold past its TTL without renewal: let the store say what the record is now.
             Some(Local::Held { .. }) | None => {}
         }
@@ -141,20 +152,19 @@ impl LocalClaims {
                 .retain(|_, local| !matches!(local, Local::Held { until, .. } if *until <= now));
         }
         let number = shard.next;
-        let (sender, receiver) = watch::channel(Settled::Pending);
         shard.scopes.insert(
             scope,
             Local::InFlight {
                 fingerprint,
                 number,
-                answer: receiver,
+                answer: None,
             },
         );
         Entry::Lead(Leader {
             claims: self.clone(),
             scope,
             number,
-            answer: Some(sender),
+            settled: false,
         })
     }
 
@@ -267,31 +277,34 @@ impl Leader {
         ttl: Duration,
         outcome: Result<&ClaimOutcome, &StoreError>,
     ) {
+        self.settled = true;
         let mut shard = self.claims.shard(&self.scope);
         let ours = matches!(
             shard.scopes.get(&self.scope),
             Some(Local::InFlight { number, .. }) if *number == self.number
         );
-        if ours {
-            match outcome {
-                Ok(ClaimOutcome::Claimed { lease, .. }) => {
-                    shard.scopes.insert(
-                        self.scope,
-                        Local::Held {
-                            fingerprint,
-                            lease: *lease,
-                            ttl,
-                            until: Instant::now() + ttl,
-                        },
-                    );
-                }
-                _ => {
-                    shard.scopes.remove(&self.scope);
-                }
-            }
+        if !ours {
+            return;
         }
+        let held = match outcome {
+            Ok(ClaimOutcome::Claimed { lease, .. }) => Some(Local::Held {
+                fingerprint,
+                lease: *lease,
+                ttl,
+                until: Instant::now() + ttl,
+            }),
+            _ => None,
+        };
+        let was = match held {
+            Some(held) => shard.scopes.insert(self.scope, held),
+            None => shard.scopes.remove(&self.scope),
+        };
         drop(shard);
-        if let Some(answer) = self.answer.take() {
+        if let Some(Local::InFlight {
+            answer: Some(answer),
+            ..
+        }) = was
+        {
             answer.send_replace(match outcome {
                 Ok(outcome) => Settled::Answered(outcome.clone()),
                 Err(error) => {
@@ -304,18 +317,22 @@ impl Leader {
 
 impl Drop for Leader {
     fn drop(&mut self) {
-        if self.answer.is_none() {
+        if self.settled {
             return;
         }
-        // Cancelled before the store answered: forget the claim in flight; the followers see the
-        // sender gone and ask the store themselves.
+        // Cancelled before the store answered: forget the claim in flight; its channel, if any,
+        // goes with it, and the followers see it closed and ask the store themselves.
         let mut shard = self.claims.shard(&self.scope);
-        if matches!(
+        let was = if matches!(
             shard.scopes.get(&self.scope),
             Some(Local::InFlight { number, .. }) if *number == self.number
         ) {
-            shard.scopes.remove(&self.scope);
-        }
+            shard.scopes.remove(&self.scope)
+        } else {
+            None
+        };
+        drop(shard);
+        drop(was);
     }
 }
 
