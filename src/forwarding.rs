@@ -54,6 +54,25 @@ impl IdempotencyStore for Probe {
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.inner.purge_expired().await
     }
+    async fn lookup(
+        &self,
+        key: &crate::RecordKey,
+    ) -> Result<Option<crate::store::RecordInfo>, crate::StoreError> {
+        self.inner.lookup(key).await
+    }
+    async fn delete(
+        &self,
+        key: &crate::RecordKey,
+    ) -> Result<crate::store::Deleted, crate::StoreError> {
+        self.inner.delete(key).await
+    }
+    async fn list(
+        &self,
+        subject: &str,
+        request: crate::store::ListRequest,
+    ) -> Result<crate::store::RecordPage, crate::StoreError> {
+        self.inner.list(subject, request).await
+    }
     fn capabilities(&self) -> Capabilities<'_> {
         let capabilities = Capabilities::none()
             .with_operation_timeout(TIMEOUT)

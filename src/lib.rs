@@ -202,7 +202,10 @@ pub use replay::{IDEMPOTENCY_REPLAY, IDEMPOTENT_REPLAYED};
 pub use service::{IdempotencyService, ResponseFuture};
 #[cfg(feature = "redis")]
 pub use store::RedisStore;
-pub use store::{CachedStore, IdempotencyStore, MemoryStore, StoreError};
+pub use store::{
+    CachedStore, Deleted, IdempotencyStore, ListCursor, ListRequest, MemoryStore, RecordInfo,
+    RecordPage, RecordState, StoreError,
+};
 #[cfg(feature = "encryption")]
 pub use store::{EncryptedStore, EncryptionKeys, EncryptionKeysError, KeyId};
 #[cfg(feature = "postgres")]

@@ -168,6 +168,29 @@ mod enabled {
         fn capabilities(&self) -> crate::store::Capabilities<'_> {
             self.0.capabilities()
         }
+
+        fn lookup(
+            &self,
+            key: &RecordKey,
+        ) -> impl Future<Output = Result<Option<crate::store::RecordInfo>, StoreError>> + Send
+        {
+            timed("lookup", self.0.lookup(key))
+        }
+
+        fn delete(
+            &self,
+            key: &RecordKey,
+        ) -> impl Future<Output = Result<crate::store::Deleted, StoreError>> + Send {
+            timed("delete", self.0.delete(key))
+        }
+
+        fn list(
+            &self,
+            subject: &str,
+            request: crate::store::ListRequest,
+        ) -> impl Future<Output = Result<crate::store::RecordPage, StoreError>> + Send {
+            timed("list", self.0.list(subject, request))
+        }
     }
 
     /// Runs a store operation and records how long it took and whether it succeeded. An operation

@@ -128,6 +128,27 @@ impl<St: IdempotencyStore> IdempotencyStore for Coalesced<St> {
     fn capabilities(&self) -> Capabilities<'_> {
         self.inner.capabilities()
     }
+
+    async fn lookup(
+        &self,
+        key: &RecordKey,
+    ) -> Result<Option<crate::store::RecordInfo>, StoreError> {
+        self.inner.lookup(key).await
+    }
+
+    /// Only a finished record is deleted, and no hold of this process is finished: nothing here
+    /// changes.
+    async fn delete(&self, key: &RecordKey) -> Result<crate::store::Deleted, StoreError> {
+        self.inner.delete(key).await
+    }
+
+    async fn list(
+        &self,
+        subject: &str,
+        request: crate::store::ListRequest,
+    ) -> Result<crate::store::RecordPage, StoreError> {
+        self.inner.list(subject, request).await
+    }
 }
 
 #[cfg(test)]
@@ -178,6 +199,25 @@ mod tests {
         }
         async fn purge_expired(&self) -> Result<u64, StoreError> {
             self.inner.purge_expired().await
+        }
+        async fn lookup(
+            &self,
+            key: &crate::RecordKey,
+        ) -> Result<Option<crate::store::RecordInfo>, crate::StoreError> {
+            self.inner.lookup(key).await
+        }
+        async fn delete(
+            &self,
+            key: &crate::RecordKey,
+        ) -> Result<crate::store::Deleted, crate::StoreError> {
+            self.inner.delete(key).await
+        }
+        async fn list(
+            &self,
+            subject: &str,
+            request: crate::store::ListRequest,
+        ) -> Result<crate::store::RecordPage, crate::StoreError> {
+            self.inner.list(subject, request).await
         }
         fn capabilities(&self) -> Capabilities<'_> {
             self.inner.capabilities()

@@ -347,6 +347,25 @@ impl<S: IdempotencyStore> IdempotencyStore for Counting<S> {
     async fn purge_expired(&self) -> Result<u64, crate::StoreError> {
         self.store.purge_expired().await
     }
+    async fn lookup(
+        &self,
+        key: &crate::RecordKey,
+    ) -> Result<Option<crate::store::RecordInfo>, crate::StoreError> {
+        self.store.lookup(key).await
+    }
+    async fn delete(
+        &self,
+        key: &crate::RecordKey,
+    ) -> Result<crate::store::Deleted, crate::StoreError> {
+        self.store.delete(key).await
+    }
+    async fn list(
+        &self,
+        subject: &str,
+        request: crate::store::ListRequest,
+    ) -> Result<crate::store::RecordPage, crate::StoreError> {
+        self.store.list(subject, request).await
+    }
     fn capabilities(&self) -> crate::store::Capabilities<'_> {
         self.store.capabilities()
     }

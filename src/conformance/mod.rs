@@ -47,4 +47,5 @@
 
 pub mod app;
 pub mod cache;
+mod inspection;
 pub mod suite;

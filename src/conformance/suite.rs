@@ -14,6 +14,10 @@ use bytes::Bytes;
 use tokio::task::JoinSet;
 
 use super::app::{Answer, Counting, Req, app, eventually, post, send};
+pub use super::inspection::{
+    delete_racing_claims_never_grants_twice, inspection_forgets_expired_records,
+    inspection_shows_every_state, listing_pages_through_one_subjects_records,
+};
 
 /// Instantiates every suite test for a store. `$make` is an async expression giving a fresh store;
 /// `purged` is what `purge_expired` reports for five expired records (0 for a store whose backend
@@ -64,6 +68,10 @@ macro_rules! store_suite {
             claim_answered_after_the_ttl_does_not_run_twice,
             duplicates_at_the_holding_instance_skip_the_store,
             a_burst_of_duplicates_costs_the_store_one_claim,
+            inspection_shows_every_state,
+            inspection_forgets_expired_records,
+            listing_pages_through_one_subjects_records,
+            delete_racing_claims_never_grants_twice,
         );
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
@@ -1010,6 +1018,25 @@ impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
     async fn purge_expired(&self) -> Result<u64, crate::StoreError> {
         self.store.purge_expired().await
     }
+    async fn lookup(
+        &self,
+        key: &crate::RecordKey,
+    ) -> Result<Option<crate::store::RecordInfo>, crate::StoreError> {
+        self.store.lookup(key).await
+    }
+    async fn delete(
+        &self,
+        key: &crate::RecordKey,
+    ) -> Result<crate::store::Deleted, crate::StoreError> {
+        self.store.delete(key).await
+    }
+    async fn list(
+        &self,
+        subject: &str,
+        request: crate::store::ListRequest,
+    ) -> Result<crate::store::RecordPage, crate::StoreError> {
+        self.store.list(subject, request).await
+    }
     fn capabilities(&self) -> crate::store::Capabilities<'_> {
         self.store.capabilities()
     }
@@ -1281,6 +1308,25 @@ impl<S: IdempotencyStore> IdempotencyStore for LateClaims<S> {
         self.inner.purge_expired()
     }
 
+    async fn lookup(
+        &self,
+        key: &crate::RecordKey,
+    ) -> Result<Option<crate::store::RecordInfo>, crate::StoreError> {
+        self.inner.lookup(key).await
+    }
+    async fn delete(
+        &self,
+        key: &crate::RecordKey,
+    ) -> Result<crate::store::Deleted, crate::StoreError> {
+        self.inner.delete(key).await
+    }
+    async fn list(
+        &self,
+        subject: &str,
+        request: crate::store::ListRequest,
+    ) -> Result<crate::store::RecordPage, crate::StoreError> {
+        self.inner.list(subject, request).await
+    }
     fn capabilities(&self) -> crate::store::Capabilities<'_> {
         self.inner.capabilities()
     }

@@ -7,7 +7,9 @@ use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{Capabilities, IdempotencyStore, StoreError};
+use super::{
+    Capabilities, Deleted, IdempotencyStore, ListRequest, RecordInfo, RecordPage, StoreError,
+};
 use crate::Fingerprint;
 use crate::lock::lock;
 use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
@@ -100,6 +102,8 @@ struct Entry {
     fingerprint: Fingerprint,
     response: Arc<StoredResponse>,
     deadline: Instant,
+    /// When the record itself expires (its time left counted from before the read).
+    expires: Instant,
     size: usize,
     number: u64,
 }
@@ -173,7 +177,13 @@ impl Cache {
             return None;
         }
         Some(if entry.fingerprint == *fingerprint {
-            ClaimOutcome::Finished(entry.response.clone())
+            // The record's time left as of now, as the store would have said it: it dates the
+            // replay's expiry header.
+            let left = entry.expires.saturating_duration_since(Instant::now());
+            ClaimOutcome::Finished(Arc::new(StoredResponse {
+                expires_in: Some(left),
+                ..StoredResponse::clone(&entry.response)
+            }))
         } else {
             ClaimOutcome::FingerprintMismatch
         })
@@ -200,6 +210,7 @@ impl Cache {
             return;
         }
         let deadline = read_at + left.min(self.max_age);
+        let expires = read_at + left;
         let mut shard = self.shard(&scope);
         let shard = &mut *shard;
         shard.next += 1;
@@ -208,6 +219,7 @@ impl Cache {
             fingerprint,
             response,
             deadline,
+            expires,
             size,
             number,
         };
@@ -236,6 +248,14 @@ impl Cache {
             shard
                 .order
                 .retain(|(scope, number)| entries.get(scope).is_some_and(|e| e.number == *number));
+        }
+    }
+
+    /// Forgets the entry of `scope` (its record was deleted).
+    fn remove(&self, scope: &[u8; 32]) {
+        let mut shard = self.shard(scope);
+        if let Some(entry) = shard.entries.remove(scope) {
+            shard.bytes -= entry.size;
         }
     }
 
@@ -306,6 +326,25 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
     /// The inner store's: the cache changes nothing that is written.
     fn capabilities(&self) -> Capabilities<'_> {
         self.inner.capabilities()
+    }
+
+    async fn lookup(&self, key: &RecordKey) -> Result<Option<RecordInfo>, StoreError> {
+        self.inner.lookup(key).await
+    }
+
+    /// Deleted in the store, and forgotten by this cache (before and after, so a replay read
+    /// meanwhile is not kept). Other instances' caches still replay the record until their entry's
+    /// `max_age` ([`DEFAULT_CACHE_MAX_AGE`]) has passed.
+    async fn delete(&self, key: &RecordKey) -> Result<Deleted, StoreError> {
+        let scope = key.digest();
+        self.cache.remove(&scope);
+        let deleted = self.inner.delete(key).await;
+        self.cache.remove(&scope);
+        deleted
+    }
+
+    async fn list(&self, subject: &str, request: ListRequest) -> Result<RecordPage, StoreError> {
+        self.inner.list(subject, request).await
     }
 }
 

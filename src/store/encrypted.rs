@@ -579,6 +579,23 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
         self.inner.purge_expired().await
     }
 
+    /// Status, state and times are kept in clear by the inner store: forwarded.
+    async fn lookup(&self, key: &RecordKey) -> Result<Option<super::RecordInfo>, StoreError> {
+        self.inner.lookup(key).await
+    }
+
+    async fn delete(&self, key: &RecordKey) -> Result<super::Deleted, StoreError> {
+        self.inner.delete(key).await
+    }
+
+    async fn list(
+        &self,
+        subject: &str,
+        request: super::ListRequest,
+    ) -> Result<super::RecordPage, StoreError> {
+        self.inner.list(subject, request).await
+    }
+
     /// The inner store's, with this store's sealing as a response transform: a record written in
     /// a handler's transaction is sealed as `complete` seals it.
     fn capabilities(&self) -> Capabilities<'_> {

@@ -6,9 +6,12 @@ use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
-use super::{IdempotencyStore, StoreError};
+use super::{
+    Deleted, IdempotencyStore, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage,
+    RecordState, StoreError,
+};
 use crate::Fingerprint;
 use crate::record::{
     ClaimOutcome, ClaimRequest, Generation, LeaseToken, RecordKey, StoredResponse,
@@ -81,6 +84,8 @@ struct Record {
     /// What the record counts against the capacity.
     size: usize,
     generation: Generation,
+    /// When the key was claimed (kept by a retake), for inspection.
+    created_at: SystemTime,
 }
 
 enum State {
@@ -211,6 +216,7 @@ impl MemoryStore {
             expires_at: now + request.in_progress_ttl + request.retention,
             size,
             generation: request.generation,
+            created_at: SystemTime::now(),
         };
         let generation = Some(request.generation);
         // Look up before inserting, so that replays and 409s never copy the key.
@@ -252,7 +258,13 @@ impl MemoryStore {
             }
             return Ok(match &record.state {
                 State::Released => ClaimOutcome::InProgress, // handled above
-                State::Finished { response, .. } => ClaimOutcome::Finished(response.clone()),
+                // With the time it has left, which dates the replay's expiry header.
+                State::Finished { response, .. } => {
+                    ClaimOutcome::Finished(Arc::new(StoredResponse {
+                        expires_in: Some(record.expires_at.duration_since(now)),
+                        ..StoredResponse::clone(response)
+                    }))
+                }
                 // This claim's own record: the same claim, made twice.
                 State::InProgress { lease: held, .. } if *held == lease => ClaimOutcome::Claimed {
                     lease,
@@ -270,6 +282,7 @@ impl MemoryStore {
                     let kept = record.generation;
                     let old = std::mem::replace(record, fresh());
                     record.generation = kept;
+                    record.created_at = old.created_at;
                     self.sub(old.size);
                     self.add(size);
                     ClaimOutcome::Claimed {
@@ -378,6 +391,93 @@ impl IdempotencyStore for MemoryStore {
     fn capabilities(&self) -> super::Capabilities<'_> {
         super::Capabilities::none()
     }
+
+    async fn lookup(&self, key: &RecordKey) -> Result<Option<RecordInfo>, StoreError> {
+        let now = Instant::now();
+        let wall = SystemTime::now();
+        Ok(self
+            .shard(key)
+            .records
+            .get(key)
+            .and_then(|record| info(record, now, wall)))
+    }
+
+    async fn delete(&self, key: &RecordKey) -> Result<Deleted, StoreError> {
+        let now = Instant::now();
+        let mut shard = self.shard(key);
+        let Some(record) = shard.records.get(key) else {
+            return Ok(Deleted::NotFound);
+        };
+        if record.expires_at <= now {
+            return Ok(Deleted::NotFound);
+        }
+        match record.state {
+            State::InProgress { .. } => Ok(Deleted::InProgress),
+            State::Released => Ok(Deleted::NotFound),
+            State::Finished { .. } => {
+                if let Some(removed) = shard.records.remove(key) {
+                    self.sub(removed.size);
+                }
+                Ok(Deleted::Deleted)
+            }
+        }
+    }
+
+    async fn list(&self, subject: &str, request: ListRequest) -> Result<RecordPage, StoreError> {
+        let (now, wall) = (Instant::now(), SystemTime::now());
+        let limit = request.bounded_limit();
+        // Every shard is scanned: the store keeps no index by subject. A listing is an operator's
+        // or a client's occasional request, and the store is bounded by its capacity.
+        let mut found = Vec::new();
+        for i in 0..SHARDS {
+            let shard = self.shard_at(i);
+            for (key, record) in &shard.records {
+                if key.subject != subject {
+                    continue;
+                }
+                let Some(info) = info(record, now, wall) else {
+                    continue;
+                };
+                let cursor = ListCursor::new(info.created_at, key.digest());
+                if request.after.is_some_and(|after| cursor <= after) {
+                    continue;
+                }
+                found.push(ListedRecord::new(
+                    key.key.clone(),
+                    key.endpoint.clone(),
+                    info,
+                    cursor,
+                ));
+            }
+        }
+        found.sort_unstable_by_key(|r| r.cursor);
+        found.truncate(limit);
+        Ok(RecordPage::new(found, limit))
+    }
+}
+
+/// A live record as inspection shows it; `None` for one past its expiry or released.
+fn info(record: &Record, now: Instant, wall: SystemTime) -> Option<RecordInfo> {
+    if record.expires_at <= now {
+        return None;
+    }
+    let (state, status) = match &record.state {
+        State::Released => return None,
+        State::InProgress { .. } => (RecordState::InProgress, None),
+        State::Finished { response, .. } => (
+            match response.outcome {
+                crate::record::Finished::Completed => RecordState::Completed,
+                crate::record::Finished::Failed => RecordState::Failed,
+            },
+            Some(response.status),
+        ),
+    };
+    Some(RecordInfo::new(
+        state,
+        status,
+        record.created_at,
+        wall + record.expires_at.duration_since(now),
+    ))
 }
 
 fn holds(record: &Record, lease: LeaseToken) -> bool {

@@ -12,9 +12,15 @@ mod cached;
 mod capabilities;
 #[cfg(any(feature = "redis", feature = "encryption"))]
 mod header_list;
+mod inspection;
 mod memory;
 pub use cached::{CachedStore, DEFAULT_CACHE_BYTES, DEFAULT_CACHE_MAX_AGE};
 pub use capabilities::{Capabilities, ResponseTransform};
+pub use inspection::{
+    Deleted, InvalidCursor, ListCursor, ListRequest, ListedRecord, MAX_LIST_LIMIT, RecordInfo,
+    RecordPage, RecordState,
+};
+pub(crate) use inspection::{from_micros, micros};
 pub use memory::{DEFAULT_MEMORY_CAPACITY, MemoryStore};
 
 #[cfg(feature = "postgres")]
@@ -133,7 +139,7 @@ impl std::error::Error for StoreError {
 /// use std::sync::Arc;
 /// use std::sync::atomic::{AtomicU64, Ordering};
 /// use std::time::Duration;
-/// use axum_idempotency::store::Capabilities;
+/// use axum_idempotency::store::{Capabilities, Deleted, ListRequest, RecordInfo, RecordPage};
 /// use axum_idempotency::{
 ///     ClaimOutcome, ClaimRequest, Fenced, Fingerprint, IdempotencyLayer, IdempotencyStore,
 ///     LeaseToken, MemoryStore, RecordKey, StoreError, StoredResponse,
@@ -173,6 +179,15 @@ impl std::error::Error for StoreError {
 ///     }
 ///     async fn purge_expired(&self) -> Result<u64, StoreError> {
 ///         self.inner.purge_expired().await
+///     }
+///     async fn lookup(&self, key: &RecordKey) -> Result<Option<RecordInfo>, StoreError> {
+///         self.inner.lookup(key).await
+///     }
+///     async fn delete(&self, key: &RecordKey) -> Result<Deleted, StoreError> {
+///         self.inner.delete(key).await
+///     }
+///     async fn list(&self, subject: &str, page: ListRequest) -> Result<RecordPage, StoreError> {
+///         self.inner.list(subject, page).await
 ///     }
 ///     // What the inner store offers, passed on (a counter adds nothing).
 ///     fn capabilities(&self) -> Capabilities<'_> {
@@ -248,6 +263,30 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
 
     /// Deletes every record whose retention has passed; returns how many.
     fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// The record of `key`, as inspection shows it ([`RecordInfo`]: state, stored status, created,
+    /// expires), or `None` when there is none: never claimed, past its retention, or released (the
+    /// next claim runs the operation). Changes nothing.
+    fn lookup(
+        &self,
+        key: &RecordKey,
+    ) -> impl Future<Output = Result<Option<RecordInfo>, StoreError>> + Send;
+
+    /// Deletes the record of `key` if it is finished (completed or failed), atomically: the key is
+    /// new afterwards, and its next request runs. A record in progress is left alone
+    /// ([`Deleted::InProgress`]): deleting it would let a duplicate run beside its holder. No
+    /// record (or one past its retention, or released): [`Deleted::NotFound`].
+    fn delete(&self, key: &RecordKey) -> impl Future<Output = Result<Deleted, StoreError>> + Send;
+
+    /// A page of `subject`'s live records (not past their retention, not released), on every
+    /// endpoint, ordered by creation time then scope digest ([`ListCursor`]), after
+    /// `request.after`, at most [`ListRequest::bounded_limit`] of them. The empty subject lists the
+    /// shared anonymous scope.
+    fn list(
+        &self,
+        subject: &str,
+        request: ListRequest,
+    ) -> impl Future<Output = Result<RecordPage, StoreError>> + Send;
 
     /// What the store offers beyond storage ([`Capabilities`]): its operation timeout, the Postgres
     /// store whose transactions handlers take and the response transforms. A

@@ -410,6 +410,22 @@ impl IdempotencyStore for RedisStore {
         Ok(0)
     }
 
+    async fn lookup(&self, _key: &RecordKey) -> Result<Option<super::RecordInfo>, StoreError> {
+        Err(StoreError::msg("TODO: inspection"))
+    }
+
+    async fn delete(&self, _key: &RecordKey) -> Result<super::Deleted, StoreError> {
+        Err(StoreError::msg("TODO: inspection"))
+    }
+
+    async fn list(
+        &self,
+        _subject: &str,
+        _request: super::ListRequest,
+    ) -> Result<super::RecordPage, StoreError> {
+        Err(StoreError::msg("TODO: inspection"))
+    }
+
     fn capabilities(&self) -> Capabilities<'_> {
         Capabilities::none().with_operation_timeout(self.timeout)
     }
