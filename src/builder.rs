@@ -9,7 +9,7 @@ use http::{HeaderName, Method, StatusCode};
 
 use crate::config::{
     Config, ConfigError, DEFAULT_MAX_HOLD, FingerprintRule, MAX_BODY_LIMIT, MAX_DURATION,
-    MAX_RESPONSE_LIMIT, MIN_IN_PROGRESS_TTL, MIN_RETENTION, MIN_SECRET_LEN,
+    MAX_RESPONSE_LIMIT, MAX_WAIT, MIN_IN_PROGRESS_TTL, MIN_RETENTION, MIN_SECRET_LEN,
     TTL_PER_OPERATION_TIMEOUT,
 };
 use crate::drain::Drain;
@@ -19,11 +19,15 @@ use crate::json_pointer::Pointer;
 use crate::layer::IdempotencyLayer;
 use crate::outcome::Outcome;
 use crate::policy::Disposition;
-use crate::problem::ProblemTypes;
+use crate::problem::Problem;
+use crate::record::StoredResponse;
 use crate::store::IdempotencyStore;
 use crate::subject::SubjectExtractor;
 #[cfg(doc)]
-use crate::{DEFAULT_MAX_RUNNING, DEFAULT_STORED_HEADERS, DENIED_HEADERS, default_policy};
+use crate::{
+    DEFAULT_MAX_RUNNING, DEFAULT_MAX_WAITERS, DEFAULT_STORED_HEADERS, DENIED_HEADERS,
+    IdempotencyStore as _, default_policy,
+};
 
 impl<S: IdempotencyStore> IdempotencyLayer<S> {
     /// A builder to change the settings; [`IdempotencyLayerBuilder::build`] validates them.
@@ -56,6 +60,11 @@ impl<S: IdempotencyStore> IdempotencyLayer<S> {
 /// | `fingerprint_ignore` | none | JSON fields left out of the fingerprint, by JSON pointer (`/client_timestamp`, `/metadata/request_id`); see below |
 /// | `fingerprint_fn` | canonical body and query | the application's own fingerprint, `Fn(&Parts, &[u8]) -> Fingerprint` |
 /// | `replay_header` | `Idempotent-Replayed` | the header, set to `true`, that marks a replay; names with another meaning (`set-cookie`, `idempotency-key`, ...) or that are recorded are refused |
+/// | `wait` | 0 (off) | how long a duplicate of a request in progress waits for its answer (then the replay) before `409`; at most 5 s; waiting holds no connection or lock |
+/// | `max_waiters` | 16 | duplicates that may wait on one key at this instance; the others get `409` at once |
+/// | `on_replay` | none | a hook on every replay: the request, the stored answer, and the replay's headers to change |
+/// | `render_errors` | problem+json | the layer's own error answers rendered by the application (`Retry-After` kept) |
+/// | `expiry_header` | on | `Idempotency-Expires`: the HTTP date when the key's record expires, on recorded and replayed answers |
 pub struct IdempotencyLayerBuilder<S> {
     store: S,
     config: Config,
@@ -301,6 +310,62 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
         self
     }
 
+    /// Lets a duplicate of a request in progress wait up to `wait` for its answer, and get the
+    /// replay, instead of `409` at once (default: zero, off; at most [`MAX_WAIT`]).
+    ///
+    /// A waiter holds no store connection or lock: it wakes when this process's holder lets the
+    /// record go, and otherwise looks the record up ([`IdempotencyStore::lookup`]) every 25 ms,
+    /// doubling to 250 ms. When the record is finished it answers as a claim would (the replay, or
+    /// `422` for another body); when it was released (a retryable answer), deleted, or still in
+    /// progress at the bound, `409` as without a wait, and the client's retry settles it. A wait
+    /// never runs the handler: a claim granted to a waiter (the record vanished in between) is
+    /// released at once. At most [`max_waiters`](Self::max_waiters) wait on one key at this
+    /// instance; the others get `409` at once.
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.config.wait = wait;
+        self
+    }
+
+    /// How many duplicates may wait on one key at this instance (default
+    /// [`DEFAULT_MAX_WAITERS`]); see [`wait`](Self::wait).
+    pub fn max_waiters(mut self, waiters: usize) -> Self {
+        self.config.max_waiters = waiters;
+        self
+    }
+
+    /// Calls `hook` on every replay, with the request, the stored answer, and the replay's headers
+    /// to add to or change (say, a header naming the original request's id). It runs on the
+    /// request's task: keep it quick. A hook that panics leaves the headers as they were.
+    pub fn on_replay(
+        mut self,
+        hook: impl Fn(&http::Request<axum::body::Body>, &StoredResponse, &mut http::HeaderMap)
+        + Send
+        + Sync
+        + 'static,
+    ) -> Self {
+        self.config.on_replay = Some(Arc::new(hook));
+        self
+    }
+
+    /// Renders the layer's own error answers ([`Problem`]: its kind, detail, `Retry-After`,
+    /// instance and type URI) instead of `application/problem+json`. A retryable answer keeps its
+    /// `Retry-After` header whatever the renderer returns; a renderer that panics is replaced by
+    /// the default answer for that error.
+    pub fn render_errors(
+        mut self,
+        render: impl Fn(&Problem<'_>) -> http::Response<axum::body::Body> + Send + Sync + 'static,
+    ) -> Self {
+        self.config.problems = self.config.problems.clone().rendered_by(Arc::new(render));
+        self
+    }
+
+    /// Whether answers carry [`IDEMPOTENCY_EXPIRES`](crate::IDEMPOTENCY_EXPIRES), the HTTP date
+    /// when the key's record expires (default: on).
+    pub fn expiry_header(mut self, on: bool) -> Self {
+        self.config.expiry_header = on;
+        self
+    }
+
     /// Checks the settings and builds the layer.
     pub fn build(self) -> Result<IdempotencyLayer<S>, ConfigError> {
         let mut config = self.config;
@@ -347,10 +412,16 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
                     "problem_type_base {base:?} is not an absolute http(s) URI"
                 )));
             }
-            config.problems = ProblemTypes::with_base(&base);
+            config.problems = config.problems.clone().with_base(&base);
         }
         if config.max_running == 0 {
             return err("max_running must be at least 1");
+        }
+        if config.wait > MAX_WAIT {
+            return err("wait must be at most 5 s: a duplicate is not held longer");
+        }
+        if !config.wait.is_zero() && config.max_waiters == 0 {
+            return err("max_waiters must be at least 1 when the wait is on");
         }
         if config.retry_after_secs == 0 {
             return err("retry_after_secs must be at least 1");

@@ -52,6 +52,13 @@ pub const DEFAULT_MAX_RUNNING: usize = 1024;
 /// the record.
 pub const TTL_PER_OPERATION_TIMEOUT: u32 = 2;
 
+/// The longest [`wait`](IdempotencyLayerBuilder::wait) a duplicate may be held for its answer.
+pub const MAX_WAIT: Duration = Duration::from_secs(5);
+
+/// How many duplicates may wait on one key at one instance, by default
+/// ([`max_waiters`](IdempotencyLayerBuilder::max_waiters)).
+pub const DEFAULT_MAX_WAITERS: usize = 16;
+
 /// The largest `body_limit` [`IdempotencyLayerBuilder::build`] accepts: 64 MiB (the layer buffers
 /// the whole body to fingerprint it).
 pub const MAX_BODY_LIMIT: usize = 64 * 1024 * 1024;
@@ -80,6 +87,9 @@ pub(crate) type PolicyFn = dyn Fn(StatusCode) -> Disposition + Send + Sync;
 pub(crate) type EndpointFn = dyn Fn(&Parts) -> String + Send + Sync;
 pub(crate) type OutcomeFn = dyn Fn(Outcome) + Send + Sync;
 pub(crate) type FingerprintFn = dyn Fn(&Parts, &[u8]) -> Fingerprint + Send + Sync;
+pub(crate) type ReplayFn = dyn Fn(&http::Request<axum::body::Body>, &crate::StoredResponse, &mut http::HeaderMap)
+    + Send
+    + Sync;
 
 /// How a request's fingerprint is computed.
 #[derive(Clone)]
@@ -136,6 +146,16 @@ pub(crate) struct Config {
     /// This layer's own claims and leases, answering duplicates that reach it (shared by the
     /// layer's clones and services).
     pub local: Arc<LocalClaims>,
+    /// How long a duplicate of a request in progress waits for its answer; zero: not at all.
+    pub wait: Duration,
+    /// How many duplicates may wait on one key at this instance.
+    pub max_waiters: usize,
+    /// The duplicates waiting now, by scope (shared by the layer's clones and services).
+    pub waiters: Arc<crate::wait::Waiters>,
+    /// The hook on replays.
+    pub on_replay: Option<Arc<ReplayFn>>,
+    /// Whether answers carry the expiry header.
+    pub expiry_header: bool,
 }
 
 impl fmt::Debug for Config {
@@ -154,6 +174,9 @@ impl fmt::Debug for Config {
             .field("allow_anonymous", &self.allow_anonymous)
             .field("fail_open", &self.fail_open)
             .field("replay_header", &self.replay_header)
+            .field("wait", &self.wait)
+            .field("max_waiters", &self.max_waiters)
+            .field("expiry_header", &self.expiry_header)
             .finish_non_exhaustive()
     }
 }
@@ -200,6 +223,11 @@ impl Default for Config {
             log_scope: false,
             min_key_length: 1,
             local: Arc::default(),
+            wait: Duration::ZERO,
+            max_waiters: DEFAULT_MAX_WAITERS,
+            waiters: Arc::default(),
+            on_replay: None,
+            expiry_header: true,
         }
     }
 }

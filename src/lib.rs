@@ -177,15 +177,17 @@ mod secret;
 mod service;
 pub mod store;
 mod subject;
+mod time_text;
 #[cfg(feature = "postgres")]
 mod transaction;
+mod wait;
 
 pub use builder::IdempotencyLayerBuilder;
 pub use canonical_json::{MAX_DEPTH, canonicalize};
 pub use config::{
-    ConfigError, DEFAULT_MAX_HOLD, DEFAULT_MAX_RUNNING, DEFAULT_STORED_HEADERS, DENIED_HEADERS,
-    MAX_BODY_LIMIT, MAX_DURATION, MAX_RESPONSE_LIMIT, MIN_IN_PROGRESS_TTL, MIN_RETENTION,
-    TTL_PER_OPERATION_TIMEOUT,
+    ConfigError, DEFAULT_MAX_HOLD, DEFAULT_MAX_RUNNING, DEFAULT_MAX_WAITERS,
+    DEFAULT_STORED_HEADERS, DENIED_HEADERS, MAX_BODY_LIMIT, MAX_DURATION, MAX_RESPONSE_LIMIT,
+    MAX_WAIT, MIN_IN_PROGRESS_TTL, MIN_RETENTION, TTL_PER_OPERATION_TIMEOUT,
 };
 pub use context::IdempotencyContext;
 pub use drain::Drain;
@@ -193,12 +195,12 @@ pub use fingerprint::Fingerprint;
 pub use layer::IdempotencyLayer;
 pub use outcome::{Outcome, OutcomeCounters};
 pub use policy::{Disposition, default_policy};
-pub use problem::{ErrorKind, IdempotencyRejection};
+pub use problem::{ErrorKind, IdempotencyRejection, Problem};
 pub use purge::spawn_purge;
 pub use record::{
     ClaimOutcome, ClaimRequest, Fenced, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
 };
-pub use replay::{IDEMPOTENCY_REPLAY, IDEMPOTENT_REPLAYED};
+pub use replay::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_REPLAY, IDEMPOTENT_REPLAYED};
 pub use service::{IdempotencyService, ResponseFuture};
 #[cfg(feature = "redis")]
 pub use store::RedisStore;
@@ -210,6 +212,7 @@ pub use store::{
 pub use store::{EncryptedStore, EncryptionKeys, EncryptionKeysError, KeyId};
 #[cfg(feature = "postgres")]
 pub use store::{PostgresStore, PostgresStoreError};
+pub use time_text::rfc3339;
 #[cfg(feature = "postgres")]
 pub use transaction::IdempotencyTx;
 

@@ -151,16 +151,81 @@ impl ErrorKind {
 }
 
 /// Where the `type` URIs of a layer's errors point.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub(crate) struct ProblemTypes {
     /// The application's own base, followed by the error code; `None`: this crate's docs.
     base: Option<std::sync::Arc<str>>,
+    /// The application's rendering of the layer's errors; `None`: problem+json.
+    renderer: Option<std::sync::Arc<RenderFn>>,
+}
+
+impl std::fmt::Debug for ProblemTypes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProblemTypes")
+            .field("base", &self.base)
+            .field("rendered", &self.renderer.is_some())
+            .finish()
+    }
+}
+
+/// A function rendering the layer's own error answers ([`Problem`]).
+pub(crate) type RenderFn = dyn Fn(&Problem<'_>) -> Response<Body> + Send + Sync;
+
+/// One of the layer's own error answers, as a renderer set with
+/// [`render_errors`](crate::IdempotencyLayerBuilder::render_errors) sees it: what the default
+/// `application/problem+json` document says, for the renderer to say its own way.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Problem<'a> {
+    /// The error, with its stable code ([`ErrorKind::code`]) and status ([`ErrorKind::status`]).
+    pub kind: ErrorKind,
+    /// What happened, for a person.
+    pub detail: &'a str,
+    /// For a retryable answer, the seconds to wait before sending the same request with the same
+    /// key again; `None` when it is not retryable as it is.
+    pub retry_after: Option<u32>,
+    /// The unique reference of this occurrence, logged with it.
+    pub instance: &'a str,
+    /// The `type` URI the default document gives.
+    pub type_uri: &'a str,
+}
+
+impl Problem<'_> {
+    /// The default answer: `application/problem+json` with `Retry-After` when retryable.
+    pub fn default_response(&self) -> Response<Body> {
+        let body = problem_document(
+            self.type_uri,
+            self.kind,
+            self.detail,
+            self.retry_after,
+            self.instance,
+        );
+        let mut response = Response::new(Body::from(body));
+        *response.status_mut() = self.kind.status();
+        response
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        if let Some(secs) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
+    }
 }
 
 impl ProblemTypes {
-    pub(crate) fn with_base(base: &str) -> Self {
+    pub(crate) fn with_base(self, base: &str) -> Self {
         ProblemTypes {
             base: Some(base.into()),
+            ..self
+        }
+    }
+
+    pub(crate) fn rendered_by(self, renderer: std::sync::Arc<RenderFn>) -> Self {
+        ProblemTypes {
+            renderer: Some(renderer),
+            ..self
         }
     }
 
@@ -180,14 +245,36 @@ impl ProblemTypes {
         retry_after: Option<u32>,
     ) -> Response<Body> {
         let instance = instance();
-        let mut response =
-            Response::new(Body::from(self.body(kind, detail, retry_after, &instance)));
-        *response.status_mut() = kind.status();
-        let headers = response.headers_mut();
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        if let Some(secs) = retry_after {
-            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
-        }
+        let type_uri = self.uri(kind);
+        let problem = Problem {
+            kind,
+            detail,
+            retry_after,
+            instance: &instance,
+            type_uri: &type_uri,
+        };
+        let response = match &self.renderer {
+            None => problem.default_response(),
+            Some(render) => {
+                // A renderer that panics must not take the request down with it: the default
+                // answer stands in.
+                let rendered =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| render(&problem)));
+                let mut response = rendered.unwrap_or_else(|_| {
+                    tracing::error!("the error renderer panicked; answered with problem+json");
+                    problem.default_response()
+                });
+                // The retry contract is the layer's: a retryable answer keeps its Retry-After.
+                if let Some(secs) = retry_after
+                    && !response.headers().contains_key(header::RETRY_AFTER)
+                {
+                    response
+                        .headers_mut()
+                        .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+                }
+                response
+            }
+        };
         if kind.status().is_server_error() {
             tracing::warn!(error = kind.code(), %instance, detail, "answered with a problem");
         } else {
@@ -204,8 +291,21 @@ impl ProblemTypes {
         retry_after: Option<u32>,
         instance: &str,
     ) -> String {
+        problem_document(&self.uri(kind), kind, detail, retry_after, instance)
+    }
+}
+
+/// The problem details document.
+fn problem_document(
+    type_uri: &str,
+    kind: ErrorKind,
+    detail: &str,
+    retry_after: Option<u32>,
+    instance: &str,
+) -> String {
+    {
         let mut body = serde_json::json!({
-            "type": self.uri(kind),
+            "type": type_uri,
             "title": kind.title(),
             "status": kind.status().as_u16(),
             "detail": detail,
@@ -354,7 +454,7 @@ mod tests {
                 );
             }
         }
-        let own = ProblemTypes::with_base("https://api.example.com/errors/");
+        let own = ProblemTypes::default().with_base("https://api.example.com/errors/");
         assert_eq!(
             parts(&own, ErrorKind::InProgress, Some(2))["type"],
             "https://api.example.com/errors/in_progress"

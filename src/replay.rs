@@ -15,6 +15,23 @@ pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 /// original's, the body is empty.
 pub const IDEMPOTENCY_REPLAY: &str = "idempotency-replay";
 
+/// The response header saying when the key's record expires, as an HTTP date
+/// (`Idempotency-Expires: Sun, 06 Nov 1994 08:49:37 GMT`), on answers the layer recorded (fresh)
+/// and on replays. Until then a retry with the key gets this answer again; from then on the key
+/// is new and a request with it runs. Not sent on answers whose record was released (a retry runs
+/// again) or when the store does not say. Turned off with
+/// [`expiry_header(false)`](crate::IdempotencyLayerBuilder::expiry_header).
+pub const IDEMPOTENCY_EXPIRES: &str = "idempotency-expires";
+
+/// Sets the expiry header to `left` from now (a date a little early rather than late: the record
+/// is written after the answer's head is sent).
+pub(crate) fn mark_expiry(headers: &mut HeaderMap, left: std::time::Duration) {
+    let at = std::time::SystemTime::now() + left;
+    if let Ok(value) = HeaderValue::try_from(crate::time_text::http_date(at)) {
+        let _ = headers.try_insert(IDEMPOTENCY_EXPIRES, value);
+    }
+}
+
 /// The record of a response: its status, the headers on the allow-list (repeated ones in order) and
 /// its body (`None`: omitted).
 pub(crate) fn capture(

@@ -93,7 +93,12 @@ where
                 ))
                 .await
             }
-            Ok(answered) => Ok(answer(&config, &label, answered)),
+            // A duplicate of a request in progress waits for its answer, when the layer says so.
+            Ok(ClaimOutcome::InProgress) if !config.wait.is_zero() => {
+                let answered = crate::wait::for_answer(&config, &store, &claim).await;
+                Ok(answer(&config, &label, &request, answered))
+            }
+            Ok(answered) => Ok(answer(&config, &label, &request, answered)),
             // A record that exists but cannot be read (it does not decrypt) records an operation
             // that happened: running the handler unguarded would repeat it.
             Err(e) if config.fail_open && !e.is_unreadable_record() && !e.is_refused_claim() => {
@@ -245,7 +250,12 @@ async fn read_body(
 }
 
 /// The answer to a claim that lost to a record: `422`, `409`, or the replay.
-fn answer(config: &Config, label: &Label, outcome: ClaimOutcome) -> Response<Body> {
+fn answer(
+    config: &Config,
+    label: &Label,
+    request: &Request<Body>,
+    outcome: ClaimOutcome,
+) -> Response<Body> {
     match outcome {
         ClaimOutcome::FingerprintMismatch => {
             report(config, label, Outcome::KeyReuse);
@@ -268,7 +278,27 @@ fn answer(config: &Config, label: &Label, outcome: ClaimOutcome) -> Response<Bod
         ClaimOutcome::Finished(stored) => {
             report(config, label, Outcome::Replayed);
             tracing::debug!(status = stored.status, "replayed");
-            replay::replay(&stored, &config.replay_header, &config.stored_headers)
+            let mut response =
+                replay::replay(&stored, &config.replay_header, &config.stored_headers);
+            if config.expiry_header
+                && let Some(left) = stored.expires_in
+            {
+                replay::mark_expiry(response.headers_mut(), left);
+            }
+            if let Some(hook) = &config.on_replay {
+                // A hook that panics leaves the replay as it was.
+                let headers = response.headers_mut();
+                let hooked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let mut changed = headers.clone();
+                    hook(request, &stored, &mut changed);
+                    changed
+                }));
+                match hooked {
+                    Ok(changed) => *headers = changed,
+                    Err(_) => tracing::error!("the replay hook panicked; replayed without it"),
+                }
+            }
+            response
         }
         // Handled by the caller; never reached.
         ClaimOutcome::Claimed { .. } => internal_error(config),

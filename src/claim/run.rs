@@ -173,7 +173,10 @@ where
              timeout"
         );
         let timeout = recording::handler_timeout(&config);
-        let response = replay::fresh(&timeout);
+        let mut response = replay::fresh(&timeout);
+        if config.expiry_header {
+            replay::mark_expiry(response.headers_mut(), config.retention);
+        }
         lease.complete(Arc::new(timeout)).await;
         return Ok(response);
     };

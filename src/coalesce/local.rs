@@ -53,6 +53,8 @@ enum Local {
         lease: LeaseToken,
         ttl: Duration,
         until: Instant,
+        /// Made when the first waiter arrives; dropped with the hold, which wakes the waiters.
+        released: Option<watch::Sender<()>>,
     },
 }
 
@@ -252,6 +254,26 @@ impl LocalClaims {
         }
     }
 
+    /// A receiver that wakes (its sender dropped) when this process lets go of `scope`, if it
+    /// holds it now; `None` when it does not (a waiter then asks the store).
+    pub(crate) fn watch(&self, scope: &[u8; 32]) -> Option<watch::Receiver<()>> {
+        let now = Instant::now();
+        let mut shard = self.shard(scope);
+        match shard.scopes.get_mut(scope) {
+            Some(Local::Held {
+                until, released, ..
+            }) if *until > now => Some(match released {
+                Some(sender) => sender.subscribe(),
+                None => {
+                    let (sender, receiver) = watch::channel(());
+                    *released = Some(sender);
+                    receiver
+                }
+            }),
+            _ => None,
+        }
+    }
+
     /// Drops holds past their TTL (their holder stopped renewing them).
     pub(super) fn sweep(&self) {
         let now = Instant::now();
@@ -292,6 +314,7 @@ impl Leader {
                 lease: *lease,
                 ttl,
                 until: Instant::now() + ttl,
+                released: None,
             }),
             _ => None,
         };

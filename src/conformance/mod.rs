@@ -49,3 +49,4 @@ pub mod app;
 pub mod cache;
 mod inspection;
 pub mod suite;
+mod waiting;

@@ -18,6 +18,11 @@ pub use super::inspection::{
     delete_racing_claims_never_grants_twice, inspection_forgets_expired_records,
     inspection_shows_every_state, listing_pages_through_one_subjects_records,
 };
+pub use super::waiting::{
+    a_released_answer_ends_the_wait_with_409, answers_say_when_their_record_expires,
+    waiters_get_the_replay_and_never_wait_past_the_bound,
+    waiters_on_a_dead_holder_get_409_and_a_later_retake_runs_once,
+};
 
 /// Instantiates every suite test for a store. `$make` is an async expression giving a fresh store;
 /// `purged` is what `purge_expired` reports for five expired records (0 for a store whose backend
@@ -72,6 +77,10 @@ macro_rules! store_suite {
             inspection_forgets_expired_records,
             listing_pages_through_one_subjects_records,
             delete_racing_claims_never_grants_twice,
+            waiters_get_the_replay_and_never_wait_past_the_bound,
+            waiters_on_a_dead_holder_get_409_and_a_later_retake_runs_once,
+            a_released_answer_ends_the_wait_with_409,
+            answers_say_when_their_record_expires,
         );
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
@@ -104,7 +113,7 @@ pub async fn until_not_in_progress(
 
 /// A short in-progress TTL for tests of its expiry: `base`, or the shortest the store's operation
 /// timeout allows when that is longer.
-fn short_ttl<S: IdempotencyStore>(store: &S, base: Duration) -> Duration {
+pub(crate) fn short_ttl<S: IdempotencyStore>(store: &S, base: Duration) -> Duration {
     store
         .capabilities()
         .operation_timeout()

@@ -62,8 +62,12 @@ pub(crate) async fn record<St: IdempotencyStore>(
         lease.release("the response asks for a retry").await;
         return response;
     };
-    let (parts, mut body) = response.into_parts();
+    let (mut parts, mut body) = response.into_parts();
     let head = head_of(config, outcome, &parts);
+    // Dated from now, before the record is written: a little early rather than late.
+    if config.expiry_header {
+        crate::replay::mark_expiry(&mut parts.headers, config.retention);
+    }
     // From here on the effect has happened: whatever goes wrong, the record is not released.
     lease.answered(&head);
     let mut copy = Copy::new(config.response_limit);

@@ -34,8 +34,11 @@ pub(crate) async fn record_in<St: IdempotencyStore>(
         lease.release("the response asks for a retry").await;
         return response;
     };
-    let (parts, body) = response.into_parts();
+    let (mut parts, body) = response.into_parts();
     let head = recording::head_of(config, outcome, &parts);
+    if config.expiry_header {
+        crate::replay::mark_expiry(&mut parts.headers, config.retention);
+    }
     // Half a TTL at most: the transaction may stay idle for one TTL (the server ends it after
     // that), and the completion and commit must come before.
     let deadline = lease

@@ -870,3 +870,137 @@ async fn as_alice(
         .insert(axum_idempotency::Subject("alice".into()));
     next.run(request).await
 }
+
+/// The replay hook sees the request and the stored answer, and changes the replay's headers; a
+/// hook that panics leaves the replay as it was. Fresh answers never go through it.
+#[tokio::test]
+async fn the_replay_hook_changes_replayed_headers() {
+    let layer = IdempotencyLayer::builder(MemoryStore::new())
+        .on_replay(|request, stored, headers| {
+            let id = request
+                .headers()
+                .get("x-request-id")
+                .cloned()
+                .unwrap_or(axum::http::HeaderValue::from_static("none"));
+            headers.insert("x-replay-of", id);
+            headers.insert("x-stored-status", stored.status.into());
+            if request.headers().contains_key("x-hook-panics") {
+                panic!("the hook panicked on purpose");
+            }
+        })
+        .build()
+        .expect("layer");
+    let (router, counters) = app(layer);
+    let req = || {
+        post("/pay")
+            .key("hooked")
+            .user("alice")
+            .header("x-request-id", "r-1")
+            .json("{}")
+    };
+    let fresh = send(&router, req()).await;
+    assert_eq!(fresh.header("x-replay-of"), None, "not on a fresh answer");
+    let replay = send(&router, req()).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.header("x-replay-of"), Some("r-1"));
+    assert_eq!(replay.header("x-stored-status"), Some("201"));
+    let panicked = send(&router, req().header("x-hook-panics", "1")).await;
+    assert!(panicked.replayed());
+    assert_eq!(panicked.body, fresh.body);
+    assert_eq!(
+        panicked.header("x-replay-of"),
+        None,
+        "the hook's changes are dropped"
+    );
+    assert_eq!(counters.started(), 1);
+}
+
+/// The application renders the layer's errors its own way; a retryable one keeps `Retry-After`
+/// whatever the renderer does, and a renderer that panics gives way to problem+json.
+#[tokio::test]
+async fn errors_are_rendered_by_the_application() {
+    let layer = IdempotencyLayer::builder(MemoryStore::new())
+        .require_key(true)
+        .render_errors(|problem| {
+            if problem.detail.contains("different body") {
+                panic!("the renderer panicked on purpose");
+            }
+            axum::http::Response::builder()
+                .status(problem.kind.status())
+                .header("content-type", "text/plain")
+                .body(axum::body::Body::from(format!(
+                    "{}|{}|{}",
+                    problem.kind.code(),
+                    problem.instance,
+                    problem.retry_after.unwrap_or(0)
+                )))
+                .expect("response")
+        })
+        .build()
+        .expect("layer");
+    let (router, _) = app(layer);
+    let missing = send(&router, post("/pay").user("alice").json("{}")).await;
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+    assert_eq!(missing.header("content-type"), Some("text/plain"));
+    let text = String::from_utf8_lossy(&missing.body).into_owned();
+    assert!(
+        text.starts_with("missing_idempotency_key|urn:axum-idempotency:problem:"),
+        "{text}"
+    );
+    assert_eq!(missing.header("retry-after"), None);
+
+    let slow = tokio::spawn({
+        let router = router.clone();
+        async move {
+            send(
+                &router,
+                post("/pay")
+                    .key("k")
+                    .user("alice")
+                    .header("x-delay-ms", "300")
+                    .json("{}"),
+            )
+            .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    let busy = send(&router, post("/pay").key("k").user("alice").json("{}")).await;
+    assert_eq!(busy.status, StatusCode::CONFLICT);
+    assert!(String::from_utf8_lossy(&busy.body).starts_with("in_progress|"));
+    assert_eq!(
+        busy.header("retry-after"),
+        Some("2"),
+        "the retry contract stays"
+    );
+    slow.await.expect("task");
+    let reuse = send(
+        &router,
+        post("/pay").key("k").user("alice").json("{\"a\":1}"),
+    )
+    .await;
+    assert_eq!(reuse.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        reuse.header("content-type"),
+        Some("application/problem+json")
+    );
+}
+
+/// `build()` refuses a wait past the bound, or one with no waiter allowed.
+#[test]
+fn wait_settings_are_checked() {
+    let too_long = IdempotencyLayer::builder(MemoryStore::new())
+        .wait(axum_idempotency::MAX_WAIT + Duration::from_millis(1))
+        .build();
+    assert!(too_long.is_err());
+    let nobody = IdempotencyLayer::builder(MemoryStore::new())
+        .wait(Duration::from_secs(1))
+        .max_waiters(0)
+        .build();
+    assert!(nobody.is_err());
+    assert!(
+        IdempotencyLayer::builder(MemoryStore::new())
+            .wait(axum_idempotency::MAX_WAIT)
+            .build()
+            .is_ok()
+    );
+}

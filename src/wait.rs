@@ -1,0 +1,196 @@
+//! The bounded wait of a duplicate for its original's answer (opt-in:
+//! [`wait`](crate::IdempotencyLayerBuilder::wait)), instead of `409` at once.
+//!
+//! - **No connection or lock is held while waiting.** A waiter sleeps; it wakes when this process
+//!   lets go of the key (its own holder completed or released it), and otherwise looks the record
+//!   up in the store every 25 ms, doubling to 250 ms, so a holder at another instance is seen too.
+//! - **A wait never runs the handler.** Only a finished record is answered from (by a claim, which
+//!   answers the replay, or `422` for another body); a record released (a retryable answer),
+//!   deleted or past its retention gives `409` at once, and the client's retry settles it. A claim
+//!   that is granted to a waiter anyway (the record vanished between the look-up and the claim) is
+//!   released by its token at once, and answered `409`.
+//! - **Bounded.** At most the configured time (a few seconds), and at most `max_waiters` waiters a
+//!   key at this instance; the others get `409` at once.
+
+use std::collections::HashMap;
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::config::Config;
+use crate::lease;
+use crate::lock::lock;
+use crate::record::{ClaimOutcome, ClaimRequest, Generation, LeaseToken};
+use crate::store::IdempotencyStore;
+
+const SHARDS: usize = 16;
+
+/// The first pause between two look-ups of the record; it doubles up to [`LONGEST_POLL`].
+const FIRST_POLL: Duration = Duration::from_millis(25);
+/// The longest pause between two look-ups of the record.
+const LONGEST_POLL: Duration = Duration::from_millis(250);
+
+/// How many duplicates wait on each key at this instance.
+pub(crate) struct Waiters {
+    hasher: RandomState,
+    shards: [Mutex<HashMap<[u8; 32], usize>>; SHARDS],
+}
+
+impl Default for Waiters {
+    fn default() -> Self {
+        Waiters {
+            hasher: RandomState::new(),
+            shards: Default::default(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Waiters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waiters").finish_non_exhaustive()
+    }
+}
+
+/// A waiter's place; given back when dropped.
+struct Place<'a> {
+    waiters: &'a Waiters,
+    scope: [u8; 32],
+}
+
+impl Waiters {
+    fn shard(&self, scope: &[u8; 32]) -> &Mutex<HashMap<[u8; 32], usize>> {
+        &self.shards[self.hasher.hash_one(scope) as usize % SHARDS]
+    }
+
+    /// A place among the waiters of `scope`, if fewer than `max` wait on it now.
+    fn enter(&self, scope: [u8; 32], max: usize) -> Option<Place<'_>> {
+        let mut shard = lock(self.shard(&scope));
+        let count = shard.entry(scope).or_insert(0);
+        if *count >= max {
+            return None;
+        }
+        *count += 1;
+        Some(Place {
+            waiters: self,
+            scope,
+        })
+    }
+
+    #[cfg(test)]
+    fn waiting(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| lock(s).values().sum::<usize>())
+            .sum()
+    }
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        let mut shard = lock(self.waiters.shard(&self.scope));
+        if let Some(count) = shard.get_mut(&self.scope) {
+            *count -= 1;
+            if *count == 0 {
+                shard.remove(&self.scope);
+            }
+        }
+    }
+}
+
+/// What a duplicate that was answered "in progress" answers after waiting (see the module docs):
+/// the replay or a mismatch from a finished record, or [`ClaimOutcome::InProgress`] (`409`).
+pub(crate) async fn for_answer<St: IdempotencyStore>(
+    config: &Config,
+    store: &St,
+    claim: &ClaimRequest,
+) -> ClaimOutcome {
+    let scope = claim.key.digest();
+    let Some(_place) = config.waiters.enter(scope, config.max_waiters) else {
+        tracing::debug!("too many duplicates wait on this key; not waiting");
+        return ClaimOutcome::InProgress;
+    };
+    let deadline = Instant::now() + config.wait;
+    let mut pause = FIRST_POLL;
+    loop {
+        let wake = deadline.min(Instant::now() + pause);
+        match config.local.watch(&scope) {
+            // Held here: its let-go wakes this at once, whatever the pause.
+            Some(mut released) => {
+                let _ = tokio::time::timeout_at(wake, released.changed()).await;
+            }
+            None => tokio::time::sleep_until(wake).await,
+        }
+        pause = (pause * 2).min(LONGEST_POLL);
+        match store.lookup(&claim.key).await {
+            Ok(Some(info)) if info.state.is_finished() => {
+                return answer_of_finished(config, store, claim).await;
+            }
+            Ok(Some(_in_progress)) => {}
+            // Released, deleted or expired: the retry runs it, not this wait.
+            Ok(None) => return ClaimOutcome::InProgress,
+            Err(e) => {
+                tracing::debug!(error = %e, "the record could not be looked up while waiting");
+                return ClaimOutcome::InProgress;
+            }
+        }
+        if Instant::now() >= deadline {
+            return ClaimOutcome::InProgress;
+        }
+    }
+}
+
+/// The answer of a finished record to this request: asked of the store by a claim, which checks
+/// the fingerprint (as its wrappers key it) and opens the record. The claim carries a lease of its
+/// own, so that if it is granted after all it is released by that token, and nothing runs.
+async fn answer_of_finished<St: IdempotencyStore>(
+    config: &Config,
+    store: &St,
+    claim: &ClaimRequest,
+) -> ClaimOutcome {
+    let ask = ClaimRequest {
+        lease: LeaseToken::generate(),
+        generation: Generation::generate(),
+        ..claim.clone()
+    };
+    match store.claim(&ask).await {
+        Ok(ClaimOutcome::Claimed { lease, .. }) => {
+            tracing::debug!("the record vanished while a duplicate waited; released, not run");
+            lease::abandon(config, store.clone(), ask.key, lease);
+            ClaimOutcome::InProgress
+        }
+        Ok(answer) => answer,
+        Err(e) => {
+            // Nothing was claimed that needs cleaning up unless the store may have committed it.
+            if !e.is_unreadable_record() && !e.is_refused_claim() {
+                lease::abandon(config, store.clone(), ask.key, ask.lease);
+            }
+            tracing::debug!(error = %e, "a finished record could not be read while waiting");
+            ClaimOutcome::InProgress
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn places_are_bounded_and_given_back() {
+        let waiters = Waiters::default();
+        let a = waiters.enter([1; 32], 2).expect("first");
+        let b = waiters.enter([1; 32], 2).expect("second");
+        assert!(waiters.enter([1; 32], 2).is_none(), "a third is refused");
+        let other = waiters
+            .enter([2; 32], 2)
+            .expect("another key has its own count");
+        drop(a);
+        let c = waiters
+            .enter([1; 32], 2)
+            .expect("a place given back is taken again");
+        drop((b, c, other));
+        assert_eq!(waiters.waiting(), 0);
+    }
+}
