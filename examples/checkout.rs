@@ -13,6 +13,14 @@
 //! charge in the layer's transaction so it commits with its record; default 1, 0 to write it on its
 //! own as a handler without `IdempotencyTx` would).
 //!
+//! `IDEMPOTENCY_WAIT_MS` (default 0): how long a duplicate of a checkout still in progress waits
+//! for its answer (the replay) before `409`.
+//!
+//! `GET /checkout/idempotency/{key}` answers the caller's own checkout with that key:
+//! `{"state": "completed" | "failed" | "in_progress", "status": <stored status or null>,
+//! "expires_at": "<RFC 3339>"}`, or 404; `DELETE` on the same path forgets a finished one (204; 409
+//! while in progress; 404 when there is none), after which the key is new.
+//!
 //! `REDIS_URL` (feature `redis`) puts the idempotency records in that Redis, whatever
 //! `DATABASE_URL` says; the charges stay in Postgres when `DATABASE_URL` is set, in memory
 //! otherwise. Redis has no transaction to share with a handler: `IdempotencyTx` is `None` there,
@@ -39,7 +47,7 @@ use std::error::Error;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::{Request, State};
+use axum::extract::{Path, Request, State};
 use axum::handler::Handler;
 use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
@@ -47,8 +55,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use axum_idempotency::{
-    Drain, IdempotencyContext, IdempotencyLayer, IdempotencyStore, IdempotencyTx, MemoryStore,
-    PostgresStore, Subject,
+    Deleted, Drain, IdempotencyContext, IdempotencyLayer, IdempotencyStore, IdempotencyTx,
+    MemoryStore, PostgresStore, RecordKey, Subject,
 };
 use serde_json::{Value, json};
 use sqlx::postgres::PgPoolOptions;
@@ -65,6 +73,8 @@ pub(crate) struct Settings {
     pub checkout_delay: Duration,
     pub checkout_hold: Duration,
     pub transactional: bool,
+    /// How long a duplicate of a checkout in progress waits for its answer (0: `409` at once).
+    pub wait: Duration,
 }
 
 impl Settings {
@@ -76,6 +86,7 @@ impl Settings {
             checkout_delay,
             checkout_hold: Duration::ZERO,
             transactional: true,
+            wait: Duration::ZERO,
         }
     }
 }
@@ -93,6 +104,7 @@ impl Settings {
             checkout_delay: Duration::from_millis(secs("CHECKOUT_DELAY_MS", 0)?),
             checkout_hold: Duration::from_millis(secs("CHECKOUT_HOLD_MS", 0)?),
             transactional: secs("CHECKOUT_TRANSACTIONAL", 1)? != 0,
+            wait: Duration::from_millis(secs("IDEMPOTENCY_WAIT_MS", 0)?),
         })
     }
 }
@@ -294,9 +306,10 @@ pub(crate) fn app<S: IdempotencyStore>(
     ledger: Ledger,
     settings: Settings,
 ) -> Result<Router, Box<dyn Error>> {
-    let idempotency = IdempotencyLayer::builder(store)
+    let idempotency = IdempotencyLayer::builder(store.clone())
         .require_key(true)
         .in_progress_ttl(settings.in_progress_ttl)
+        .wait(settings.wait)
         .drain(drain())
         .build()?;
     // On Postgres the charge is written in the layer's transaction (`IdempotencyTx`), so it commits
@@ -316,6 +329,10 @@ pub(crate) fn app<S: IdempotencyStore>(
             .route("/refund", post(refund_separately.layer(idempotency)))
     };
     let router = routes
+        .route(
+            "/checkout/idempotency/{key}",
+            get(inspect::<S>).delete(forget::<S>).with_state(store),
+        )
         .route("/charges", get(charges))
         .layer(middleware::from_fn(demo_auth))
         .with_state(AppState { ledger, settings });
@@ -360,6 +377,78 @@ async fn shutdown_signal() {
 }
 
 /// Demo auth: `Authorization: Bearer <subject>` makes `<subject>` the subject.
+/// The caller's own checkout record of `key`, in the scope the layer gives it.
+fn checkout_scope(subject: &Subject, key: &str) -> Result<RecordKey, Response> {
+    // The key as the header would carry it: the same rules, so a key the layer refuses is not looked up.
+    match axum_idempotency::key::parse(key.as_bytes()) {
+        Ok(key) => Ok(RecordKey {
+            key,
+            subject: subject.0.clone(),
+            endpoint: "POST /checkout".into(),
+        }),
+        Err(_) => Err((
+            StatusCode::BAD_REQUEST,
+            Json(json!({"error": "invalid_idempotency_key"})),
+        )
+            .into_response()),
+    }
+}
+
+fn store_unavailable() -> Response {
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        [(header::RETRY_AFTER, "2")],
+        Json(json!({"error": "idempotency_store_unavailable"})),
+    )
+        .into_response()
+}
+
+/// `GET /checkout/idempotency/{key}`: the state of the caller's own checkout with that key.
+async fn inspect<S: IdempotencyStore>(
+    State(store): State<S>,
+    Extension(subject): Extension<Subject>,
+    Path(key): Path<String>,
+) -> Response {
+    let scope = match checkout_scope(&subject, &key) {
+        Ok(scope) => scope,
+        Err(refused) => return refused,
+    };
+    match store.lookup(&scope).await {
+        Ok(Some(info)) => Json(json!({
+            "state": info.state.as_str(),
+            "status": info.status,
+            "expires_at": axum_idempotency::rfc3339(info.expires_at),
+        }))
+        .into_response(),
+        Ok(None) => (StatusCode::NOT_FOUND, Json(json!({"error": "not_found"}))).into_response(),
+        Err(_) => store_unavailable(),
+    }
+}
+
+/// `DELETE /checkout/idempotency/{key}`: forget the caller's finished checkout with that key, so
+/// the key is new; refused while it is in progress.
+async fn forget<S: IdempotencyStore>(
+    State(store): State<S>,
+    Extension(subject): Extension<Subject>,
+    Path(key): Path<String>,
+) -> Response {
+    let scope = match checkout_scope(&subject, &key) {
+        Ok(scope) => scope,
+        Err(refused) => return refused,
+    };
+    match store.delete(&scope).await {
+        Ok(Deleted::Deleted) => StatusCode::NO_CONTENT.into_response(),
+        Ok(Deleted::InProgress) => (
+            StatusCode::CONFLICT,
+            [(header::RETRY_AFTER, "2")],
+            Json(json!({"error": "in_progress"})),
+        )
+            .into_response(),
+        Ok(_) => (StatusCode::NOT_FOUND, Json(json!({"error": "not_found"}))).into_response(),
+        Err(_) => store_unavailable(),
+    }
+}
+
 async fn demo_auth(mut request: Request, next: Next) -> Response {
     let subject = request
         .headers()

@@ -655,3 +655,69 @@ async fn an_unserved_method_gets_the_routers_405_untouched() {
         );
     }
 }
+
+/// The example's inspection routes, on both stores: a checkout's state and expiry for its own
+/// subject only, 409 for a delete while it runs, 204 then a new key after a delete of a finished
+/// one; and with `IDEMPOTENCY_WAIT_MS`, a duplicate gets the replay instead of 409.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn inspection_routes_and_the_wait() {
+    for postgres in [false, true] {
+        let addr = if postgres {
+            serve_postgres(400).await
+        } else {
+            serve_memory(400).await
+        };
+        let path = "/checkout/idempotency/order-9";
+        let none = http(addr, "GET", path, "alice", None, "").await;
+        assert_eq!(none.status, StatusCode::NOT_FOUND, "postgres: {postgres}");
+        let body = r#"{"amount":500}"#;
+        let first = tokio::spawn(async move { checkout_req(addr, "alice", "order-9", body).await });
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let running = http(addr, "GET", path, "alice", None, "").await;
+        assert_eq!(running.status, StatusCode::OK);
+        assert_eq!(running.json()["state"], "in_progress");
+        assert_eq!(running.json()["status"], serde_json::Value::Null);
+        let refused = http(addr, "DELETE", path, "alice", None, "").await;
+        assert_eq!(refused.status, StatusCode::CONFLICT);
+        assert_eq!(first.await.expect("task").status, StatusCode::CREATED);
+
+        let done = http(addr, "GET", path, "alice", None, "").await;
+        assert_eq!(done.json()["state"], "completed");
+        assert_eq!(done.json()["status"], 201);
+        let expires = done.json()["expires_at"]
+            .as_str()
+            .expect("expires_at")
+            .to_owned();
+        assert!(expires.ends_with('Z') && expires.len() == 20, "{expires}");
+        // Another subject sees nothing of alice's, and cannot delete it.
+        let theirs = http(addr, "GET", path, "mallory", None, "").await;
+        assert_eq!(theirs.status, StatusCode::NOT_FOUND);
+        let theirs = http(addr, "DELETE", path, "mallory", None, "").await;
+        assert_eq!(theirs.status, StatusCode::NOT_FOUND);
+
+        let deleted = http(addr, "DELETE", path, "alice", None, "").await;
+        assert_eq!(deleted.status, StatusCode::NO_CONTENT);
+        let gone = http(addr, "GET", path, "alice", None, "").await;
+        assert_eq!(gone.status, StatusCode::NOT_FOUND);
+        // The key is new: the same request runs again.
+        let again = checkout_req(addr, "alice", "order-9", body).await;
+        assert_eq!(again.status, StatusCode::CREATED);
+        assert_ne!(again.header("idempotent-replayed"), Some("true"));
+        let bad = http(addr, "GET", "/checkout/idempotency/%20", "alice", None, "").await;
+        assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    }
+
+    // With a wait, a duplicate of a checkout in progress gets its replay.
+    let mut waiting = settings(400);
+    waiting.wait = Duration::from_secs(2);
+    let addr = serve(MemoryStore::new(), Ledger::memory(), waiting).await;
+    let body = r#"{"amount":700}"#;
+    let first = tokio::spawn(async move { checkout_req(addr, "alice", "order-w", body).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let duplicate = checkout_req(addr, "alice", "order-w", body).await;
+    let first = first.await.expect("task");
+    assert_eq!(duplicate.status, StatusCode::CREATED);
+    assert_eq!(duplicate.header("idempotent-replayed"), Some("true"));
+    assert_eq!(duplicate.body, first.body);
+    assert!(duplicate.header("idempotency-expires").is_some());
+}
