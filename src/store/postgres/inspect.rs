@@ -34,8 +34,9 @@ pub(super) struct Inspection {
 impl Inspection {
     pub(super) fn on(t: &str) -> Self {
         // A record inspection shows: not past its expiry, not released.
-        let live =
-            format!("expires_at > now() AND NOT (status = 'in_progress' AND lease_token = {RELEASED})");
+        let live = format!(
+            "expires_at > now() AND NOT (status = 'in_progress' AND lease_token = {RELEASED})"
+        );
         // $1 subject (as its column keeps it), $2 limit; after a cursor, $3 its time (µs), $4 its
         // scope. The row comparison on the columns of the subject index lets a page start where
         // the last one ended in the index, not scan the subject's records from the first.
@@ -87,13 +88,12 @@ impl PostgresStore {
         key: &RecordKey,
     ) -> Result<Option<RecordInfo>, StoreError> {
         let scope = key.digest();
-        let row: Option<(String, Option<i16>, i64, i64)> =
-            on_connection!(self, "lookup", conn => {
-                sqlx::query_as(sqlx::AssertSqlSafe(self.sql().inspection.lookup.as_str()))
-                    .bind(&scope[..])
-                    .fetch_optional(&mut *conn)
-            })?
-            .map_err(db("lookup"))?;
+        let row: Option<(String, Option<i16>, i64, i64)> = on_connection!(self, "lookup", conn => {
+            sqlx::query_as(sqlx::AssertSqlSafe(self.sql().inspection.lookup.as_str()))
+                .bind(&scope[..])
+                .fetch_optional(&mut *conn)
+        })?
+        .map_err(db("lookup"))?;
         row.map(|(status, response, created, expires)| info(&status, response, created, expires))
             .transpose()
     }
