@@ -899,3 +899,94 @@ async fn a_kept_connection_ended_by_the_server_is_replaced() {
         assert!(done.is_done(), "round {round}");
     }
 }
+
+/// A store that keeps no scope in clear cannot tell whose a record is from its columns: it lists
+/// none of them (not even for the empty subject, which its rows' empty columns match), and still
+/// finds, shows and deletes a record by its key.
+#[tokio::test]
+async fn without_scope_columns_lists_nothing_but_looks_up_and_deletes() {
+    use axum_idempotency::store::{Deleted, ListRequest, RecordState};
+    let store = store().await.without_scope_columns();
+    let claim = claim_request("hidden", b"{}");
+    let ClaimOutcome::Claimed { lease, .. } = store.claim(&claim).await.expect("claim") else {
+        panic!("a fresh key is claimed");
+    };
+    let anonymous = ClaimRequest {
+        key: RecordKey {
+            subject: String::new(),
+            ..claim.key.clone()
+        },
+        ..claim_request("hidden", b"{}")
+    };
+    store.claim(&anonymous).await.expect("claim");
+    let response = std::sync::Arc::new(axum_idempotency::StoredResponse {
+        outcome: Finished::Completed,
+        status: 201,
+        headers: Vec::new(),
+        body: axum::body::Bytes::from_static(b"{}"),
+        body_omitted: false,
+        expires_in: None,
+    });
+    let done = store
+        .complete(
+            &claim.key,
+            lease,
+            &claim.fingerprint,
+            response,
+            Duration::from_secs(60),
+        )
+        .await
+        .expect("complete");
+    assert!(done.is_done());
+    for subject in ["alice", ""] {
+        let page = store
+            .list(subject, ListRequest::first(10))
+            .await
+            .expect("list");
+        assert!(page.records.is_empty(), "{subject:?}: {page:?}");
+    }
+    let info = store
+        .lookup(&claim.key)
+        .await
+        .expect("lookup")
+        .expect("the record");
+    assert_eq!(
+        (info.state, info.status),
+        (RecordState::Completed, Some(201))
+    );
+    assert_eq!(
+        store.delete(&anonymous.key).await.expect("delete"),
+        Deleted::InProgress
+    );
+    assert_eq!(
+        store.delete(&claim.key).await.expect("delete"),
+        Deleted::Deleted
+    );
+    assert_eq!(store.lookup(&claim.key).await.expect("lookup"), None);
+}
+
+/// Two instances migrating one new table at once both succeed, and the listing's index is made
+/// once; a third migrate, with the index there, succeeds too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_migrations_make_the_subject_index_once() {
+    let pool = pool(4).await;
+    let schema = fresh_schema(&pool).await;
+    let table = format!("{schema}.records");
+    let first = PostgresStore::with_table(pool.clone(), &table).expect("table");
+    let second = PostgresStore::with_table(pool.clone(), &table).expect("table");
+    let (a, b) = tokio::join!(first.migrate(), second.migrate());
+    a.expect("the first migrate");
+    b.expect("the second migrate");
+    first.migrate().await.expect("migrate again");
+    let (definition,): (String,) = sqlx::query_as(
+        "SELECT indexdef FROM pg_indexes WHERE schemaname = $1 AND indexname = 'records_subject_idx'",
+    )
+    .bind(&schema)
+    .fetch_one(&pool)
+    .await
+    .expect("the subject index exists");
+    assert!(
+        definition.ends_with("(subject, created_at, scope)"),
+        "{definition}"
+    );
+}

@@ -1,5 +1,6 @@
-//! `migrate()`: the table, its index, the generation column and the claim function
-//! (`migrations/`), applied under an advisory lock, and the store pinned to the table's schema.
+//! `migrate()`: the table, its index, the generation column, the claim function and the listing's
+//! index (`migrations/`), applied under an advisory lock, and the store pinned to the table's
+//! schema.
 
 use super::statements::{Statements, quote_ident};
 use super::{MIN_MIGRATE_TIMEOUT, PostgresStore, db};
@@ -22,6 +23,11 @@ const CLAIM_V2_ARGUMENTS: &str =
 /// Fixes the claim function's search path (the table's schema in place of `public`).
 const SEARCH_PATH_MIGRATION: &str =
     include_str!("../../../migrations/0004_idempotency_claim_search_path.sql");
+/// The index that lists a subject's records, with `idempotency_records` as the table name.
+const SUBJECT_INDEX_MIGRATION: &str =
+    include_str!("../../../migrations/0005_idempotency_subject_index.sql");
+/// The subject index's name for the default table; for another table, `<table>_subject_idx`.
+const DEFAULT_SUBJECT_INDEX: &str = "idempotency_records_subject_idx";
 /// Serialises concurrent `migrate()` calls across instances (`pg_advisory_xact_lock` key).
 const MIGRATE_LOCK: i64 = 0x6178_6964_656d_0001; // "axidem" + 1
 
@@ -117,6 +123,7 @@ impl PostgresStore {
             .map_err(db("migrate: find the table's schema"))?;
             let pinned = Statements::on(Some(&schema), name, &configured.table);
             self.apply_generation(&mut tx, &pinned).await?;
+            apply_subject_index(&mut tx, &pinned).await?;
             tx.commit().await.map_err(db("migrate: commit"))?;
             *lock(&pinned.function_missing) = None;
             *lock(&configured.function_missing) = None;
@@ -260,6 +267,48 @@ impl PostgresStore {
     }
 }
 
+/// The index that lists a subject's records (migrations/0005), on the table as `sql` names it,
+/// unless it exists: `CREATE INDEX IF NOT EXISTS` would lock the table against writes even then.
+/// It is not needed for claims, so a role that does not own the table, or a table whose lock is
+/// not had within 3 s (claims would queue behind the waiting build), leaves it out with a
+/// warning; the next `migrate()` tries again.
+async fn apply_subject_index(
+    tx: &mut sqlx::PgConnection,
+    sql: &Statements,
+) -> Result<(), StoreError> {
+    let (present,): (bool,) = sqlx::query_as("SELECT to_regclass($1) IS NOT NULL")
+        .bind(&sql.qualified_subject_index)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db("migrate: look up the subject index"))?;
+    if present {
+        return Ok(());
+    }
+    let index_sql = SUBJECT_INDEX_MIGRATION
+        .replace(DEFAULT_SUBJECT_INDEX, "\u{0}")
+        .replace(DEFAULT_TABLE, &sql.quoted)
+        .replace('\u{0}', &sql.subject_index);
+    sqlx::query("SET LOCAL lock_timeout = '3s'")
+        .execute(&mut *tx)
+        .await
+        .map_err(db("migrate: lock timeout"))?;
+    unless_refused(
+        tx,
+        index_sql,
+        "create the subject index",
+        "migrate: could not create the index that lists a subject's records (it needs the \
+         table's owner, and no long transaction on it); listings read the whole table until it \
+         is there (apply migrations/0005 as the table's owner, or migrate again)",
+        &["42501", "55P03"],
+    )
+    .await?;
+    sqlx::query("SET LOCAL lock_timeout = 0")
+        .execute(&mut *tx)
+        .await
+        .map_err(db("migrate: lock timeout"))?;
+    Ok(())
+}
+
 /// Runs `sql` under a savepoint; a refusal for want of privilege (SQLSTATE 42501) is logged with
 /// `warning` and rolled back to the savepoint, so the migration goes on without it.
 async fn unless_forbidden(
@@ -267,6 +316,18 @@ async fn unless_forbidden(
     sql: String,
     what: &'static str,
     warning: &'static str,
+) -> Result<(), StoreError> {
+    unless_refused(tx, sql, what, warning, &["42501"]).await
+}
+
+/// Runs `sql` under a savepoint; an error with one of the SQLSTATE `codes` is logged with
+/// `warning` and rolled back to the savepoint, so the migration goes on without it.
+async fn unless_refused(
+    tx: &mut sqlx::PgConnection,
+    sql: String,
+    what: &'static str,
+    warning: &'static str,
+    codes: &[&str],
 ) -> Result<(), StoreError> {
     sqlx::query("SAVEPOINT migrate_step")
         .execute(&mut *tx)
@@ -277,7 +338,7 @@ async fn unless_forbidden(
         .await
     {
         Ok(_) => Ok(()),
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42501") => {
+        Err(sqlx::Error::Database(e)) if e.code().is_some_and(|c| codes.contains(&&*c)) => {
             tracing::warn!(error = %e, "{warning}");
             sqlx::query("ROLLBACK TO SAVEPOINT migrate_step")
                 .execute(&mut *tx)
@@ -299,5 +360,15 @@ mod tests {
         assert!(column.contains("ADD COLUMN IF NOT EXISTS generation bytea"));
         assert!(function.contains(super::DEFAULT_FUNCTION));
         assert!(!function.contains("CREATE OR REPLACE FUNCTION"));
+    }
+
+    #[test]
+    fn the_subject_index_migration_names_the_index_and_the_table() {
+        let sql = super::SUBJECT_INDEX_MIGRATION;
+        assert!(sql.contains(&format!(
+            "CREATE INDEX IF NOT EXISTS {}\n    ON {} (subject, created_at, scope)",
+            super::DEFAULT_SUBJECT_INDEX,
+            super::DEFAULT_TABLE
+        )));
     }
 }

@@ -13,6 +13,7 @@ use sqlx::pool::PoolConnection;
 use tokio::time::Instant;
 
 mod claim;
+mod inspect;
 mod migrate;
 mod parking;
 mod statements;
@@ -439,20 +440,20 @@ impl IdempotencyStore for PostgresStore {
         self.finished_by(&scope, lease).await.map(Fenced::from_held)
     }
 
-    async fn lookup(&self, _key: &RecordKey) -> Result<Option<super::RecordInfo>, StoreError> {
-        Err(StoreError::msg("TODO: inspection"))
+    async fn lookup(&self, key: &RecordKey) -> Result<Option<super::RecordInfo>, StoreError> {
+        self.lookup_record(key).await
     }
 
-    async fn delete(&self, _key: &RecordKey) -> Result<super::Deleted, StoreError> {
-        Err(StoreError::msg("TODO: inspection"))
+    async fn delete(&self, key: &RecordKey) -> Result<super::Deleted, StoreError> {
+        self.delete_record(key).await
     }
 
     async fn list(
         &self,
-        _subject: &str,
-        _request: super::ListRequest,
+        subject: &str,
+        request: super::ListRequest,
     ) -> Result<super::RecordPage, StoreError> {
-        Err(StoreError::msg("TODO: inspection"))
+        self.list_records(subject, request).await
     }
 
     fn capabilities(&self) -> Capabilities<'_> {

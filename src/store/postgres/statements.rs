@@ -2,6 +2,7 @@
 //! has found the table, qualified by its schema.
 
 use super::RELEASED;
+use super::inspect::Inspection;
 
 /// The condition that makes a statement apply its lock timeout (see [`lock_bound_cte`]) before it
 /// touches a row.
@@ -37,6 +38,10 @@ pub(super) struct Statements {
     pub(super) index: String,
     /// The expiry index's name, quoted and qualified like the table.
     pub(super) qualified_index: String,
+    /// The subject index's name (the listing's, migrations/0005), quoted.
+    pub(super) subject_index: String,
+    /// The subject index's name, quoted and qualified like the table.
+    pub(super) qualified_subject_index: String,
     /// The claim function that keeps generations (migrations/0003), quoted and qualified like the
     /// table.
     pub(super) function_v2: String,
@@ -55,6 +60,8 @@ pub(super) struct Statements {
     pub(super) release: String,
     pub(super) purge: String,
     pub(super) check_shape: String,
+    /// Lookup, delete and listing (see `inspect.rs`).
+    pub(super) inspection: Inspection,
 }
 
 impl Statements {
@@ -81,6 +88,8 @@ impl Statements {
             schema: schema.map(str::to_owned),
             index: quote_ident(&format!("{name}_expires_at_idx")),
             qualified_index: qualify(&format!("{name}_expires_at_idx")),
+            subject_index: quote_ident(&format!("{name}_subject_idx")),
+            qualified_subject_index: qualify(&format!("{name}_subject_idx")),
             function_missing: std::sync::Mutex::new(None),
             // $9: the generation of a new record; $10: the lock timeout (see `LOCK_BOUND`).
             claim: format!(
@@ -197,6 +206,7 @@ impl Statements {
                 lock_bound_cte(1)
             ),
             check_shape: format!("SELECT scope, idempotency_key, lease_token FROM {t} LIMIT 0"),
+            inspection: Inspection::on(t),
             function_v2,
             quoted,
         }

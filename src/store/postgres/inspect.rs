@@ -1,0 +1,215 @@
+//! Inspection on the table: the record of a key, the delete of a finished one, and a subject's
+//! records paged (see `IdempotencyStore::lookup`, `delete` and `list`).
+//!
+//! Released records (in progress under no lease, `RELEASED`) and records past their expiry are
+//! absent to all three, as in every store.
+
+use super::statements::{LOCK_BOUND, lock_bound_cte};
+use super::{PostgresStore, RELEASED, db, on_connection, printable};
+use crate::record::RecordKey;
+use crate::store::{
+    Deleted, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage, RecordState,
+    StoreError, from_micros,
+};
+
+/// The record's times as microseconds since the Unix epoch (exact: `extract` answers `numeric`).
+const TIMES: &str = "(extract(epoch FROM created_at) * 1000000)::int8 AS created_us, \
+                     (extract(epoch FROM expires_at) * 1000000)::int8 AS expires_us";
+/// How many statements one listing sends at most when rows it cannot verify as the subject's fill
+/// its pages (see `PostgresStore::list_records`); it then answers a short page with a next one.
+const LIST_ROUNDS: usize = 4;
+/// A cursor's time is bound as a `float8` count of microseconds, exact within ±2^53 (the years
+/// 1685 to 2255): the database's `now()` dated every record, so only a forged cursor lies
+/// outside, and clamped it lists what it would have.
+const CURSOR_MICROS: i64 = 1 << 53;
+
+/// The inspection statements on one table (`t`, quoted and qualified as the others).
+pub(super) struct Inspection {
+    lookup: String,
+    delete: String,
+    list_first: String,
+    list_after: String,
+}
+
+impl Inspection {
+    pub(super) fn on(t: &str) -> Self {
+        // A record inspection shows: not past its expiry, not released.
+        let live = format!(
+            "expires_at > now() AND NOT (status = 'in_progress' AND lease_token = {RELEASED})"
+        );
+        // $1 subject (as its column keeps it), $2 limit; after a cursor, $3 its time (µs), $4 its
+        // scope. The row comparison on the columns of the subject index lets a page start where
+        // the last one ended in the index, not scan the subject's records from the first.
+        let list = |after: &str| {
+            format!(
+                "SELECT scope, idempotency_key, endpoint, status, response_status, {TIMES} \
+                 FROM {t} WHERE subject = $1 AND {live}{after} \
+                 ORDER BY created_at, scope LIMIT $2"
+            )
+        };
+        Inspection {
+            // $1 scope. A plain read: it waits on no lock.
+            lookup: format!(
+                "SELECT status, response_status, {TIMES} FROM {t} WHERE scope = $1 AND {live}"
+            ),
+            // $1 scope, $2 lock timeout. Only a finished, live record is deleted. At READ
+            // COMMITTED, a DELETE that waits on the row lock of a concurrent writer (a retake of
+            // the record that just expired, another delete) checks its condition again on the
+            // row as that writer left it: a row taken back in progress is never deleted, one
+            // deleted meanwhile is not counted. The second answer reads the statement's
+            // snapshot: a record held in progress (released ones are not) as the statement
+            // began, which a DELETE of finished rows never touches.
+            delete: format!(
+                "{}, d AS ( \
+                   DELETE FROM {t} WHERE scope = $1 AND status <> 'in_progress' \
+                     AND expires_at > now() AND {LOCK_BOUND} \
+                   RETURNING 1) \
+                 SELECT EXISTS (SELECT 1 FROM d) AS deleted, \
+                        EXISTS (SELECT 1 FROM {t} WHERE scope = $1 AND status = 'in_progress' \
+                                AND lease_token <> {RELEASED} AND expires_at > now()) \
+                          AS in_progress",
+                lock_bound_cte(2)
+            ),
+            list_first: list(""),
+            list_after: list(
+                " AND (created_at, scope) > \
+                   ('epoch'::timestamptz + $3::float8 * interval '1 microsecond', $4)",
+            ),
+        }
+    }
+}
+
+/// A listed row: scope, key, endpoint, status, response status, created and expires (µs).
+type ListedRow = (Vec<u8>, String, String, String, Option<i16>, i64, i64);
+
+impl PostgresStore {
+    pub(super) async fn lookup_record(
+        &self,
+        key: &RecordKey,
+    ) -> Result<Option<RecordInfo>, StoreError> {
+        let scope = key.digest();
+        let row: Option<(String, Option<i16>, i64, i64)> = on_connection!(self, "lookup", conn => {
+            sqlx::query_as(sqlx::AssertSqlSafe(self.sql().inspection.lookup.as_str()))
+                .bind(&scope[..])
+                .fetch_optional(&mut *conn)
+        })?
+        .map_err(db("lookup"))?;
+        row.map(|(status, response, created, expires)| info(&status, response, created, expires))
+            .transpose()
+    }
+
+    pub(super) async fn delete_record(&self, key: &RecordKey) -> Result<Deleted, StoreError> {
+        let scope = key.digest();
+        let (deleted, in_progress): (bool, bool) = on_connection!(self, "delete", conn => {
+            sqlx::query_as(sqlx::AssertSqlSafe(self.sql().inspection.delete.as_str()))
+                .bind(&scope[..])
+                .bind(&*self.lock_timeout)
+                .fetch_one(&mut *conn)
+        })?
+        .map_err(db("delete"))?;
+        Ok(if deleted {
+            Deleted::Deleted
+        } else if in_progress {
+            Deleted::InProgress
+        } else {
+            Deleted::NotFound
+        })
+    }
+
+    /// The `subject` column is lossy (NUL written as U+FFFD) and empty in records written
+    /// `without_scope_columns`, so a row it selects may be another subject's: each row is kept only
+    /// when its key and endpoint with `subject` give its own scope digest. Rows that fail (another
+    /// subject's, or ones with no scope in clear) still move the listing on: when they leave a page
+    /// short, the next rows are read, up to [`LIST_ROUNDS`] statements, and a page still short then
+    /// carries the cursor of the last row read.
+    pub(super) async fn list_records(
+        &self,
+        subject: &str,
+        request: ListRequest,
+    ) -> Result<RecordPage, StoreError> {
+        let limit = request.bounded_limit();
+        let column = printable(subject);
+        let mut after = request.after;
+        let mut records = Vec::with_capacity(limit);
+        for _ in 0..LIST_ROUNDS {
+            let asked = limit - records.len();
+            let rows: Vec<ListedRow> = on_connection!(self, "list", conn => {
+                let sql = &self.sql().inspection;
+                let query = match &after {
+                    None => sqlx::query_as(sqlx::AssertSqlSafe(sql.list_first.as_str()))
+                        .bind(&*column)
+                        .bind(asked as i64),
+                    Some(cursor) => sqlx::query_as(sqlx::AssertSqlSafe(sql.list_after.as_str()))
+                        .bind(&*column)
+                        .bind(asked as i64)
+                        .bind(
+                            cursor
+                                .created_micros()
+                                .clamp(-CURSOR_MICROS, CURSOR_MICROS) as f64,
+                        )
+                        .bind(&cursor.scope()[..]),
+                };
+                query.fetch_all(&mut *conn)
+            })?
+            .map_err(db("list"))?;
+            let read = rows.len();
+            for (scope, key, endpoint, status, response, created, expires) in rows {
+                let scope: [u8; 32] = scope
+                    .try_into()
+                    .map_err(|_| StoreError::msg("postgres list: a scope is not 32 bytes"))?;
+                let cursor = ListCursor::new(from_micros(created), scope);
+                after = Some(cursor);
+                let record = RecordKey {
+                    key,
+                    subject: subject.to_owned(),
+                    endpoint,
+                };
+                if record.digest() != scope {
+                    continue;
+                }
+                let info = info(&status, response, created, expires)?;
+                records.push(ListedRecord::new(record.key, record.endpoint, info, cursor));
+            }
+            if read < asked {
+                // The subject's last records: no next page.
+                return Ok(RecordPage::new(records, limit));
+            }
+            if records.len() >= limit {
+                break;
+            }
+        }
+        let mut page = RecordPage::new(records, limit);
+        page.next = after;
+        Ok(page)
+    }
+}
+
+/// A row's state, status and times.
+fn info(
+    status: &str,
+    response: Option<i16>,
+    created_us: i64,
+    expires_us: i64,
+) -> Result<RecordInfo, StoreError> {
+    let state = match status {
+        "in_progress" => RecordState::InProgress,
+        "completed" => RecordState::Completed,
+        "failed" => RecordState::Failed,
+        other => {
+            return Err(StoreError::msg(format!(
+                "postgres inspection: unexpected status {other:?}"
+            )));
+        }
+    };
+    let status = if state.is_finished() {
+        response.and_then(|s| u16::try_from(s).ok())
+    } else {
+        None
+    };
+    Ok(RecordInfo::new(
+        state,
+        status,
+        from_micros(created_us),
+        from_micros(expires_us),
+    ))
+}
