@@ -8,6 +8,8 @@
 #[path = "load/cpu.rs"]
 mod cpu;
 mod support;
+#[path = "load/wait.rs"]
+mod wait;
 
 use std::net::SocketAddr;
 use std::str::FromStr;
@@ -649,6 +651,7 @@ async fn main() {
         "burst",
         "duplicate",
         "growth",
+        "wait",
     ];
     let chosen: Vec<String> = std::env::args()
         .filter(|a| parts.contains(&a.as_str()))
@@ -657,9 +660,17 @@ async fn main() {
     if run("memory") {
         memory_vs_bare().await;
     }
-    if !["cpu", "postgres", "replays", "burst", "duplicate", "growth"]
-        .iter()
-        .any(|p| run(p))
+    if ![
+        "cpu",
+        "postgres",
+        "replays",
+        "burst",
+        "duplicate",
+        "growth",
+        "wait",
+    ]
+    .iter()
+    .any(|p| run(p))
     {
         return;
     }
@@ -690,6 +701,9 @@ async fn main() {
     }
     if run("growth") {
         growth_all(&schema).await;
+    }
+    if run("wait") {
+        wait::waiting_duplicates(&schema).await;
     }
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "DROP SCHEMA IF EXISTS {schema} CASCADE"
