@@ -461,3 +461,19 @@ fn the_consumer_example_charges_every_message_once() {
     assert_eq!(summary["charges"].as_u64(), Some(messages), "{summary}");
     assert_eq!(summary["double_charges"].as_u64(), Some(0), "{summary}");
 }
+
+/// The builder refuses what the layer's builder refuses.
+#[test]
+fn settings_out_of_bounds_are_refused() {
+    use axum_idempotency::MemoryStore;
+    let refused = |b: axum_idempotency::RunOnceBuilder<MemoryStore>| match b.build() {
+        Ok(_) => panic!("accepted"),
+        Err(e) => e.to_string(),
+    };
+    let b = || RunOnce::builder(MemoryStore::new());
+    assert!(refused(b().in_progress_ttl(Duration::from_millis(10))).contains("in_progress_ttl"));
+    assert!(refused(b().retention(Duration::from_millis(50))).contains("retention"));
+    assert!(refused(b().max_hold(Duration::from_secs(1))).contains("max_hold"));
+    assert!(refused(b().derived_key_secret("short")).contains("derived_key_secret"));
+    assert!(b().in_progress_ttl(Duration::from_secs(1)).build().is_ok());
+}
