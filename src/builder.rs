@@ -370,39 +370,7 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
     pub fn build(self) -> Result<IdempotencyLayer<S>, ConfigError> {
         let mut config = self.config;
         let err = |s: &str| Err(ConfigError(s.to_owned()));
-        if config.in_progress_ttl < MIN_IN_PROGRESS_TTL {
-            return err("in_progress_ttl must be at least 30 ms");
-        }
-        if config.retention.is_zero() {
-            return err("retention must be more than zero");
-        }
-        if config.in_progress_ttl > MAX_DURATION || config.retention > MAX_DURATION {
-            return err("in_progress_ttl and retention must be at most ten years each");
-        }
-        if let Some(timeout) = self.store.capabilities().operation_timeout()
-            && config.in_progress_ttl < timeout * TTL_PER_OPERATION_TIMEOUT
-        {
-            return Err(ConfigError(format!(
-                "in_progress_ttl ({:?}) must be at least {TTL_PER_OPERATION_TIMEOUT} times the \
-                 store's operation timeout ({timeout:?}): a claim answered late must still leave \
-                 time to prove it holds the record",
-                config.in_progress_ttl
-            )));
-        }
-        if !self.max_hold_set {
-            // The default never refuses a long TTL: it is at least the TTL.
-            config.max_hold = DEFAULT_MAX_HOLD.max(config.in_progress_ttl);
-        }
-        if config.max_hold < config.in_progress_ttl || config.max_hold > MAX_DURATION {
-            return err("max_hold must be from the in-progress TTL to ten years");
-        }
-        if config
-            .derived_key_secret
-            .as_ref()
-            .is_some_and(|s| s.bytes().len() < MIN_SECRET_LEN)
-        {
-            return err("derived_key_secret must be at least 16 bytes");
-        }
+        check_times(&mut config, &self.store, self.max_hold_set)?;
         if let Some(base) = self.problem_type_base {
             let absolute = http::Uri::try_from(base.as_str()).is_ok_and(|uri| {
                 matches!(uri.scheme_str(), Some("http" | "https")) && uri.authority().is_some()
@@ -488,6 +456,52 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
         }
         Ok(IdempotencyLayer::from_parts(self.store, config))
     }
+}
+
+/// The checks of the time limits and the derived-key secret, shared with
+/// [`RunOnceBuilder::build`](crate::once::RunOnceBuilder::build): the in-progress TTL (against the
+/// store's operation timeout too), the retention's upper bound, the maximum hold (set to its
+/// default when `max_hold_set` is false) and the secret's length.
+pub(crate) fn check_times<S: IdempotencyStore>(
+    config: &mut Config,
+    store: &S,
+    max_hold_set: bool,
+) -> Result<(), ConfigError> {
+    let err = |s: &str| Err(ConfigError(s.to_owned()));
+    if config.in_progress_ttl < MIN_IN_PROGRESS_TTL {
+        return err("in_progress_ttl must be at least 30 ms");
+    }
+    if config.retention.is_zero() {
+        return err("retention must be more than zero");
+    }
+    if config.in_progress_ttl > MAX_DURATION || config.retention > MAX_DURATION {
+        return err("in_progress_ttl and retention must be at most ten years each");
+    }
+    if let Some(timeout) = store.capabilities().operation_timeout()
+        && config.in_progress_ttl < timeout * TTL_PER_OPERATION_TIMEOUT
+    {
+        return Err(ConfigError(format!(
+            "in_progress_ttl ({:?}) must be at least {TTL_PER_OPERATION_TIMEOUT} times the \
+             store's operation timeout ({timeout:?}): a claim answered late must still leave \
+             time to prove it holds the record",
+            config.in_progress_ttl
+        )));
+    }
+    if !max_hold_set {
+        // The default never refuses a long TTL: it is at least the TTL.
+        config.max_hold = DEFAULT_MAX_HOLD.max(config.in_progress_ttl);
+    }
+    if config.max_hold < config.in_progress_ttl || config.max_hold > MAX_DURATION {
+        return err("max_hold must be from the in-progress TTL to ten years");
+    }
+    if config
+        .derived_key_secret
+        .as_ref()
+        .is_some_and(|s| s.bytes().len() < MIN_SECRET_LEN)
+    {
+        return err("derived_key_secret must be at least 16 bytes");
+    }
+    Ok(())
 }
 
 #[cfg(test)]

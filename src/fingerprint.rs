@@ -66,6 +66,14 @@ impl Fingerprint {
         Fingerprint(hasher.finalize().into())
     }
 
+    /// The fingerprint of `input` serialized as JSON: [`Fingerprint::of`] its JSON, with no query,
+    /// so reordered fields of a map do not count. For operations outside HTTP (see
+    /// [`RunOnce::run_json`](crate::RunOnce::run_json)). Fails when `input` does not serialize
+    /// (a map with keys that are not strings, a `Serialize` impl that fails).
+    pub fn of_json<I: serde::Serialize + ?Sized>(input: &I) -> Result<Self, serde_json::Error> {
+        Ok(Self::of(None, &serde_json::to_vec(input)?))
+    }
+
     /// The 32 bytes of the digest.
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.0

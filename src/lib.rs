@@ -100,6 +100,10 @@
 //! Every error the layer itself answers with is `application/problem+json` with a stable `error`
 //! field; see [`ErrorKind`].
 //!
+//! Outside HTTP (a queue consumer, a webhook, a scheduled job), [`RunOnce`] guards a function call
+//! with the same stores, lease and recording: given a scope and a fingerprint, it runs an async
+//! closure once and returns its recorded output to every later call.
+//!
 //! # Feature flags
 //!
 //! | feature | default | what it adds |
@@ -165,6 +169,7 @@ mod lock;
 pub mod metrics;
 #[cfg(not(feature = "metrics"))]
 mod metrics;
+pub mod once;
 mod outcome;
 mod policy;
 mod problem;
@@ -193,6 +198,7 @@ pub use context::IdempotencyContext;
 pub use drain::Drain;
 pub use fingerprint::Fingerprint;
 pub use layer::IdempotencyLayer;
+pub use once::{OnceError, RunOnce, RunOnceBuilder};
 pub use outcome::{Outcome, OutcomeCounters};
 pub use policy::{Disposition, default_policy};
 pub use problem::{ErrorKind, IdempotencyRejection, Problem};

@@ -25,6 +25,8 @@
 //! it names the records, and two paths with one endpoint share their records.) Outcomes reported after the
 //! handler (`recorded`, `released`, `lease_lost`, `record_deferred`, also from background retries)
 //! carry the same label as the claim.
+//! Calls of [`RunOnce`](crate::RunOnce) are counted under the one endpoint label `run_once`
+//! ([`RUN_ONCE_LABEL`](crate::once::RUN_ONCE_LABEL)), whatever their scope.
 //!
 //! **`idempotency_store_duration_seconds`** is the wall-clock time of each store operation the layer
 //! runs: `operation` is `claim`, `complete` (also the completion written in the handler's
@@ -96,6 +98,11 @@ mod enabled {
                 None => format!("{} unmatched", parts.method),
             };
             Label(value.into())
+        }
+
+        /// A fixed label, for outcomes outside HTTP (see [`RunOnce`](crate::RunOnce)).
+        pub(crate) fn named(name: &str) -> Self {
+            Label(name.into())
         }
 
         /// Counts `outcome` for this endpoint.
@@ -241,6 +248,11 @@ mod disabled {
     impl Label {
         #[inline(always)]
         pub(crate) fn of(_: &Parts) -> Self {
+            Label
+        }
+
+        #[inline(always)]
+        pub(crate) fn named(_: &str) -> Self {
             Label
         }
 

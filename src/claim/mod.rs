@@ -14,6 +14,7 @@ use tower::{BoxError, Service, ServiceExt};
 use tracing::Instrument;
 
 use self::run::Granted;
+pub(crate) use self::run::fresh;
 use crate::body::{self, RequestBodyError};
 use crate::config::Config;
 use crate::key;
@@ -201,7 +202,7 @@ fn admit(config: &Config, parts: &http::request::Parts) -> Admission {
 
 /// The request's span. Subjects and endpoints are personal data, and a forged one could fake log
 /// lines: only their hashes are logged, unless the application opts in (`log_scope`).
-fn span(config: &Config, key: &str, subject: &str, endpoint: &str) -> tracing::Span {
+pub(crate) fn span(config: &Config, key: &str, subject: &str, endpoint: &str) -> tracing::Span {
     if config.log_scope {
         tracing::info_span!(
             "idempotency",

@@ -225,7 +225,7 @@ where
 /// within a tenth of the in-progress TTL, otherwise after a guarded renewal (a late answer, from a
 /// slow commit, a lost packet or a throttled process, may describe a claim that another instance
 /// has retaken meanwhile). Gives when the lease was last proven held, or `None` to give it up.
-async fn fresh<St: IdempotencyStore>(
+pub(crate) async fn fresh<St: IdempotencyStore>(
     config: &Config,
     store: &St,
     claim: &ClaimRequest,

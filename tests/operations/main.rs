@@ -10,5 +10,6 @@ mod common;
 
 mod faults;
 mod instances;
+mod once;
 mod redis_faults;
 mod transactions;
