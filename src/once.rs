@@ -337,6 +337,17 @@ impl<St: IdempotencyStore> RunOnceBuilder<St> {
         self
     }
 
+    /// Lets a call that finds the scope in progress wait up to `wait` for the holder's output
+    /// instead of answering [`OnceError::InProgress`] at once, as
+    /// [`IdempotencyLayerBuilder::wait`](crate::IdempotencyLayerBuilder::wait) does for requests:
+    /// no connection or lock is held, `f` never runs for a waiter, and a released or vanished
+    /// record ends the wait with `InProgress`. Default: zero (off); at most
+    /// [`MAX_WAIT`](crate::MAX_WAIT).
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.config.wait = wait;
+        self
+    }
+
     /// Counts the calls and background work in `drain`, shared with layers or other `RunOnce`s.
     pub fn drain(mut self, drain: Drain) -> Self {
         self.config.drain = drain;
@@ -356,6 +367,9 @@ impl<St: IdempotencyStore> RunOnceBuilder<St> {
         crate::builder::check_times(&mut config, &self.store, self.max_hold_set)?;
         if config.retention < MIN_RETENTION {
             return Err(ConfigError("retention must be at least 100 ms".to_owned()));
+        }
+        if config.wait > crate::MAX_WAIT {
+            return Err(ConfigError("wait must be at most 5 s".to_owned()));
         }
         Ok(RunOnce::from_parts(self.store, config))
     }
@@ -437,18 +451,12 @@ where
             tokio::task::yield_now().await;
             held(&config, lease, context, f).await
         }
-        Ok(ClaimOutcome::Finished(stored)) => {
-            report(&config, &label, Outcome::Replayed);
-            decode(&stored)
+        Ok(ClaimOutcome::InProgress) if !config.wait.is_zero() => {
+            // Waits for the holder's output, as a duplicate request does (never runs `f`).
+            let waited = crate::wait::for_answer(&config, &store, &claim).await;
+            answered(&config, &label, waited)
         }
-        Ok(ClaimOutcome::InProgress) => {
-            report(&config, &label, Outcome::InProgress);
-            Err(OnceError::InProgress)
-        }
-        Ok(ClaimOutcome::FingerprintMismatch) => {
-            report(&config, &label, Outcome::KeyReuse);
-            Err(OnceError::FingerprintMismatch)
-        }
+        Ok(other) => answered(&config, &label, other),
         Err(e) => {
             // As the layer: a claim whose answer was lost may have been made, and is released by
             // its token; an unreadable record or a refused claim made none.
@@ -458,6 +466,29 @@ where
             report(&config, &label, Outcome::StoreUnavailable);
             tracing::error!(error = %e, "idempotency store failed; the closure did not run");
             Err(OnceError::Store(e))
+        }
+    }
+}
+
+/// The answer of a claim that lost to a record: the recorded output, or why there is none.
+fn answered<T: DeserializeOwned, E>(
+    config: &Config,
+    label: &Label,
+    outcome: ClaimOutcome,
+) -> Result<T, OnceError<E>> {
+    match outcome {
+        ClaimOutcome::Finished(stored) => {
+            report(config, label, Outcome::Replayed);
+            decode(&stored)
+        }
+        ClaimOutcome::FingerprintMismatch => {
+            report(config, label, Outcome::KeyReuse);
+            Err(OnceError::FingerprintMismatch)
+        }
+        // In progress (and, never reached, a grant: `once` handles it).
+        _ => {
+            report(config, label, Outcome::InProgress);
+            Err(OnceError::InProgress)
         }
     }
 }

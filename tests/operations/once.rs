@@ -352,6 +352,53 @@ async fn json_inputs_are_fingerprinted_canonically<St: IdempotencyStore>(store: 
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// With a wait, a call that finds the scope in progress gets the holder's output when it is
+/// recorded, without running; one whose holder fails gets `InProgress`, and the next call runs.
+async fn a_waiting_call_gets_the_holders_output<St: IdempotencyStore>(store: St) {
+    let once = RunOnce::builder(store)
+        .in_progress_ttl(TTL)
+        .wait(Duration::from_secs(2))
+        .build()
+        .expect("valid settings");
+    let runs = Arc::new(AtomicUsize::new(0));
+    for (key, fails) in [("m8", false), ("m9", true)] {
+        let holder = {
+            let (once, runs) = (once.clone(), runs.clone());
+            tokio::spawn(async move {
+                let out: Outcome<u64> = once
+                    .run(scope(key), fingerprint(8), move |_| async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        if fails {
+                            Err("declined".to_owned())
+                        } else {
+                            Ok(88)
+                        }
+                    })
+                    .await;
+                out
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        let waiter: Outcome<u64> = once
+            .run(scope(key), fingerprint(8), counted(&runs, 1))
+            .await;
+        let holder = holder.await.expect("task");
+        if fails {
+            assert!(matches!(holder, Err(OnceError::Failed(_))), "{holder:?}");
+            assert!(matches!(waiter, Err(OnceError::InProgress)), "{waiter:?}");
+        } else {
+            assert_eq!(holder.expect("ran"), 88);
+            assert_eq!(waiter.expect("the holder's output"), 88);
+        }
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "a waiter never runs the closure"
+    );
+}
+
 /// Each test above on every store: `once::memory::…` and `once::postgres::…`.
 macro_rules! on_every_store {
     ($($name:ident),* $(,)?) => {
@@ -385,6 +432,7 @@ on_every_store!(
     a_caller_that_stops_waiting_cancels_neither_the_run_nor_its_record,
     a_run_past_the_maximum_hold_is_settled_as_timed_out,
     json_inputs_are_fingerprinted_canonically,
+    a_waiting_call_gets_the_holders_output,
 );
 
 /// A Postgres store in a schema of its own (the stores tests drop such schemas after an hour),
