@@ -256,7 +256,7 @@ pub async fn listing_pages_through_one_subjects_records<S: IdempotencyStore>(sto
             let n: u16 = record.key[1..].parse().expect("one of ours");
             assert_eq!(
                 record.info.status,
-                (n % 3 != 0).then_some(200 + n),
+                (!n.is_multiple_of(3)).then_some(200 + n),
                 "{record:?}"
             );
             seen.push(record.clone());
