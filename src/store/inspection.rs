@@ -128,7 +128,7 @@ impl ListCursor {
 }
 
 /// Microseconds since the Unix epoch (negative before it), saturating.
-pub(crate) fn micros(t: SystemTime) -> i64 {
+fn micros(t: SystemTime) -> i64 {
     match t.duration_since(UNIX_EPOCH) {
         Ok(d) => i64::try_from(d.as_micros()).unwrap_or(i64::MAX),
         Err(e) => i64::try_from(e.duration().as_micros()).map_or(i64::MIN, |m| -m),
@@ -136,6 +136,7 @@ pub(crate) fn micros(t: SystemTime) -> i64 {
 }
 
 /// The time `us` microseconds after the Unix epoch.
+#[cfg_attr(not(any(feature = "postgres", feature = "redis")), allow(dead_code))]
 pub(crate) fn from_micros(us: i64) -> SystemTime {
     if us >= 0 {
         UNIX_EPOCH + Duration::from_micros(us.unsigned_abs())

@@ -20,9 +20,8 @@ pub use inspection::{
     Deleted, InvalidCursor, ListCursor, ListRequest, ListedRecord, MAX_LIST_LIMIT, RecordInfo,
     RecordPage, RecordState,
 };
-// `micros` is for stores that write a cursor's time; not every build has one.
-#[allow(unused_imports)]
-pub(crate) use inspection::{from_micros, micros};
+#[cfg(any(feature = "postgres", feature = "redis"))]
+pub(crate) use inspection::from_micros;
 pub use memory::{DEFAULT_MEMORY_CAPACITY, MemoryStore};
 
 #[cfg(feature = "postgres")]

@@ -96,16 +96,26 @@ async fn masters() -> Vec<String> {
     );
 }
 
-/// How many of this prefix's keys each master holds, asking each master for its own keys.
+/// This prefix's record keys on one master (not the subjects' listing indexes, under
+/// `<prefix>subject:`).
+async fn records_on(master: &str, prefix: &str) -> Vec<String> {
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}*"))
+        .query_async(&mut node(master).await)
+        .await
+        .expect("KEYS");
+    let index = format!("{prefix}subject:");
+    keys.into_iter()
+        .filter(|k| !k.starts_with(&index))
+        .collect()
+}
+
+/// How many of this prefix's records each master holds, asking each master for its own keys.
 async fn keys_per_master(prefix: &str) -> BTreeMap<String, usize> {
     let mut counts = BTreeMap::new();
     for master in masters().await {
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("{prefix}*"))
-            .query_async(&mut node(&master).await)
-            .await
-            .expect("KEYS");
-        counts.insert(master, keys.len());
+        let records = records_on(&master, prefix).await.len();
+        counts.insert(master, records);
     }
     counts
 }
@@ -147,12 +157,7 @@ async fn records_spread_over_more_than_one_master() {
     let mut any = node(counts.keys().next().expect("a master")).await;
     let mut slots = std::collections::BTreeSet::new();
     for master in counts.keys() {
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("{prefix}*"))
-            .query_async(&mut node(master).await)
-            .await
-            .expect("KEYS");
-        for key in keys {
+        for key in records_on(master, &prefix).await {
             let slot: u16 = redis::cmd("CLUSTER")
                 .arg("KEYSLOT")
                 .arg(&key)

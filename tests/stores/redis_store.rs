@@ -10,7 +10,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::http::StatusCode;
-use axum_idempotency::{IdempotencyLayer, IdempotencyStore, RedisStore};
+use axum_idempotency::store::ListRequest;
+use axum_idempotency::{
+    ClaimOutcome, ClaimRequest, Fingerprint, Generation, IdempotencyLayer, IdempotencyStore,
+    LeaseToken, RecordKey, RedisStore,
+};
 use common::{app, post, send};
 
 fn redis_url() -> String {
@@ -18,6 +22,11 @@ fn redis_url() -> String {
 }
 
 async fn store() -> RedisStore {
+    store_and_prefix().0
+}
+
+/// A store with a key prefix of its own, and that prefix.
+fn store_and_prefix() -> (RedisStore, String) {
     static N: AtomicUsize = AtomicUsize::new(0);
     let client = redis::Client::open(redis_url()).expect("REDIS_URL");
     let prefix = format!(
@@ -29,10 +38,11 @@ async fn store() -> RedisStore {
             .as_nanos(),
         N.fetch_add(1, Ordering::SeqCst)
     );
-    RedisStore::new(client)
+    let store = RedisStore::new(client)
         .expect("store")
         .with_prefix(&prefix)
-        .with_timeout(common::SUITE_STORE_TIMEOUT)
+        .with_timeout(common::SUITE_STORE_TIMEOUT);
+    (store, prefix)
 }
 
 // Redis expires records itself: purge_expired has nothing left to delete.
@@ -75,4 +85,131 @@ async fn records_expire_with_retention() {
             .replayed()
     );
     assert_eq!(counters.started(), 2);
+}
+
+/// Claims `count` records of `subject` (keys `k0`, `k1`...), one after the other: listed in that
+/// order.
+async fn claim_records(store: &RedisStore, subject: &str, count: usize) -> Vec<RecordKey> {
+    let mut keys = Vec::new();
+    for n in 0..count {
+        let key = RecordKey {
+            key: format!("k{n}"),
+            subject: subject.into(),
+            endpoint: "POST /pay".into(),
+        };
+        let request = ClaimRequest {
+            key: key.clone(),
+            fingerprint: Fingerprint::of(None, b"{}"),
+            lease: LeaseToken::generate(),
+            generation: Generation::generate(),
+            in_progress_ttl: Duration::from_secs(30),
+            retention: Duration::from_secs(3600),
+        };
+        let outcome = store.claim(&request).await.expect("claim");
+        assert!(
+            matches!(outcome, ClaimOutcome::Claimed { .. }),
+            "{outcome:?}"
+        );
+        keys.push(key);
+        // Creation times a millisecond apart at least: the listing's order is the claims'.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    keys
+}
+
+/// Deletes the records of `keys` behind the store's back (as an operator's `DEL`, or an eviction),
+/// leaving their entries in the listing index.
+async fn delete_by_hand(prefix: &str, keys: &[RecordKey]) {
+    let client = redis::Client::open(redis_url()).expect("REDIS_URL");
+    let mut connection = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    for key in keys {
+        let digest: String = key.digest().iter().map(|b| format!("{b:02x}")).collect();
+        let deleted: i64 = redis::cmd("DEL")
+            .arg(format!("{prefix}{digest}"))
+            .query_async(&mut connection)
+            .await
+            .expect("DEL");
+        assert_eq!(deleted, 1, "{key:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_listing_skips_records_gone_from_under_their_index() {
+    let (store, prefix) = store_and_prefix();
+    let keys = claim_records(&store, "alice", 5).await;
+    delete_by_hand(&prefix, &keys[1..3]).await;
+
+    // The page still fills, from the entries after the records that are gone.
+    let page = store
+        .list("alice", ListRequest::first(3))
+        .await
+        .expect("list");
+    let listed: Vec<&str> = page.records.iter().map(|r| r.key.as_str()).collect();
+    assert_eq!(listed, ["k0", "k3", "k4"], "{page:?}");
+    let next = page.next.expect("a full page has a next one");
+    let rest = store
+        .list(
+            "alice",
+            ListRequest {
+                after: Some(next),
+                limit: 3,
+            },
+        )
+        .await
+        .expect("list");
+    assert!(rest.records.is_empty() && rest.next.is_none(), "{rest:?}");
+
+    // The entries of the records that are gone were dropped from the index on the way.
+    let again = store
+        .list("alice", ListRequest::first(100))
+        .await
+        .expect("list");
+    assert_eq!(again.records.len(), 3, "{again:?}");
+    let client = redis::Client::open(redis_url()).expect("REDIS_URL");
+    let mut connection = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    let indexes: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}subject:*"))
+        .query_async(&mut connection)
+        .await
+        .expect("KEYS");
+    assert_eq!(indexes.len(), 1, "one index, for alice: {indexes:?}");
+    let entries: i64 = redis::cmd("ZCARD")
+        .arg(&indexes[0])
+        .query_async(&mut connection)
+        .await
+        .expect("ZCARD");
+    assert_eq!(entries, 3);
+}
+
+#[tokio::test]
+async fn a_listing_reads_a_bounded_number_of_entries_and_continues() {
+    let (store, prefix) = store_and_prefix();
+    // Twelve records gone, then one live: a page of one reads at most ten entries.
+    let keys = claim_records(&store, "alice", 13).await;
+    delete_by_hand(&prefix, &keys[..12]).await;
+
+    let page = store
+        .list("alice", ListRequest::first(1))
+        .await
+        .expect("list");
+    assert!(page.records.is_empty(), "{page:?}");
+    let next = page.next.expect("a cursor to continue from");
+    let page = store
+        .list(
+            "alice",
+            ListRequest {
+                after: Some(next),
+                limit: 1,
+            },
+        )
+        .await
+        .expect("list");
+    let listed: Vec<&str> = page.records.iter().map(|r| r.key.as_str()).collect();
+    assert_eq!(listed, ["k12"], "{page:?}");
 }

@@ -1,28 +1,30 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local rec = redis.call('HMGET', KEYS[1], 'fp', 'st', 'ts', 'lease', 'gen')
+local rec = redis.call('HMGET', KEYS[1], 'fp', 'st', 'ts', 'lease', 'gen', 'ct')
 if not rec[1] then
   redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'st', 'in_progress', 'lease', ARGV[2], 'ts', now,
-    'gen', ARGV[5])
+    'gen', ARGV[5], 'ct', now, 'k', ARGV[6], 'sub', ARGV[7], 'ep', ARGV[8])
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
-  return {'claimed', ARGV[5]}
+  return {'claimed', ARGV[5], now}
 end
 if rec[2] == 'in_progress' and rec[4] == '0' then
   if rec[1] == ARGV[1] then
-    redis.call('HSET', KEYS[1], 'lease', ARGV[2], 'ts', now)
+    redis.call('HSET', KEYS[1], 'lease', ARGV[2], 'ts', now, 'ct', now, 'k', ARGV[6],
+      'sub', ARGV[7], 'ep', ARGV[8])
     redis.call('PEXPIRE', KEYS[1], ARGV[4])
-    return {'claimed', rec[5]}
+    return {'claimed', rec[5], now}
   end
-  redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'lease', ARGV[2], 'ts', now, 'gen', ARGV[5])
+  redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'lease', ARGV[2], 'ts', now, 'gen', ARGV[5],
+    'ct', now, 'k', ARGV[6], 'sub', ARGV[7], 'ep', ARGV[8])
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
-  return {'claimed', ARGV[5]}
+  return {'claimed', ARGV[5], now}
 end
 if rec[1] ~= ARGV[1] then return {'mismatch'} end
 if rec[2] ~= 'in_progress' then
   return {'finished', redis.call('HGET', KEYS[1], 'resp'), redis.call('PTTL', KEYS[1])}
 end
-if rec[4] == ARGV[2] then return {'claimed', rec[5]} end
+if rec[4] == ARGV[2] then return {'claimed', rec[5], rec[6]} end
 if now - tonumber(rec[3]) < tonumber(ARGV[3]) then return {'in_progress'} end
 redis.call('HSET', KEYS[1], 'lease', ARGV[2], 'ts', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
-return {'retaken', rec[5]}
+return {'retaken', rec[5], rec[6]}

@@ -12,7 +12,12 @@ use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisFuture, Script, ServerErrorKind, Value};
 
-use super::{Capabilities, IdempotencyStore, StoreError, header_list};
+use sha2::{Digest, Sha256};
+
+use super::{
+    Capabilities, Deleted, IdempotencyStore, ListCursor, ListRequest, ListedRecord, RecordInfo,
+    RecordPage, RecordState, StoreError, from_micros, header_list,
+};
 use crate::Fingerprint;
 use crate::record::{
     ClaimOutcome, ClaimRequest, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
@@ -28,8 +33,12 @@ pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(2);
 /// generation, by another with the new one. Times are the server's `TIME`. A claimed or retaken
 /// answer carries the record's generation (a retake keeps it; a record written before generations
 /// has none).
+/// A record made by the claim (new, or a released one taken as a new run) gets its creation time
+/// (`ct`, kept by retakes) and its scope in clear (`k`, `sub`, `ep`), for inspection. A claimed or
+/// retaken answer carries, third, the record's creation time, which the caller files in the
+/// subject's index (see [`RedisStore`]).
 /// KEYS[1] record; ARGV fingerprint, new lease, in-progress TTL (ms), TTL + retention (ms),
-/// generation of a new record.
+/// generation of a new record, key, subject, endpoint.
 const CLAIM: &str = include_str!("claim.lua");
 
 /// Complete, if the lease still holds an in-progress record; a record this lease already finished
@@ -46,12 +55,56 @@ const RENEW: &str = include_str!("renew.lua");
 /// lease.
 const RELEASE: &str = include_str!("release.lua");
 
+/// A live record as inspection shows it, or nil (absent, expired or released): state, creation
+/// time (ms, `0` for a record written before creation times were kept), time to live (ms), the
+/// server's time (ms), the stored status (`-1` while in progress), key, subject and endpoint.
+/// KEYS[1] record.
+const INSPECT: &str = include_str!("inspect.lua");
+
+/// Delete a finished record: `{2, creation time}`; a live record in progress is left alone, `{1}`;
+/// absent or released, `{0}`. KEYS[1] record.
+const DELETE: &str = include_str!("delete.lua");
+
+/// File a record in its subject's index at its creation time (an entry only ever moves later), and
+/// keep the index at least as long as the record's lifetime. KEYS[1] the subject's index; ARGV
+/// creation time (ms), record digest (hex), lifetime (ms).
+const INDEX: &str = include_str!("index.lua");
+
+/// Remove a record from its subject's index if its entry is still the one seen (same creation
+/// time): an entry a new claim of the key just re-filed stays. KEYS[1] the subject's index; ARGV
+/// record digest (hex), creation time (ms) as seen.
+const UNINDEX: &str = include_str!("unindex.lua");
+
+/// How many index entries one listing reads, per record asked, before it returns what it has
+/// (with a cursor to continue from) when entries of records that are gone leave its page short.
+const SCAN_PER_RECORD: usize = 10;
+
 /// Records in Redis, shared by every instance connected to the same server or cluster.
 ///
 /// Each record is one hash under `<prefix><sha256 of key, subject and endpoint>`, so client input
-/// never shapes Redis key names and every key is 64 hex characters long. Claim, complete, renew and
-/// release are Lua scripts, atomic on the server; retention is the key's expiry, so Redis removes
-/// expired records itself and [`IdempotencyStore::purge_expired`] has nothing to do. The connection
+/// never shapes Redis key names and every key is 64 hex characters long. Claim, complete, renew,
+/// release, lookup and delete are Lua scripts, atomic on the server; retention is the key's expiry,
+/// so Redis removes expired records itself and [`IdempotencyStore::purge_expired`] has nothing to
+/// do. A record also keeps, for inspection, when it was created and its key, subject and endpoint
+/// in clear (records written by earlier versions have none: they show as created at the epoch,
+/// with an empty key and endpoint, and are never listed).
+///
+/// # Listing
+///
+/// Records are spread by their digest, so [`IdempotencyStore::list`] reads a per-subject index: a
+/// sorted set under `<prefix>subject:<sha256 of the subject>` (a digest too: client input never
+/// shapes key names), of record digests scored by creation time, which lives as long as the longest
+/// lifetime (in-progress TTL and retention) of the claims that filed into it. It lives in another
+/// slot than the records, so a claim that creates a record files it with a second command, awaited
+/// (one more round trip, on fresh keys only), within the same operation timeout. The index serves
+/// listings only: when that command fails or times out the claim still stands and the record is
+/// merely missing from listings; a record kept longer than its claim's lifetime (a handler renewing
+/// its lease past the in-progress TTL) may likewise drop out of listings when the index expires
+/// before it. Lookups and deletes never read the index. A listing reads the records its index
+/// names (each on its own node, on a cluster), skips (and removes from the index) those that are
+/// gone, released or expired, and reads at most ten index entries per record asked: a page left
+/// short by that bound still carries a cursor to continue from. Listing needs Redis 6.2 or later
+/// (`ZRANGE ... BYSCORE`, `ZADD GT`); on an older server claims still work, unfiled. The connection
 /// is made lazily and re-made after failures; while Redis is unreachable every operation fails (and
 /// the layer answers `503`).
 ///
@@ -59,9 +112,10 @@ const RELEASE: &str = include_str!("release.lua");
 ///
 /// [`RedisStore::new`] talks to one server (or whatever a [`redis::Client`] reaches: a primary
 /// behind a proxy, say); [`RedisStore::cluster`] talks to a Redis Cluster. Every script reads and
-/// writes exactly one key, its `KEYS[1]` (the record's hash), and nothing else, so on a cluster each
-/// operation runs whole on the master that owns that key's slot: no cross-slot access, no hash tags
-/// needed, and records spread over the masters by their digest. A prefix given to
+/// writes exactly one key, its `KEYS[1]` (the record's hash, or for the index's scripts a subject's
+/// index), and nothing else, so on a cluster each script runs whole on the master that owns that
+/// key's slot: no cross-slot access, no hash tags needed, and records spread over the masters by
+/// their digest. A prefix given to
 /// [`RedisStore::with_prefix`] should not contain a hash tag (`{...}`): it would put every record
 /// in one slot, on one master.
 ///
@@ -149,6 +203,10 @@ struct Scripts {
     complete: Lua,
     renew: Lua,
     release: Lua,
+    inspect: Lua,
+    delete: Lua,
+    index: Lua,
+    unindex: Lua,
 }
 
 impl RedisStore {
@@ -226,6 +284,10 @@ impl RedisStore {
                 complete: Lua::new(COMPLETE),
                 renew: Lua::new(RENEW),
                 release: Lua::new(RELEASE),
+                inspect: Lua::new(INSPECT),
+                delete: Lua::new(DELETE),
+                index: Lua::new(INDEX),
+                unindex: Lua::new(UNINDEX),
             }),
         }
     }
@@ -252,6 +314,16 @@ impl RedisStore {
         name
     }
 
+    /// The key of `subject`'s index: `<prefix>subject:<sha256 of the subject>`.
+    fn index_key(&self, subject: &str) -> String {
+        let digest: [u8; 32] = Sha256::digest(subject.as_bytes()).into();
+        let mut name = String::with_capacity(self.prefix.len() + 8 + 64);
+        name.push_str(&self.prefix);
+        name.push_str("subject:");
+        crate::hex::push(&mut name, &digest);
+        name
+    }
+
     /// Runs `script` on the record `key` (its only key, `KEYS[1]`) with the arguments `args` adds,
     /// within the timeout: by SHA1, and whole when the server does not have it (see [`RedisStore`]).
     async fn eval<T: FromRedisValue>(
@@ -261,10 +333,22 @@ impl RedisStore {
         key: &RecordKey,
         args: impl Fn(&mut Cmd),
     ) -> Result<T, StoreError> {
-        let key = self.redis_key(key);
+        self.eval_on(what, script, &self.redis_key(key), self.timeout, args)
+            .await
+    }
+
+    /// Runs `script` on `key` (a record's or an index's Redis key, its only key), within `limit`.
+    async fn eval_on<T: FromRedisValue>(
+        &self,
+        what: &'static str,
+        script: &Lua,
+        key: &str,
+        limit: Duration,
+        args: impl Fn(&mut Cmd),
+    ) -> Result<T, StoreError> {
         let command = |name: &str, script: &str| {
             let mut cmd = redis::cmd(name);
-            cmd.arg(script).arg(1).arg(&key);
+            cmd.arg(script).arg(1).arg(key);
             args(&mut cmd);
             cmd
         };
@@ -282,22 +366,188 @@ impl RedisStore {
                 answer => answer,
             }
         };
-        self.timed(what, run).await
+        self.timed(what, limit, run).await
+    }
+
+    /// Files the record `digest`, created at `created_ms`, in `subject`'s index, within `limit`.
+    async fn index(
+        &self,
+        subject: &str,
+        digest: &[u8; 32],
+        created_ms: i64,
+        lifetime: Duration,
+        limit: Duration,
+    ) -> Result<(), StoreError> {
+        let member = crate::hex::encode(digest);
+        let _: i64 = self
+            .eval_on(
+                "index",
+                &self.scripts.index,
+                &self.index_key(subject),
+                limit,
+                |cmd| {
+                    cmd.arg(created_ms).arg(&member).arg(millis(lifetime));
+                },
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Removes `member` from the index `index` if it is still filed at `created_ms`; best effort (a
+    /// stale entry costs a later listing one more read).
+    async fn unindex(&self, index: &str, member: &str, created_ms: i64) {
+        let removed: Result<i64, _> = self
+            .eval_on(
+                "unindex",
+                &self.scripts.unindex,
+                index,
+                self.timeout,
+                |cmd| {
+                    cmd.arg(member).arg(created_ms);
+                },
+            )
+            .await;
+        if let Err(e) = removed {
+            tracing::debug!(error = %e, "removing a stale entry of an idempotency listing index failed");
+        }
+    }
+
+    /// The record under the Redis key `key` as inspection shows it, with its creation time (ms),
+    /// key, subject and endpoint; `None` when it is absent, expired or released.
+    async fn inspect(&self, key: &str) -> Result<Option<Inspected>, StoreError> {
+        let reply: Option<Vec<Value>> = self
+            .eval_on("inspect", &self.scripts.inspect, key, self.timeout, |_| {})
+            .await?;
+        let Some(reply) = reply else {
+            return Ok(None);
+        };
+        let bad = || StoreError::msg("redis inspect: unexpected reply");
+        let text = |i: usize| -> Result<String, StoreError> {
+            match reply.get(i) {
+                Some(Value::BulkString(bytes)) => Ok(String::from_utf8_lossy(bytes).into_owned()),
+                Some(Value::SimpleString(s)) => Ok(s.clone()),
+                Some(Value::Int(n)) => Ok(n.to_string()),
+                _ => Err(bad()),
+            }
+        };
+        let int = |i: usize| -> Result<i64, StoreError> {
+            match reply.get(i) {
+                Some(Value::Int(n)) => Ok(*n),
+                _ => text(i)?.parse().map_err(|_| bad()),
+            }
+        };
+        let state = match text(0)?.as_str() {
+            "in_progress" => RecordState::InProgress,
+            "completed" => RecordState::Completed,
+            "failed" => RecordState::Failed,
+            _ => return Err(bad()),
+        };
+        let (created_ms, ttl_ms, now_ms, status) = (int(1)?, int(2)?, int(3)?, int(4)?);
+        let expires_at = if ttl_ms >= 0 {
+            from_micros(now_ms.saturating_add(ttl_ms).saturating_mul(1000))
+        } else {
+            // No expiry (a record always has one): it never expires.
+            from_micros(i64::MAX)
+        };
+        let info = RecordInfo::new(
+            state,
+            u16::try_from(status).ok().filter(|_| state.is_finished()),
+            from_micros(created_ms.saturating_mul(1000)),
+            expires_at,
+        );
+        Ok(Some(Inspected {
+            info,
+            created_ms,
+            key: text(5)?,
+            subject: text(6)?,
+            endpoint: text(7)?,
+        }))
     }
 
     async fn timed<T>(
         &self,
         what: &'static str,
+        limit: Duration,
         operation: impl Future<Output = redis::RedisResult<T>>,
     ) -> Result<T, StoreError> {
-        match tokio::time::timeout(self.timeout, operation).await {
+        match tokio::time::timeout(limit, operation).await {
             Ok(result) => result.map_err(|e| StoreError::new(format!("redis {what}"), e)),
             Err(_) => Err(StoreError::msg(format!(
-                "redis {what}: no answer within {:?}",
-                self.timeout
+                "redis {what}: no answer within {limit:?}"
             ))),
         }
     }
+
+    /// Up to `count` entries of the index `index` from `from_ms` (inclusive; from the first when
+    /// `None`), skipping the first `offset` of them: (digest hex, creation time ms), in index order.
+    async fn index_entries(
+        &self,
+        index: &str,
+        from_ms: Option<i64>,
+        offset: usize,
+        count: usize,
+    ) -> Result<Vec<(String, i64)>, StoreError> {
+        let mut cmd = redis::cmd("ZRANGE");
+        cmd.arg(index);
+        match from_ms {
+            Some(ms) => cmd.arg(ms),
+            None => cmd.arg("-inf"),
+        };
+        cmd.arg("+inf")
+            .arg("BYSCORE")
+            .arg("LIMIT")
+            .arg(offset)
+            .arg(count)
+            .arg("WITHSCORES");
+        let mut connection = self.connection.clone();
+        let entries: Vec<(String, f64)> = self
+            .timed("list", self.timeout, async move {
+                cmd.query_async(&mut connection).await
+            })
+            .await?;
+        // Scores are whole milliseconds, well within an f64's exact integers.
+        Ok(entries
+            .into_iter()
+            .map(|(member, score)| (member, score as i64))
+            .collect())
+    }
+}
+
+/// A record as inspection reads it.
+struct Inspected {
+    info: RecordInfo,
+    created_ms: i64,
+    key: String,
+    subject: String,
+    endpoint: String,
+}
+
+/// A script's integer, as an integer reply or as text (a hash field).
+fn integer(value: &Value) -> Option<i64> {
+    match value {
+        Value::Int(n) => Some(*n),
+        Value::BulkString(bytes) => std::str::from_utf8(bytes).ok()?.parse().ok(),
+        Value::SimpleString(s) => s.parse().ok(),
+        _ => None,
+    }
+}
+
+/// The digest an index entry names (64 lower-case hex digits); `None` for anything else.
+fn parse_digest(hex: &str) -> Option<[u8; 32]> {
+    let hex = hex.as_bytes();
+    if hex.len() != 64 {
+        return None;
+    }
+    let nibble = |c: u8| match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        _ => None,
+    };
+    let mut digest = [0u8; 32];
+    for (i, byte) in digest.iter_mut().enumerate() {
+        *byte = nibble(hex[2 * i])? << 4 | nibble(hex[2 * i + 1])?;
+    }
+    Some(digest)
 }
 
 fn millis(d: Duration) -> u64 {
@@ -306,14 +556,19 @@ fn millis(d: Duration) -> u64 {
 
 impl IdempotencyStore for RedisStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let started = tokio::time::Instant::now();
         let lease = request.lease;
+        let lifetime = request.in_progress_ttl + request.retention;
         let reply: Vec<Value> = self
             .eval("claim", &self.scripts.claim, &request.key, |cmd| {
                 cmd.arg(&request.fingerprint.as_bytes()[..])
                     .arg(lease.0)
                     .arg(millis(request.in_progress_ttl))
-                    .arg(millis(request.in_progress_ttl + request.retention))
-                    .arg(&request.generation.0[..]);
+                    .arg(millis(lifetime))
+                    .arg(&request.generation.0[..])
+                    .arg(&request.key.key)
+                    .arg(&request.key.subject)
+                    .arg(&request.key.endpoint);
             })
             .await?;
         let generation = match reply.get(1) {
@@ -325,6 +580,24 @@ impl IdempotencyStore for RedisStore {
             Some(Value::SimpleString(tag)) => tag.as_bytes(),
             _ => return Err(StoreError::msg("redis claim: unexpected reply")),
         };
+        if matches!(tag, b"claimed" | b"retaken")
+            && let Some(created_ms) = reply.get(2).and_then(integer)
+        {
+            // The record is claimed whatever becomes of its index entry, which only listings
+            // read: a failure here is logged, not answered. The claim's operation timeout bounds
+            // both commands together.
+            let left = self.timeout.saturating_sub(started.elapsed());
+            let digest = request.key.digest();
+            let filed = self
+                .index(&request.key.subject, &digest, created_ms, lifetime, left)
+                .await;
+            if let Err(e) = filed {
+                tracing::warn!(
+                    error = %e,
+                    "an idempotency record was claimed but not filed for listing"
+                );
+            }
+        }
         Ok(match tag {
             b"claimed" => ClaimOutcome::Claimed {
                 lease,
@@ -410,20 +683,133 @@ impl IdempotencyStore for RedisStore {
         Ok(0)
     }
 
-    async fn lookup(&self, _key: &RecordKey) -> Result<Option<super::RecordInfo>, StoreError> {
-        Err(StoreError::msg("TODO: inspection"))
+    async fn lookup(&self, key: &RecordKey) -> Result<Option<RecordInfo>, StoreError> {
+        Ok(self
+            .inspect(&self.redis_key(key))
+            .await?
+            .map(|record| record.info))
     }
 
-    async fn delete(&self, _key: &RecordKey) -> Result<super::Deleted, StoreError> {
-        Err(StoreError::msg("TODO: inspection"))
+    async fn delete(&self, key: &RecordKey) -> Result<Deleted, StoreError> {
+        let reply: Vec<Value> = self
+            .eval("delete", &self.scripts.delete, key, |_| {})
+            .await?;
+        match reply.first() {
+            Some(Value::Int(2)) => {
+                // The record is gone; its index entry too, unless a new claim filed it again.
+                if let Some(created_ms) = reply.get(1).and_then(integer) {
+                    let member = crate::hex::encode(&key.digest());
+                    self.unindex(&self.index_key(&key.subject), &member, created_ms)
+                        .await;
+                }
+                Ok(Deleted::Deleted)
+            }
+            Some(Value::Int(1)) => Ok(Deleted::InProgress),
+            Some(Value::Int(0)) => Ok(Deleted::NotFound),
+            _ => Err(StoreError::msg("redis delete: unexpected reply")),
+        }
     }
 
-    async fn list(
-        &self,
-        _subject: &str,
-        _request: super::ListRequest,
-    ) -> Result<super::RecordPage, StoreError> {
-        Err(StoreError::msg("TODO: inspection"))
+    async fn list(&self, subject: &str, request: ListRequest) -> Result<RecordPage, StoreError> {
+        let limit = request.bounded_limit();
+        let budget = limit * SCAN_PER_RECORD;
+        let index = self.index_key(subject);
+        // The last entry read, as (creation ms, digest): the index's own order.
+        let mut last = request
+            .after
+            .map(|after| (after.created_micros().div_euclid(1000), *after.scope()));
+        let mut from_ms = last.map(|(ms, _)| ms);
+        let mut offset = 0;
+        let mut scanned = 0;
+        let mut records = Vec::with_capacity(limit);
+        let mut exhausted = false;
+        // Entries of records that are gone, and entries behind their record's creation time: put
+        // right once the page is read, best effort.
+        let (mut stale, mut moved) = (Vec::new(), Vec::new());
+        'scan: while records.len() < limit && scanned < budget {
+            let want = limit.min(budget - scanned);
+            let entries = self.index_entries(&index, from_ms, offset, want).await?;
+            let fetched = entries.len();
+            let entries: Vec<(String, i64, [u8; 32])> = entries
+                .into_iter()
+                .filter_map(|(member, ms)| {
+                    let digest = parse_digest(&member)?;
+                    let after_last = last.is_none_or(|l| (ms, digest) > l);
+                    after_last.then_some((member, ms, digest))
+                })
+                .collect();
+            if entries.is_empty() {
+                if fetched < want {
+                    exhausted = true;
+                    break;
+                }
+                // As many entries as asked, all at or before the last one read: that many share
+                // its creation time; read on past them.
+                offset += fetched;
+                continue;
+            }
+            offset = 0;
+            // Read the batch's records together (on a cluster, each on its own node).
+            let read = futures_util::future::join_all(entries.iter().map(|(member, _, _)| {
+                let key = format!("{}{member}", self.prefix);
+                async move { self.inspect(&key).await }
+            }))
+            .await;
+            for ((member, ms, digest), record) in entries.into_iter().zip(read) {
+                scanned += 1;
+                last = Some((ms, digest));
+                from_ms = Some(ms);
+                match record? {
+                    None => stale.push((member, ms)),
+                    Some(record) if record.subject != subject => {}
+                    Some(record) if record.created_ms > ms => {
+                        // Filed before a new run of its key took the record (a released one, or
+                        // gone and claimed again): its entry moves later, where it is read.
+                        moved.push((digest, record.created_ms));
+                    }
+                    Some(record) => {
+                        // Listed at its place in the index (its creation time, unless the
+                        // server's clock went back since the entry was filed).
+                        let cursor = ListCursor::new(from_micros(ms.saturating_mul(1000)), digest);
+                        records.push(ListedRecord {
+                            key: record.key,
+                            endpoint: record.endpoint,
+                            info: record.info,
+                            cursor,
+                        });
+                        if records.len() == limit {
+                            break 'scan;
+                        }
+                    }
+                }
+                if scanned >= budget {
+                    break 'scan;
+                }
+            }
+            if fetched < want {
+                exhausted = true;
+                break;
+            }
+        }
+        let unindexed = futures_util::future::join_all(
+            stale
+                .iter()
+                .map(|(member, ms)| self.unindex(&index, member, *ms)),
+        );
+        let refiled = futures_util::future::join_all(moved.iter().map(|(digest, created_ms)| {
+            self.index(subject, digest, *created_ms, Duration::ZERO, self.timeout)
+        }));
+        let (_, refiled) = tokio::join!(unindexed, refiled);
+        if let Some(Err(e)) = refiled.into_iter().find(Result::is_err) {
+            tracing::debug!(error = %e, "moving an idempotency listing entry failed");
+        }
+        if records.len() < limit && !exhausted {
+            // Stopped by the scan bound: the client continues from the last entry read.
+            let next = last
+                .map(|(ms, digest)| ListCursor::new(from_micros(ms.saturating_mul(1000)), digest));
+            return Ok(RecordPage { records, next });
+        }
+        Ok(RecordPage::new(records, limit))
     }
 
     fn capabilities(&self) -> Capabilities<'_> {
@@ -509,5 +895,16 @@ mod tests {
             assert_eq!(decode(&blob[..cut]), None, "cut at {cut}");
         }
         assert_eq!(decode(b"x"), None);
+    }
+
+    #[test]
+    fn index_entries_name_digests_in_lower_case_hex_only() {
+        let digest: [u8; 32] = std::array::from_fn(|i| (i * 37) as u8);
+        let hex = crate::hex::encode(&digest);
+        assert_eq!(parse_digest(&hex), Some(digest));
+        assert_eq!(parse_digest(&hex.to_uppercase()), None);
+        assert_eq!(parse_digest(&hex[1..]), None);
+        assert_eq!(parse_digest(&format!("{}g", &hex[1..])), None);
+        assert_eq!(parse_digest(""), None);
     }
 }
