@@ -16,12 +16,12 @@ mod inspection;
 mod memory;
 pub use cached::{CachedStore, DEFAULT_CACHE_BYTES, DEFAULT_CACHE_MAX_AGE};
 pub use capabilities::{Capabilities, ResponseTransform};
+#[cfg(any(feature = "postgres", feature = "redis"))]
+pub(crate) use inspection::from_micros;
 pub use inspection::{
     Deleted, InvalidCursor, ListCursor, ListRequest, ListedRecord, MAX_LIST_LIMIT, RecordInfo,
     RecordPage, RecordState,
 };
-#[cfg(any(feature = "postgres", feature = "redis"))]
-pub(crate) use inspection::from_micros;
 pub use memory::{DEFAULT_MEMORY_CAPACITY, MemoryStore};
 
 #[cfg(feature = "postgres")]

@@ -213,3 +213,60 @@ async fn a_listing_reads_a_bounded_number_of_entries_and_continues() {
     let listed: Vec<&str> = page.records.iter().map(|r| r.key.as_str()).collect();
     assert_eq!(listed, ["k12"], "{page:?}");
 }
+
+/// A store built `without_scope_fields` keeps no key, subject or endpoint in clear in Redis, files
+/// nothing for listing, and still looks records up and deletes them.
+#[tokio::test]
+async fn without_scope_fields_nothing_is_in_clear_and_nothing_is_listed() {
+    let (store, prefix) = store_and_prefix();
+    let store = store.without_scope_fields();
+    let (router, _) = app(IdempotencyLayer::new(store.clone()));
+    let answer = send(
+        &router,
+        post("/pay")
+            .key("secret-key-1")
+            .user("alice@example.com")
+            .json("{}"),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::CREATED);
+    let client = redis::Client::open(redis_url()).expect("REDIS_URL");
+    let mut connection = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis");
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}*"))
+        .query_async(&mut connection)
+        .await
+        .expect("keys");
+    assert_eq!(keys.len(), 1, "one record, no index: {keys:?}");
+    let fields: Vec<Vec<u8>> = redis::cmd("HVALS")
+        .arg(&keys[0])
+        .query_async(&mut connection)
+        .await
+        .expect("hvals");
+    for value in &fields {
+        let text = String::from_utf8_lossy(value);
+        assert!(
+            !text.contains("secret-key-1") && !text.contains("alice") && !text.contains("/pay"),
+            "{text:?}"
+        );
+    }
+    let key = RecordKey {
+        key: "secret-key-1".into(),
+        subject: "alice@example.com".into(),
+        endpoint: "POST /pay".into(),
+    };
+    let info = store.lookup(&key).await.expect("lookup").expect("found");
+    assert_eq!(info.status, Some(201));
+    let page = store
+        .list("alice@example.com", ListRequest::first(10))
+        .await
+        .expect("list");
+    assert!(page.records.is_empty(), "{page:?}");
+    assert_eq!(
+        store.delete(&key).await.expect("delete"),
+        axum_idempotency::Deleted::Deleted
+    );
+}

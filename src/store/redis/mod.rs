@@ -136,6 +136,8 @@ pub struct RedisStore {
     prefix: Arc<str>,
     timeout: Duration,
     scripts: Arc<Scripts>,
+    /// Whether records keep their key, subject and endpoint in clear, and are filed for listing.
+    scope_fields: bool,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -279,6 +281,7 @@ impl RedisStore {
             connection,
             prefix: Arc::from("idempotency:"),
             timeout: DEFAULT_REDIS_TIMEOUT,
+            scope_fields: true,
             scripts: Arc::new(Scripts {
                 claim: Lua::new(CLAIM),
                 complete: Lua::new(COMPLETE),
@@ -296,6 +299,17 @@ impl RedisStore {
     /// cluster, keep hash tags (`{...}`) out of it, or every record lands in one slot.
     pub fn with_prefix(mut self, prefix: &str) -> Self {
         self.prefix = Arc::from(prefix);
+        self
+    }
+
+    /// Keeps nothing of a record's key, subject or endpoint in clear (only the digest that names
+    /// it), as `PostgresStore::without_scope_columns` does: a Redis whose keys leak reveals no
+    /// idempotency key, user id or path. Records are then not filed for listing, so
+    /// [`IdempotencyStore::list`] finds none; [`lookup`](IdempotencyStore::lookup) and
+    /// [`delete`](IdempotencyStore::delete) work as before (they show an empty key). It also saves
+    /// the second round trip of a fresh claim.
+    pub fn without_scope_fields(mut self) -> Self {
+        self.scope_fields = false;
         self
     }
 
@@ -565,10 +579,14 @@ impl IdempotencyStore for RedisStore {
                     .arg(lease.0)
                     .arg(millis(request.in_progress_ttl))
                     .arg(millis(lifetime))
-                    .arg(&request.generation.0[..])
-                    .arg(&request.key.key)
-                    .arg(&request.key.subject)
-                    .arg(&request.key.endpoint);
+                    .arg(&request.generation.0[..]);
+                if self.scope_fields {
+                    cmd.arg(&request.key.key)
+                        .arg(&request.key.subject)
+                        .arg(&request.key.endpoint);
+                } else {
+                    cmd.arg("").arg("").arg("");
+                }
             })
             .await?;
         let generation = match reply.get(1) {
@@ -580,7 +598,8 @@ impl IdempotencyStore for RedisStore {
             Some(Value::SimpleString(tag)) => tag.as_bytes(),
             _ => return Err(StoreError::msg("redis claim: unexpected reply")),
         };
-        if matches!(tag, b"claimed" | b"retaken")
+        if self.scope_fields
+            && matches!(tag, b"claimed" | b"retaken")
             && let Some(created_ms) = reply.get(2).and_then(integer)
         {
             // The record is claimed whatever becomes of its index entry, which only listings
