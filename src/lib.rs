@@ -198,6 +198,8 @@ pub use context::IdempotencyContext;
 pub use drain::Drain;
 pub use fingerprint::Fingerprint;
 pub use layer::IdempotencyLayer;
+#[cfg(feature = "postgres")]
+pub use once::OnceTransaction;
 pub use once::{OnceError, RunOnce, RunOnceBuilder};
 pub use outcome::{Outcome, OutcomeCounters};
 pub use policy::{Disposition, default_policy};

@@ -525,3 +525,102 @@ fn settings_out_of_bounds_are_refused() {
     assert!(refused(b().derived_key_secret("short")).contains("derived_key_secret"));
     assert!(b().in_progress_ttl(Duration::from_secs(1)).build().is_ok());
 }
+
+/// `run_in_transaction` on Postgres: the closure's effect and the record of its output commit
+/// together; an error rolls the effect back and releases; a lease lost before the commit rolls the
+/// effect back and answers `InProgress`; a store without Postgres refuses without running.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn effects_in_the_transaction_commit_with_the_output() {
+    let store = postgres().await;
+    let table = store.table().to_owned();
+    let effects = table.replace(".records", ".effects");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {effects} (message text NOT NULL)"
+    )))
+    .execute(store.pool())
+    .await
+    .expect("effects table");
+    let count = |message: &'static str| {
+        let (pool, effects) = (store.pool().clone(), effects.clone());
+        async move {
+            let (n,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT count(*) FROM {effects} WHERE message = $1"
+            )))
+            .bind(message)
+            .fetch_one(&pool)
+            .await
+            .expect("count");
+            n
+        }
+    };
+    let once = once(store.clone());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let charge = |message: &'static str, fail: bool, steal: bool| {
+        let (runs, effects, table) = (runs.clone(), effects.clone(), table.clone());
+        let pool = store.pool().clone();
+        move |_ctx, mut tx: axum_idempotency::OnceTransaction| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO {effects} (message) VALUES ($1)"
+            )))
+            .bind(message)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| e.to_string())?;
+            if steal {
+                // Another process retook the record meanwhile (its lease is not ours any more).
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "UPDATE {table} SET lease_token = 4242 WHERE idempotency_key = $1"
+                )))
+                .bind(message)
+                .execute(&pool)
+                .await
+                .map_err(|e| e.to_string())?;
+            }
+            if fail {
+                return Err("declined".to_owned());
+            }
+            Ok((format!("charged {message}"), tx))
+        }
+    };
+    let first: Outcome<String> = once
+        .run_in_transaction(scope("t1"), fingerprint(1), charge("t1", false, false))
+        .await;
+    assert_eq!(first.expect("ran"), "charged t1");
+    assert_eq!(count("t1").await, 1);
+    let again: Outcome<String> = once
+        .run_in_transaction(scope("t1"), fingerprint(1), charge("t1", false, false))
+        .await;
+    assert_eq!(again.expect("replayed"), "charged t1");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(count("t1").await, 1, "the effect happened once");
+
+    let failed: Outcome<String> = once
+        .run_in_transaction(scope("t2"), fingerprint(2), charge("t2", true, false))
+        .await;
+    assert!(matches!(failed, Err(OnceError::Failed(_))), "{failed:?}");
+    assert_eq!(count("t2").await, 0, "rolled back");
+    let retried: Outcome<String> = once
+        .run_in_transaction(scope("t2"), fingerprint(2), charge("t2", false, false))
+        .await;
+    assert_eq!(retried.expect("ran again"), "charged t2");
+    assert_eq!(count("t2").await, 1);
+
+    let stolen: Outcome<String> = once
+        .run_in_transaction(scope("t3"), fingerprint(3), charge("t3", false, true))
+        .await;
+    assert!(matches!(stolen, Err(OnceError::InProgress)), "{stolen:?}");
+    assert_eq!(count("t3").await, 0, "a lost lease commits nothing");
+
+    let memory = RunOnce::new(axum_idempotency::MemoryStore::new());
+    let refused: Outcome<String> = memory
+        .run_in_transaction(scope("t4"), fingerprint(4), charge("t4", false, false))
+        .await;
+    assert!(matches!(refused, Err(OnceError::Store(_))), "{refused:?}");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        4,
+        "the memory store ran nothing"
+    );
+}

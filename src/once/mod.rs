@@ -65,6 +65,11 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "postgres")]
+mod transactional;
+#[cfg(feature = "postgres")]
+pub use transactional::OnceTransaction;
+
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -191,7 +196,15 @@ impl<St: IdempotencyStore> RunOnce<St> {
         let (config, store, label) = (self.config.clone(), self.store.clone(), self.label.clone());
         let (answer, answered) = tokio::sync::oneshot::channel();
         let work = async move {
-            let outcome = once(config, store, label, scope, fingerprint, f).await;
+            let outcome = once(
+                config,
+                store,
+                label,
+                scope,
+                fingerprint,
+                |config, lease, ctx| async move { held(&config, lease, ctx, f).await },
+            )
+            .await;
             // The caller may have stopped waiting: the run and its record stand all the same.
             let _ = answer.send(outcome);
         };
@@ -375,21 +388,21 @@ impl<St: IdempotencyStore> RunOnceBuilder<St> {
     }
 }
 
-/// One call, on its own task: the claim, then the answer or the run.
-async fn once<St, T, E, F, Fut>(
+/// One call, on its own task: the claim, then the answer or the run (by `runner`, once the claim
+/// is held: the plain run, or the run in a transaction).
+async fn once<St, T, E, R, RF>(
     config: Arc<Config>,
     store: Coalesced<Measured<St>>,
     label: Label,
     scope: RecordKey,
     fingerprint: Fingerprint,
-    f: F,
+    runner: R,
 ) -> Result<T, OnceError<E>>
 where
     St: IdempotencyStore,
-    T: Serialize + DeserializeOwned + Send + 'static,
-    E: Send + 'static,
-    F: FnOnce(IdempotencyContext) -> Fut + Send + 'static,
-    Fut: Future<Output = Result<T, E>> + Send + 'static,
+    T: DeserializeOwned,
+    R: FnOnce(Arc<Config>, Lease<Coalesced<Measured<St>>>, IdempotencyContext) -> RF,
+    RF: Future<Output = Result<T, OnceError<E>>>,
 {
     let claim = ClaimRequest {
         key: scope,
@@ -449,7 +462,7 @@ where
             // Lets the heartbeat's task start first, as the layer does (a closure that blocks its
             // thread at its first poll would otherwise keep it from ever starting).
             tokio::task::yield_now().await;
-            held(&config, lease, context, f).await
+            runner(config, lease, context).await
         }
         Ok(ClaimOutcome::InProgress) if !config.wait.is_zero() => {
             // Waits for the holder's output, as a duplicate request does (never runs `f`).

@@ -1,0 +1,213 @@
+//! [`RunOnce::run_in_transaction`]: the closure writes its effects in a Postgres transaction that
+//! the record of its output is completed in, and committed with, as a handler's effects are with
+//! `IdempotencyTx`: both happen or neither.
+//!
+//! - The closure gets the transaction and gives it back with its output. Its `Err`, a panic, or
+//!   the maximum hold drop the transaction (rolled back: none of its effects happened) and release
+//!   the record, so a later call runs again.
+//! - The completion is written in the transaction, fenced by the lease: a lease lost meanwhile
+//!   (the record was retaken) matches nothing, the transaction is rolled back, and the call
+//!   answers [`OnceError::InProgress`] (the retaker's output is the one that counts).
+//! - A commit that fails is settled as the layer settles it: the record is released if the commit
+//!   did not land (the effects did not happen), and the output is answered if it did.
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use futures_util::FutureExt;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use sqlx::{Postgres, Transaction};
+use tracing::Instrument;
+
+use super::{OUTPUT, OnceError, RunOnce, once, recorded};
+use crate::claim::span;
+use crate::config::Config;
+use crate::context::IdempotencyContext;
+use crate::fingerprint::Fingerprint;
+use crate::lease::{Lease, Settled};
+use crate::metrics;
+use crate::record::RecordKey;
+use crate::recording::transactional::rollback;
+use crate::store::{IdempotencyStore, StoreError};
+
+/// The transaction a [`RunOnce::run_in_transaction`] closure writes its effects in, and gives back
+/// with its output.
+pub type OnceTransaction = Transaction<'static, Postgres>;
+
+impl<St: IdempotencyStore> RunOnce<St> {
+    /// [`run`](Self::run), with the closure's effects and the record of its output committed in
+    /// one Postgres transaction (see the [module docs](self)): the closure gets the transaction and
+    /// returns it with its output, `Ok((output, tx))`; it must not commit it.
+    ///
+    /// Needs a store whose capabilities include a `PostgresStore` (a `PostgresStore`, or a wrapper
+    /// of one): on another, the call answers [`OnceError::Store`] without running `f`.
+    /// [`OnceError::TimedOut`] here means the closure was cancelled at the maximum hold and its
+    /// transaction rolled back: the record is released and a later call runs again.
+    pub async fn run_in_transaction<T, E, F, Fut>(
+        &self,
+        scope: RecordKey,
+        fingerprint: Fingerprint,
+        f: F,
+    ) -> Result<T, OnceError<E>>
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: Send + 'static,
+        F: FnOnce(IdempotencyContext, OnceTransaction) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<(T, OnceTransaction), E>> + Send + 'static,
+    {
+        if self.store.capabilities().postgres().is_none() {
+            return Err(OnceError::Store(StoreError::msg(
+                "run_in_transaction needs a PostgresStore (or a wrapper of one)",
+            )));
+        }
+        let span = span(&self.config, &scope.key, &scope.subject, &scope.endpoint);
+        let (config, store, label) = (self.config.clone(), self.store.clone(), self.label.clone());
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        let work = async move {
+            let outcome = once(
+                config,
+                store,
+                label,
+                scope,
+                fingerprint,
+                |config, lease, ctx| {
+                    Box::pin(async move { held_in_transaction(&config, lease, ctx, f).await })
+                },
+            )
+            .await;
+            let _ = answer.send(outcome);
+        };
+        self.config.drain.spawn(work.instrument(span));
+        match answered.await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(OnceError::Store(StoreError::msg(
+                "the run was dropped before it settled: no runtime to run it on",
+            ))),
+        }
+    }
+}
+
+/// Runs the closure in a transaction under its lease, then completes the record in that
+/// transaction and commits; or rolls back and releases.
+async fn held_in_transaction<St, T, E, F, Fut>(
+    config: &Config,
+    lease: Lease<St>,
+    context: IdempotencyContext,
+    f: F,
+) -> Result<T, OnceError<E>>
+where
+    St: IdempotencyStore,
+    T: Serialize,
+    F: FnOnce(IdempotencyContext, OnceTransaction) -> Fut,
+    Fut: Future<Output = Result<(T, OnceTransaction), E>>,
+{
+    let Some(pg) = lease.store().capabilities().postgres().cloned() else {
+        lease
+            .release("the store has no Postgres transactions")
+            .await;
+        return Err(OnceError::Store(StoreError::msg(
+            "run_in_transaction needs a PostgresStore",
+        )));
+    };
+    let tx = match pg.begin(config.in_progress_ttl).await {
+        Ok(tx) => tx,
+        Err(e) => {
+            lease.release("the transaction could not begin").await;
+            return Err(OnceError::Store(e));
+        }
+    };
+    let run = AssertUnwindSafe(async move { f(context, tx).await }).catch_unwind();
+    let Ok(ended) = tokio::time::timeout_at(lease.deadline(), run).await else {
+        // Cancelled with its transaction, which rolls back: nothing of it happened.
+        lease.timed_out();
+        tracing::warn!("the closure was still running at the maximum hold; rolled back");
+        lease.release("the closure ran past the maximum hold").await;
+        return Err(OnceError::TimedOut);
+    };
+    let (value, mut tx) = match ended {
+        Ok(Ok(done)) => done,
+        Ok(Err(e)) => {
+            lease.release("the closure returned an error").await;
+            return Err(OnceError::Failed(e));
+        }
+        Err(_panic) => {
+            lease.release("the closure panicked").await;
+            return Err(OnceError::Panicked);
+        }
+    };
+    let body = match serde_json::to_vec(&value) {
+        Ok(body) => body,
+        Err(e) => {
+            // Nothing is committed: the effects roll back with the transaction, so the record is
+            // released rather than settled as failed.
+            rollback(&pg, tx).await;
+            lease.release("the output did not serialize").await;
+            return Err(OnceError::Encode(e));
+        }
+    };
+    let stored = Arc::new(recorded(OUTPUT, body));
+    let written = match lease.store().capabilities().transform(
+        lease.key(),
+        lease.fingerprint(),
+        stored.clone(),
+    ) {
+        Ok(written) => written,
+        Err(e) => {
+            rollback(&pg, tx).await;
+            lease.release("the record could not be prepared").await;
+            return Err(OnceError::Store(e));
+        }
+    };
+    let completed = metrics::timed(
+        "complete",
+        pg.complete_in(
+            &mut tx,
+            lease.key(),
+            lease.token(),
+            &written,
+            config.retention,
+        ),
+    )
+    .await;
+    match completed {
+        Ok(true) => {}
+        Ok(false) => {
+            rollback(&pg, tx).await;
+            lease.settled_outside(Settled::Lost);
+            tracing::warn!("the lease was lost before the commit: rolled back");
+            return Err(OnceError::InProgress);
+        }
+        Err(e) => {
+            rollback(&pg, tx).await;
+            lease.release("the output could not be recorded").await;
+            return Err(OnceError::Store(e.error));
+        }
+    }
+    if let Err(e) = pg.commit(tx).await {
+        tracing::error!(error = %e, "the commit of the run's transaction failed");
+        match metrics::timed(
+            "release",
+            pg.settle_failed_commit(lease.key(), lease.token()),
+        )
+        .await
+        {
+            // Not committed: released, nothing happened.
+            Ok(false) => {
+                lease.settled_outside(Settled::Released);
+                return Err(OnceError::Store(e));
+            }
+            // Committed; its answer was lost on the way.
+            Ok(true) => {}
+            Err(unknown) => {
+                lease.settled_outside(Settled::Unknown);
+                return Err(OnceError::Store(unknown));
+            }
+        }
+    }
+    lease.settled_outside(Settled::Recorded {
+        status: stored.status,
+    });
+    Ok(value)
+}
