@@ -27,9 +27,32 @@ pub const IDEMPOTENCY_EXPIRES: &str = "idempotency-expires";
 /// is written after the answer's head is sent).
 pub(crate) fn mark_expiry(headers: &mut HeaderMap, left: std::time::Duration) {
     let at = std::time::SystemTime::now() + left;
-    if let Ok(value) = HeaderValue::try_from(crate::time_text::http_date(at)) {
+    if let Some(value) = expiry_value(at) {
         let _ = headers.try_insert(IDEMPOTENCY_EXPIRES, value);
     }
+}
+
+/// The header value of `at`, formatted once per second per thread: fresh answers all expire a
+/// retention from now, so consecutive ones share it (as hyper does for `Date`).
+fn expiry_value(at: std::time::SystemTime) -> Option<HeaderValue> {
+    use std::cell::RefCell;
+    thread_local! {
+        static LAST: RefCell<Option<(u64, HeaderValue)>> = const { RefCell::new(None) };
+    }
+    let second = at
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    LAST.with(|last| {
+        let mut last = last.try_borrow_mut().ok()?;
+        if let Some((cached, value)) = last.as_ref()
+            && *cached == second
+        {
+            return Some(value.clone());
+        }
+        let value = HeaderValue::try_from(crate::time_text::http_date(at)).ok()?;
+        *last = Some((second, value.clone()));
+        Some(value)
+    })
 }
 
 /// The record of a response: its status, the headers on the allow-list (repeated ones in order) and
