@@ -378,20 +378,23 @@ async fn shutdown_signal() {
 
 /// Demo auth: `Authorization: Bearer <subject>` makes `<subject>` the subject.
 /// The caller's own checkout record of `key`, in the scope the layer gives it.
-fn checkout_scope(subject: &Subject, key: &str) -> Result<RecordKey, Response> {
-    // The key as the header would carry it: the same rules, so a key the layer refuses is not looked up.
-    match axum_idempotency::key::parse(key.as_bytes()) {
-        Ok(key) => Ok(RecordKey {
+/// `None` for a key the layer would refuse (the same rules as the header's): it is not looked up.
+fn checkout_scope(subject: &Subject, key: &str) -> Option<RecordKey> {
+    axum_idempotency::key::parse(key.as_bytes())
+        .ok()
+        .map(|key| RecordKey {
             key,
             subject: subject.0.clone(),
             endpoint: "POST /checkout".into(),
-        }),
-        Err(_) => Err((
-            StatusCode::BAD_REQUEST,
-            Json(json!({"error": "invalid_idempotency_key"})),
-        )
-            .into_response()),
-    }
+        })
+}
+
+fn invalid_key() -> Response {
+    (
+        StatusCode::BAD_REQUEST,
+        Json(json!({"error": "invalid_idempotency_key"})),
+    )
+        .into_response()
 }
 
 fn store_unavailable() -> Response {
@@ -409,9 +412,8 @@ async fn inspect<S: IdempotencyStore>(
     Extension(subject): Extension<Subject>,
     Path(key): Path<String>,
 ) -> Response {
-    let scope = match checkout_scope(&subject, &key) {
-        Ok(scope) => scope,
-        Err(refused) => return refused,
+    let Some(scope) = checkout_scope(&subject, &key) else {
+        return invalid_key();
     };
     match store.lookup(&scope).await {
         Ok(Some(info)) => Json(json!({
@@ -432,9 +434,8 @@ async fn forget<S: IdempotencyStore>(
     Extension(subject): Extension<Subject>,
     Path(key): Path<String>,
 ) -> Response {
-    let scope = match checkout_scope(&subject, &key) {
-        Ok(scope) => scope,
-        Err(refused) => return refused,
+    let Some(scope) = checkout_scope(&subject, &key) else {
+        return invalid_key();
     };
     match store.delete(&scope).await {
         Ok(Deleted::Deleted) => StatusCode::NO_CONTENT.into_response(),

@@ -38,8 +38,16 @@ pub type OnceTransaction = Transaction<'static, Postgres>;
 
 impl<St: IdempotencyStore> RunOnce<St> {
     /// [`run`](Self::run), with the closure's effects and the record of its output committed in
-    /// one Postgres transaction (see the [module docs](self)): the closure gets the transaction and
-    /// returns it with its output, `Ok((output, tx))`; it must not commit it.
+    /// one Postgres transaction: the closure gets the transaction and returns it with its output,
+    /// `Ok((output, tx))`; it must not commit it. Both happen or neither:
+    ///
+    /// - the closure's `Err`, a panic, or the maximum hold drop the transaction (rolled back) and
+    ///   release the record, so a later call runs again;
+    /// - the completion is written in the transaction, fenced by the lease: a lease lost meanwhile
+    ///   (the record was retaken) matches nothing, the transaction is rolled back, and the call
+    ///   answers [`OnceError::InProgress`];
+    /// - a commit that fails releases the record if the commit did not land, and answers the
+    ///   output if it did.
     ///
     /// Needs a store whose capabilities include a `PostgresStore` (a `PostgresStore`, or a wrapper
     /// of one): on another, the call answers [`OnceError::Store`] without running `f`.
