@@ -376,7 +376,6 @@ async fn shutdown_signal() {
     tracing::info!("shutting down: no new connections; finishing the requests in flight");
 }
 
-/// Demo auth: `Authorization: Bearer <subject>` makes `<subject>` the subject.
 /// The caller's own checkout record of `key`, in the scope the layer gives it.
 /// `None` for a key the layer would refuse (the same rules as the header's): it is not looked up.
 fn checkout_scope(subject: &Subject, key: &str) -> Option<RecordKey> {
@@ -450,6 +449,7 @@ async fn forget<S: IdempotencyStore>(
     }
 }
 
+/// Demo auth: `Authorization: Bearer <subject>` makes `<subject>` the subject.
 async fn demo_auth(mut request: Request, next: Next) -> Response {
     let subject = request
         .headers()

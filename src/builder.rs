@@ -335,7 +335,9 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
 
     /// Calls `hook` on every replay, with the request, the stored answer, and the replay's headers
     /// to add to or change (say, a header naming the original request's id). It runs on the
-    /// request's task: keep it quick. A hook that panics leaves the headers as they were.
+    /// request's task: keep it quick. A hook that panics leaves the headers as they were. The
+    /// replay marker ([`replay_header`](Self::replay_header)) is set again after it: a client must
+    /// always be able to tell a replay from a fresh answer.
     pub fn on_replay(
         mut self,
         hook: impl Fn(&http::Request<axum::body::Body>, &StoredResponse, &mut http::HeaderMap)
@@ -348,9 +350,12 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
     }
 
     /// Renders the layer's own error answers ([`Problem`]: its kind, detail, `Retry-After`,
-    /// instance and type URI) instead of `application/problem+json`. A retryable answer keeps its
-    /// `Retry-After` header whatever the renderer returns; a renderer that panics is replaced by
-    /// the default answer for that error.
+    /// instance and type URI) instead of `application/problem+json`. A retryable answer (`409`,
+    /// `503`, a rolled-back `504`) keeps its status and its `Retry-After` header whatever the
+    /// renderer returns: clients decide by them whether to send the same request again. A
+    /// renderer that panics is replaced by the default answer for that error. Not rendered: the
+    /// `504 idempotency_handler_timeout` recorded for a handler cancelled at the maximum hold,
+    /// which is the key's stored answer and replays as it was recorded (problem+json).
     pub fn render_errors(
         mut self,
         render: impl Fn(&Problem<'_>) -> http::Response<axum::body::Body> + Send + Sync + 'static,

@@ -56,6 +56,17 @@ pub(crate) struct Lease<St: IdempotencyStore> {
     deadline: Instant,
 }
 
+/// What [`Lease::complete`] did with its first attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Completed {
+    /// The answer is recorded.
+    Recorded,
+    /// The lease was lost (the record was retaken): this answer is not the record's.
+    Lost,
+    /// The store failed; the completion goes on in the background.
+    Retrying,
+}
+
 /// How a record was settled outside its lease (see [`Lease::settled_outside`]).
 #[cfg(feature = "postgres")]
 pub(crate) enum Settled {
@@ -202,8 +213,8 @@ impl<St: IdempotencyStore> Lease<St> {
 
     /// Records the response. When the store fails, the record is not released (the effect has
     /// happened): the completion is retried in the background, heartbeat running, until it succeeds
-    /// or the lease is lost. Returns after the first attempt.
-    pub(crate) async fn complete(mut self, stored: Arc<StoredResponse>) {
+    /// or the lease is lost. Returns after the first attempt, with what it did.
+    pub(crate) async fn complete(mut self, stored: Arc<StoredResponse>) -> Completed {
         self.done = true;
         let held = &self.held;
         let first = held
@@ -216,12 +227,13 @@ impl<St: IdempotencyStore> Lease<St> {
                 held.config.retention,
             )
             .await;
-        if self.settled(first, stored.status) {
-            return;
+        if let Some(completed) = self.settled(first, stored.status) {
+            return completed;
         }
         report(&self.held.config, &self.label, Outcome::RecordDeferred);
         let drain = self.held.config.drain.clone();
         drain.spawn(async move { self.keep_completing(stored).await });
+        Completed::Retrying
     }
 
     async fn keep_completing(self, mut stored: Arc<StoredResponse>) {
@@ -262,7 +274,7 @@ impl<St: IdempotencyStore> Lease<St> {
                 }
                 renewals_seen = renewals;
             }
-            if self.settled(attempt, stored.status) {
+            if self.settled(attempt, stored.status).is_some() {
                 return;
             }
         }
@@ -273,14 +285,14 @@ impl<St: IdempotencyStore> Lease<St> {
         (self.held.config.in_progress_ttl / 4).min(Duration::from_secs(1))
     }
 
-    /// Reports what a completion attempt did; false when the store failed.
-    fn settled(&self, attempt: Result<Fenced, StoreError>, status: u16) -> bool {
+    /// Reports what a completion attempt did; `None` when the store failed.
+    fn settled(&self, attempt: Result<Fenced, StoreError>, status: u16) -> Option<Completed> {
         let config = &self.held.config;
         match attempt {
             Ok(Fenced::Done) => {
                 report(config, &self.label, Outcome::Recorded);
                 tracing::debug!(status, "recorded");
-                true
+                Some(Completed::Recorded)
             }
             Ok(Fenced::LeaseLost) => {
                 report(config, &self.label, Outcome::LeaseLost);
@@ -288,11 +300,11 @@ impl<St: IdempotencyStore> Lease<St> {
                     "the lease was lost (the record was retaken after a TTL without heartbeat); \
                      this late result was not recorded"
                 );
-                true
+                Some(Completed::Lost)
             }
             Err(e) => {
                 tracing::error!(error = %e, "the response could not be recorded yet; retrying");
-                false
+                None
             }
         }
     }

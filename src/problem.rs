@@ -264,13 +264,16 @@ impl ProblemTypes {
                     tracing::error!("the error renderer panicked; answered with problem+json");
                     problem.default_response()
                 });
-                // The retry contract is the layer's: a retryable answer keeps its Retry-After.
-                if let Some(secs) = retry_after
-                    && !response.headers().contains_key(header::RETRY_AFTER)
-                {
-                    response
-                        .headers_mut()
-                        .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+                // The retry contract is the layer's: a retryable answer keeps its status (a client
+                // that retries by status must not take a 409 or a 503 for a final answer) and its
+                // Retry-After.
+                if let Some(secs) = retry_after {
+                    *response.status_mut() = kind.status();
+                    if !response.headers().contains_key(header::RETRY_AFTER) {
+                        response
+                            .headers_mut()
+                            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+                    }
                 }
                 response
             }

@@ -26,7 +26,16 @@ pub const IDEMPOTENCY_EXPIRES: &str = "idempotency-expires";
 /// Sets the expiry header to `left` from now (a date a little early rather than late: the record
 /// is written after the answer's head is sent).
 pub(crate) fn mark_expiry(headers: &mut HeaderMap, left: std::time::Duration) {
-    let at = std::time::SystemTime::now() + left;
+    mark_expiry_from(headers, std::time::SystemTime::now(), left);
+}
+
+/// Sets the expiry header to `left` after `base`.
+pub(crate) fn mark_expiry_from(
+    headers: &mut HeaderMap,
+    base: std::time::SystemTime,
+    left: std::time::Duration,
+) {
+    let at = base + left;
     if let Some(value) = expiry_value(at) {
         let _ = headers.try_insert(IDEMPOTENCY_EXPIRES, value);
     }

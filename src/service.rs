@@ -3,6 +3,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use axum::body::Body;
@@ -28,6 +29,9 @@ pub struct ResponseFuture<E: 'static> {
     inner: Option<BoxedFuture<E>>,
     /// Where the rest is detached to (and counted) when the future is dropped before it finished.
     detach_to: Option<Drain>,
+    /// Set while the request only waits for its original's answer: dropped then, it is dropped
+    /// outright (it has nothing to finish), not detached.
+    waiting: Option<Arc<AtomicBool>>,
 }
 
 impl<E: 'static> std::fmt::Debug for ResponseFuture<E> {
@@ -65,6 +69,13 @@ impl<E: 'static> Future for ResponseFuture<E> {
 
 impl<E: 'static> Drop for ResponseFuture<E> {
     fn drop(&mut self) {
+        if self
+            .waiting
+            .as_ref()
+            .is_some_and(|w| w.load(Ordering::Acquire))
+        {
+            return;
+        }
         if let (Some(rest), Some(drain)) = (self.inner.take(), self.detach_to.take()) {
             drain.spawn_detached(async move {
                 let _ = rest.await;
@@ -154,17 +165,22 @@ where
             return ResponseFuture {
                 inner: Some(Box::pin(async move { Ok(future.await?.map(Body::new)) })),
                 detach_to: None,
+                waiting: None,
             };
         }
         let has_key = request.headers().contains_key(crate::key::IDEMPOTENCY_KEY);
+        let waiting =
+            (has_key && !self.config.wait.is_zero()).then(|| Arc::new(AtomicBool::new(false)));
         ResponseFuture {
             inner: Some(Box::pin(claim::guard(
                 self.config.clone(),
                 self.store.clone(),
                 inner,
                 request,
+                waiting.clone(),
             ))),
             detach_to: has_key.then(|| self.config.drain.clone()),
+            waiting,
         }
     }
 }

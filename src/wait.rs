@@ -8,14 +8,20 @@
 //!   answers the replay, or `422` for another body); a record released (a retryable answer),
 //!   deleted or past its retention gives `409` at once, and the client's retry settles it. A claim
 //!   that is granted to a waiter anyway (the record vanished between the look-up and the claim) is
-//!   released by its token at once, and answered `409`.
-//! - **Bounded.** At most the configured time (a few seconds), and at most `max_waiters` waiters a
-//!   key at this instance; the others get `409` at once.
+//!   released by its token in the background (as every claim whose answer is not used), and
+//!   answered `409`.
+//! - **Bounded.** Look-ups are cut at the configured time (a few seconds); the claim that reads a
+//!   finished record's answer gets what is left of it, and at least [`LAST_CLAIM`]. At most
+//!   `max_waiters` waiters a key at this instance; the others get `409` at once.
+//! - **A waiter whose client went away is dropped**, not detached as a running request is: it has
+//!   nothing to finish, and must not take a place in the layer's admission bound. Only its last
+//!   claim, which may need releasing, runs on if the client leaves during it.
 
 use std::collections::HashMap;
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -32,6 +38,8 @@ const SHARDS: usize = 16;
 const FIRST_POLL: Duration = Duration::from_millis(25);
 /// The longest pause between two look-ups of the record.
 const LONGEST_POLL: Duration = Duration::from_millis(250);
+/// The least time given to the claim that reads a finished record's answer, past the wait.
+pub(crate) const LAST_CLAIM: Duration = Duration::from_millis(250);
 
 /// How many duplicates wait on each key at this instance.
 pub(crate) struct Waiters {
@@ -102,10 +110,14 @@ impl Drop for Place<'_> {
 
 /// What a duplicate that was answered "in progress" answers after waiting (see the module docs):
 /// the replay or a mismatch from a finished record, or [`ClaimOutcome::InProgress`] (`409`).
+///
+/// `waiting`, when given, is set while nothing but look-ups are under way: a request future dropped
+/// then (its client went away) is dropped outright rather than detached.
 pub(crate) async fn for_answer<St: IdempotencyStore>(
     config: &Config,
     store: &St,
     claim: &ClaimRequest,
+    waiting: Option<&AtomicBool>,
 ) -> ClaimOutcome {
     let scope = claim.key.digest();
     let Some(_place) = config.waiters.enter(scope, config.max_waiters) else {
@@ -113,6 +125,31 @@ pub(crate) async fn for_answer<St: IdempotencyStore>(
         return ClaimOutcome::InProgress;
     };
     let deadline = Instant::now() + config.wait;
+    let set_waiting = |on: bool| {
+        if let Some(flag) = waiting {
+            flag.store(on, Ordering::Release);
+        }
+    };
+    set_waiting(true);
+    let finished = poll_until_finished(config, store, claim, scope, deadline).await;
+    set_waiting(false);
+    if finished {
+        let bound = deadline.max(Instant::now() + LAST_CLAIM);
+        answer_of_finished(config, store, claim, bound).await
+    } else {
+        ClaimOutcome::InProgress
+    }
+}
+
+/// Sleeps and looks the record up until it is finished (`true`), or it is gone, still in progress
+/// at `deadline`, or cannot be read (`false`). Every look-up is cut at `deadline`.
+async fn poll_until_finished<St: IdempotencyStore>(
+    config: &Config,
+    store: &St,
+    claim: &ClaimRequest,
+    scope: [u8; 32],
+    deadline: Instant,
+) -> bool {
     let mut pause = FIRST_POLL;
     loop {
         let wake = deadline.min(Instant::now() + pause);
@@ -124,20 +161,19 @@ pub(crate) async fn for_answer<St: IdempotencyStore>(
             None => tokio::time::sleep_until(wake).await,
         }
         pause = (pause * 2).min(LONGEST_POLL);
-        match store.lookup(&claim.key).await {
-            Ok(Some(info)) if info.state.is_finished() => {
-                return answer_of_finished(config, store, claim).await;
-            }
-            Ok(Some(_in_progress)) => {}
+        match tokio::time::timeout_at(deadline, store.lookup(&claim.key)).await {
+            Ok(Ok(Some(info))) if info.state.is_finished() => return true,
+            Ok(Ok(Some(_in_progress))) => {}
             // Released, deleted or expired: the retry runs it, not this wait.
-            Ok(None) => return ClaimOutcome::InProgress,
-            Err(e) => {
+            Ok(Ok(None)) => return false,
+            Ok(Err(e)) => {
                 tracing::debug!(error = %e, "the record could not be looked up while waiting");
-                return ClaimOutcome::InProgress;
+                return false;
             }
+            Err(_) => return false,
         }
         if Instant::now() >= deadline {
-            return ClaimOutcome::InProgress;
+            return false;
         }
     }
 }
@@ -149,13 +185,19 @@ async fn answer_of_finished<St: IdempotencyStore>(
     config: &Config,
     store: &St,
     claim: &ClaimRequest,
+    bound: Instant,
 ) -> ClaimOutcome {
     let ask = ClaimRequest {
         lease: LeaseToken::generate(),
         generation: Generation::generate(),
         ..claim.clone()
     };
-    match store.claim(&ask).await {
+    let Ok(asked) = tokio::time::timeout_at(bound, store.claim(&ask)).await else {
+        // Cut: it may have been granted and committed all the same.
+        lease::abandon(config, store.clone(), ask.key, ask.lease);
+        return ClaimOutcome::InProgress;
+    };
+    match asked {
         Ok(ClaimOutcome::Claimed { lease, .. }) => {
             tracing::debug!("the record vanished while a duplicate waited; released, not run");
             lease::abandon(config, store.clone(), ask.key, lease);

@@ -5,6 +5,7 @@ mod run;
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use axum::body::Body;
 use http::{Request, Response};
@@ -28,11 +29,14 @@ use crate::report::report;
 use crate::store::IdempotencyStore;
 
 /// Runs one request through the layer. `inner` is a ready clone of the wrapped service.
+///
+/// `waiting` is set while a duplicate only waits for its original's answer (see [`crate::wait`]).
 pub(crate) async fn guard<S, St, ResBody>(
     config: Arc<Config>,
     store: St,
     inner: S,
     request: Request<Body>,
+    waiting: Option<Arc<AtomicBool>>,
 ) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
@@ -96,10 +100,11 @@ where
             }
             // A duplicate of a request in progress waits for its answer, when the layer says so.
             Ok(ClaimOutcome::InProgress) if !config.wait.is_zero() => {
-                let answered = crate::wait::for_answer(&config, &store, &claim).await;
-                Ok(answer(&config, &label, &request, answered))
+                let answered =
+                    crate::wait::for_answer(&config, &store, &claim, waiting.as_deref()).await;
+                Ok(answer(&config, &label, &request, sent, answered))
             }
-            Ok(answered) => Ok(answer(&config, &label, &request, answered)),
+            Ok(answered) => Ok(answer(&config, &label, &request, sent, answered)),
             // A record that exists but cannot be read (it does not decrypt) records an operation
             // that happened: running the handler unguarded would repeat it.
             Err(e) if config.fail_open && !e.is_unreadable_record() && !e.is_refused_claim() => {
@@ -255,6 +260,7 @@ fn answer(
     config: &Config,
     label: &Label,
     request: &Request<Body>,
+    sent: Instant,
     outcome: ClaimOutcome,
 ) -> Response<Body> {
     match outcome {
@@ -281,10 +287,13 @@ fn answer(
             tracing::debug!(status = stored.status, "replayed");
             let mut response =
                 replay::replay(&stored, &config.replay_header, &config.stored_headers);
+            // Dated from when the claim was sent: the store counted the time left from a moment
+            // after it, so the date is never later than the record's expiry.
             if config.expiry_header
                 && let Some(left) = stored.expires_in
             {
-                replay::mark_expiry(response.headers_mut(), left);
+                let sent_at = std::time::SystemTime::now() - sent.elapsed();
+                replay::mark_expiry_from(response.headers_mut(), sent_at, left);
             }
             if let Some(hook) = &config.on_replay {
                 // A hook that panics leaves the replay as it was.
@@ -298,6 +307,10 @@ fn answer(
                     Ok(changed) => *headers = changed,
                     Err(_) => tracing::error!("the replay hook panicked; replayed without it"),
                 }
+                let _ = headers.try_insert(
+                    config.replay_header.clone(),
+                    http::HeaderValue::from_static("true"),
+                );
             }
             response
         }

@@ -136,8 +136,9 @@ impl<St: IdempotencyStore> IdempotencyStore for Coalesced<St> {
         self.inner.lookup(key).await
     }
 
-    /// Only a finished record is deleted, and no hold of this process is finished: nothing here
-    /// changes.
+    /// Only a finished record is deleted, and a hold of this process is let go when its record is
+    /// finished (or, for a completion whose answer was lost, when its retry or the next renewal
+    /// finds it finished): nothing here changes. Until then a duplicate here still gets `409`.
     async fn delete(&self, key: &RecordKey) -> Result<crate::store::Deleted, StoreError> {
         self.inner.delete(key).await
     }

@@ -34,6 +34,10 @@
 //! closure halfway nor the recording of its output: a redelivery then gets the output, or
 //! [`OnceError::InProgress`] while the run goes on. Hence the `Send + 'static` bounds.
 //!
+//! **Scopes.** A scope shares the store with the layer's records: choose an `endpoint` no route
+//! has (`"queue orders"`, not `"POST /orders"`), or a subject no user can be, so that a call and a
+//! request never meet on one record.
+//!
 //! **Effects downstream.** The output is recorded through the store's own statements, not in a
 //! transaction of the closure's (the layer's `IdempotencyTx` is not offered here): a run that
 //! wrote its effect and died before recording it is retaken and runs again. Make its effects
@@ -88,7 +92,7 @@ use crate::config::{Config, ConfigError, MIN_RETENTION};
 use crate::context::IdempotencyContext;
 use crate::drain::Drain;
 use crate::fingerprint::Fingerprint;
-use crate::lease::{self, Lease};
+use crate::lease::{self, Completed, Lease};
 use crate::metrics::{Label, Measured};
 use crate::outcome::Outcome;
 use crate::record::{
@@ -466,7 +470,7 @@ where
         }
         Ok(ClaimOutcome::InProgress) if !config.wait.is_zero() => {
             // Waits for the holder's output, as a duplicate request does (never runs `f`).
-            let waited = crate::wait::for_answer(&config, &store, &claim).await;
+            let waited = crate::wait::for_answer(&config, &store, &claim, None).await;
             answered(&config, &label, waited)
         }
         Ok(other) => answered(&config, &label, other),
@@ -510,7 +514,7 @@ fn answered<T: DeserializeOwned, E>(
 /// releases the record.
 async fn held<St, T, E, F, Fut>(
     config: &Config,
-    lease: Lease<St>,
+    mut lease: Lease<St>,
     context: IdempotencyContext,
     f: F,
 ) -> Result<T, OnceError<E>>
@@ -535,20 +539,35 @@ where
         return Err(OnceError::TimedOut);
     };
     match ended {
-        Ok(Ok(value)) => match serde_json::to_vec(&value) {
-            Ok(body) => {
-                lease.complete(Arc::new(recorded(OUTPUT, body))).await;
-                Ok(value)
+        Ok(Ok(value)) => {
+            // The effect has happened: from here on, a lease dropped (the task aborted, say)
+            // records this head without its body rather than releasing the record.
+            lease.answered(&recorded(OUTPUT, Vec::new()));
+            // A `Serialize` that panics must not release the record either.
+            let serialized =
+                std::panic::catch_unwind(AssertUnwindSafe(|| serde_json::to_vec(&value)))
+                    .unwrap_or_else(|_| {
+                        Err(<serde_json::Error as serde::ser::Error>::custom(
+                            "the output's Serialize panicked",
+                        ))
+                    });
+            match serialized {
+                Ok(body) => match lease.complete(Arc::new(recorded(OUTPUT, body))).await {
+                    // Retaken while it ran (no heartbeat got through for a TTL): the retaker's
+                    // output is the record's, and later calls get it; this one is not answered.
+                    Completed::Lost => Err(OnceError::InProgress),
+                    Completed::Recorded | Completed::Retrying => Ok(value),
+                },
+                Err(e) => {
+                    tracing::error!(error = %e, "the output did not serialize; recorded as failed");
+                    let body = format!("the output did not serialize: {e}").into_bytes();
+                    let _ = lease
+                        .complete(Arc::new(recorded(UNSERIALIZABLE, body)))
+                        .await;
+                    Err(OnceError::Encode(e))
+                }
             }
-            Err(e) => {
-                tracing::error!(error = %e, "the output did not serialize; recorded as failed");
-                let body = format!("the output did not serialize: {e}").into_bytes();
-                lease
-                    .complete(Arc::new(recorded(UNSERIALIZABLE, body)))
-                    .await;
-                Err(OnceError::Encode(e))
-            }
-        },
+        }
         Ok(Err(e)) => {
             lease.release("the closure returned an error").await;
             Err(OnceError::Failed(e))

@@ -96,6 +96,9 @@ struct Shard {
     order: VecDeque<([u8; 32], u64)>,
     bytes: usize,
     next: u64,
+    /// Scopes deleted through this cache, with when the delete was answered: a read that began
+    /// before then may carry the deleted record, and is not cached.
+    deleted: HashMap<[u8; 32], Instant>,
 }
 
 struct Entry {
@@ -213,6 +216,13 @@ impl Cache {
         let expires = read_at + left;
         let mut shard = self.shard(&scope);
         let shard = &mut *shard;
+        if shard
+            .deleted
+            .get(&scope)
+            .is_some_and(|deleted| read_at <= *deleted)
+        {
+            return;
+        }
         shard.next += 1;
         let number = shard.next;
         let entry = Entry {
@@ -251,12 +261,20 @@ impl Cache {
         }
     }
 
-    /// Forgets the entry of `scope` (its record was deleted).
-    fn remove(&self, scope: &[u8; 32]) {
+    /// Forgets the entry of `scope`, whose record was deleted, and keeps reads that began before
+    /// now from caching it again (for as long as a read can take: the longer of `max_age` and a
+    /// minute). Deletes of the last while are swept as they go.
+    fn deleted(&self, scope: &[u8; 32]) {
+        let now = Instant::now();
+        let keep = self.max_age.max(Duration::from_secs(60));
         let mut shard = self.shard(scope);
         if let Some(entry) = shard.entries.remove(scope) {
             shard.bytes -= entry.size;
         }
+        shard
+            .deleted
+            .retain(|_, at| now.saturating_duration_since(*at) < keep);
+        shard.deleted.insert(*scope, now);
     }
 
     fn sweep(&self) {
@@ -332,14 +350,15 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         self.inner.lookup(key).await
     }
 
-    /// Deleted in the store, and forgotten by this cache (before and after, so a replay read
-    /// meanwhile is not kept). Other instances' caches still replay the record until their entry's
-    /// `max_age` ([`DEFAULT_CACHE_MAX_AGE`]) has passed.
+    /// Deleted in the store, and forgotten by this cache: its entry is dropped once the store has
+    /// answered, and a read that began before then (it may carry the deleted record) is not
+    /// cached. Other instances' caches still replay the record until their entry's `max_age`
+    /// ([`DEFAULT_CACHE_MAX_AGE`]) has passed.
     async fn delete(&self, key: &RecordKey) -> Result<Deleted, StoreError> {
         let scope = key.digest();
-        self.cache.remove(&scope);
         let deleted = self.inner.delete(key).await;
-        self.cache.remove(&scope);
+        // Also after a failure: the delete may have happened all the same.
+        self.cache.deleted(&scope);
         deleted
     }
 
@@ -397,6 +416,32 @@ mod tests {
 
     fn fp(byte: u8) -> Fingerprint {
         Fingerprint::of(None, &[byte])
+    }
+
+    /// A read that began before a delete was answered may carry the deleted record: it is not
+    /// cached; one that began after is.
+    #[test]
+    fn a_read_from_before_a_delete_is_not_cached() {
+        let cache = cache(1 << 20, Duration::from_secs(60));
+        let left = Some(Duration::from_secs(60));
+        let before = Instant::now();
+        cache.insert([1; 32], fp(1), response("old", left), before);
+        cache.deleted(&[1; 32]);
+        assert!(
+            cache.answer(&[1; 32], &fp(1)).is_none(),
+            "dropped by the delete"
+        );
+        cache.insert([1; 32], fp(1), response("old", left), before);
+        assert!(
+            cache.answer(&[1; 32], &fp(1)).is_none(),
+            "a read from before it"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+        cache.insert([1; 32], fp(1), response("new", left), Instant::now());
+        assert!(matches!(
+            cache.answer(&[1; 32], &fp(1)),
+            Some(ClaimOutcome::Finished(r)) if r.body == "new"
+        ));
     }
 
     #[test]

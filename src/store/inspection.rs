@@ -169,8 +169,14 @@ impl FromStr for ListCursor {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let (created, scope) = s.split_once('.').ok_or(InvalidCursor)?;
+        // Only the text `Display` writes: digits after an optional minus, lowercase or uppercase
+        // hex; no sign inside the hex, no plus.
+        let digits = created.strip_prefix('-').unwrap_or(created);
+        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(InvalidCursor);
+        }
         let created_us = created.parse::<i64>().map_err(|_| InvalidCursor)?;
-        if scope.len() != 64 || !scope.is_ascii() {
+        if scope.len() != 64 || !scope.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(InvalidCursor);
         }
         let mut digest = [0u8; 32];

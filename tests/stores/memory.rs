@@ -925,8 +925,14 @@ async fn errors_are_rendered_by_the_application() {
             if problem.detail.contains("different body") {
                 panic!("the renderer panicked on purpose");
             }
+            // A renderer that says 200 for everything: a retryable answer keeps its status.
+            let status = if problem.retry_after.is_some() {
+                StatusCode::OK
+            } else {
+                problem.kind.status()
+            };
             axum::http::Response::builder()
-                .status(problem.kind.status())
+                .status(status)
                 .header("content-type", "text/plain")
                 .body(axum::body::Body::from(format!(
                     "{}|{}|{}",
@@ -1003,4 +1009,36 @@ fn wait_settings_are_checked() {
             .build()
             .is_ok()
     );
+}
+
+/// A duplicate that waits and whose client goes away is dropped, not detached: it takes no place
+/// in the layer's admission bound, and the original still records once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_whose_client_left_is_not_detached() {
+    let layer = IdempotencyLayer::builder(MemoryStore::new())
+        .wait(Duration::from_secs(2))
+        .build()
+        .expect("layer");
+    let drain = layer.drain();
+    let (router, counters) = app(layer);
+    let req = || {
+        post("/pay")
+            .key("left")
+            .user("alice")
+            .header("x-delay-ms", "600")
+            .json("{}")
+    };
+    let first = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, req()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The client gives up after 100 ms: its request future is dropped while it waits.
+    let gave_up = tokio::time::timeout(Duration::from_millis(100), send(&router, req())).await;
+    assert!(gave_up.is_err(), "still waiting when dropped");
+    assert_eq!(drain.detached(), 0, "a waiter is not detached");
+    assert_eq!(first.await.expect("task").status, StatusCode::CREATED);
+    let replay = send(&router, req()).await;
+    assert!(replay.replayed());
+    assert_eq!(counters.started(), 1);
 }

@@ -134,7 +134,7 @@ impl Statements {
             // $1 scope, $2 fingerprint, $3 new lease, $4 lifetime (µs), $5 old lease, $6 old status,
             // $7 in-progress TTL (µs), $8 lock timeout, $9 generation (for an expired record, or
             // a released one taken by another request; a retake of the same operation keeps its
-            // own). It answers the generation it left, which is the run's: the row may have been
+            // own; so does its creation time, as in every store). It answers the generation it left, which is the run's: the row may have been
             // taken and released again since the claim read it (every released row has lease 0).
             // The row already under the new lease matches too: the same retake sent again (its
             // connection was lost after the first one committed) is granted again, not refused as a
@@ -144,7 +144,10 @@ impl Statements {
                    generation = CASE WHEN status = 'in_progress' AND expires_at > now() \
                                        AND fingerprint = $2 THEN generation ELSE $9 END, \
                    response_status = NULL, header_names = NULL, header_values = NULL, \
-                   response_body = NULL, created_at = now(), updated_at = now(), \
+                   response_body = NULL, \
+                   created_at = CASE WHEN status = 'in_progress' AND expires_at > now() \
+                                       AND lease_token <> 0 THEN created_at ELSE now() END, \
+                   updated_at = now(), \
                    expires_at = now() + $4::float8 * interval '1 microsecond' \
                  WHERE scope = $1 \
                    AND ((lease_token = $5 AND status = $6 \
