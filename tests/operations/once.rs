@@ -624,3 +624,64 @@ async fn effects_in_the_transaction_commit_with_the_output() {
         "the memory store ran nothing"
     );
 }
+
+/// An output whose `Serialize` panics.
+#[derive(Debug)]
+struct Boom;
+
+impl serde::Serialize for Boom {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        panic!("the output's Serialize panicked on purpose")
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Boom {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        serde::de::IgnoredAny::deserialize(d)?;
+        Ok(Boom)
+    }
+}
+
+/// The closure returned, so its effect happened: an output whose serialization panics settles the
+/// scope (the call answers `Encode`, later ones `Decode`), and the closure never runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_serialization_never_runs_the_closure_again() {
+    let once = once(axum_idempotency::MemoryStore::new());
+    let runs = Arc::new(AtomicUsize::new(0));
+    for _ in 0..3 {
+        let runs = runs.clone();
+        let out: Outcome<Boom> = once
+            .run(scope("boom"), fingerprint(1), move |_| async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok(Boom)
+            })
+            .await;
+        assert!(
+            matches!(out, Err(OnceError::Encode(_) | OnceError::Decode(_))),
+            "{out:?}"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the effect happened once");
+}
+
+/// A run whose lease was lost while it ran (another process retook the record) does not answer its
+/// own output: the retaker's is the record's, and the call answers `InProgress`.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_lost_its_lease_answers_in_progress() {
+    let store = postgres().await;
+    let (pool, table) = (store.pool().clone(), store.table().to_owned());
+    let once = once(store);
+    let out: Outcome<u64> = once
+        .run(scope("stolen"), fingerprint(1), move |_| async move {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "UPDATE {table} SET lease_token = 4242 WHERE idempotency_key = 'stolen'"
+            )))
+            .execute(&pool)
+            .await
+            .map_err(|e| e.to_string())?;
+            Ok(5)
+        })
+        .await;
+    assert!(matches!(out, Err(OnceError::InProgress)), "{out:?}");
+}
