@@ -1,4 +1,4 @@
-//! `RunOnce` outside HTTP, on the memory store and on a real PostgreSQL: a closure runs once per
+//! `RunOnce` outside HTTP, on the memory store, a real PostgreSQL and a real Redis: a closure runs once per
 //! scope, later calls get its recorded output, duplicates while it runs get `InProgress`, another
 //! input gets `FingerprintMismatch`, an error releases, a holder that stopped is retaken once, and
 //! the consumer example charges every message once.
@@ -420,7 +420,37 @@ macro_rules! on_every_store {
                 }
             )*
         }
+
+        #[cfg(feature = "redis")]
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::redis()).await;
+                }
+            )*
+        }
     };
+}
+
+/// A Redis store under a key prefix of its own, with an operation timeout short enough for [`TTL`].
+#[cfg(feature = "redis")]
+fn redis() -> axum_idempotency::RedisStore {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let client = ::redis::Client::open(common::servers::redis_url()).expect("REDIS_URL");
+    let prefix = format!(
+        "idem_once:{}:{}:{}:",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_nanos(),
+        COUNTER.fetch_add(1, Ordering::SeqCst)
+    );
+    axum_idempotency::RedisStore::new(client)
+        .expect("store")
+        .with_prefix(&prefix)
+        .with_timeout(Duration::from_millis(400))
 }
 
 on_every_store!(
