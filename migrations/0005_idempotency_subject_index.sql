@@ -7,8 +7,9 @@
 --
 -- `list` pages through one subject's records ordered by creation time, then scope digest: the
 -- index serves the subject, the order and where a page starts. Building it on a large table
--- holds writes (claims) until it is done; on a busy one, build it beforehand with
--- `CREATE INDEX CONCURRENTLY` (outside a transaction) under this name, and `migrate()` finds it.
+-- holds writes (claims, heartbeats) until it is done, so `migrate()` builds it only on a table of
+-- at most 64 MiB and otherwise logs a warning: build it then with `CREATE INDEX CONCURRENTLY`
+-- (outside a transaction) under this name, and `migrate()` finds it.
 
 CREATE INDEX IF NOT EXISTS idempotency_records_subject_idx
     ON idempotency_records (subject, created_at, scope);

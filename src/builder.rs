@@ -351,8 +351,9 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
 
     /// Renders the layer's own error answers ([`Problem`]: its kind, detail, `Retry-After`,
     /// instance and type URI) instead of `application/problem+json`. A retryable answer (`409`,
-    /// `503`, a rolled-back `504`) keeps its status and its `Retry-After` header whatever the
-    /// renderer returns: clients decide by them whether to send the same request again. A
+    /// `503`, a rolled-back `504`) keeps its status and its `Retry-After` header, and every `5xx`
+    /// its status, whatever the renderer returns: clients decide by them whether to send the same
+    /// request again. A
     /// renderer that panics is replaced by the default answer for that error. Not rendered: the
     /// `504 idempotency_handler_timeout` recorded for a handler cancelled at the maximum hold,
     /// which is the key's stored answer and replays as it was recorded (problem+json).

@@ -436,6 +436,29 @@ pub(crate) fn abandon<St: IdempotencyStore>(
     key: RecordKey,
     token: LeaseToken,
 ) {
+    abandon_after(config, store, key, token, u32::MAX);
+}
+
+/// [`abandon`], for a claim that was most likely never granted (a waiter's read of a finished
+/// record, cut at its bound): given up after three answers that nothing is held by it, so that
+/// such clean-ups, which a slow store can make many of, do not fill the bound on clean-ups for a
+/// TTL.
+pub(crate) fn abandon_briefly<St: IdempotencyStore>(
+    config: &Config,
+    store: St,
+    key: RecordKey,
+    token: LeaseToken,
+) {
+    abandon_after(config, store, key, token, 3);
+}
+
+fn abandon_after<St: IdempotencyStore>(
+    config: &Config,
+    store: St,
+    key: RecordKey,
+    token: LeaseToken,
+    absent_answers: u32,
+) {
     static RUNNING: AtomicUsize = AtomicUsize::new(0);
     /// Gives the place back however the task ends.
     struct Place;
@@ -453,7 +476,7 @@ pub(crate) fn abandon<St: IdempotencyStore>(
     let ttl = config.in_progress_ttl;
     config.drain.spawn(async move {
         let _place = place;
-        keep_releasing(store, key, token, ttl, u32::MAX).await;
+        keep_releasing(store, key, token, ttl, absent_answers).await;
     });
 }
 

@@ -267,8 +267,10 @@ impl ProblemTypes {
                 // The retry contract is the layer's: a retryable answer keeps its status (a client
                 // that retries by status must not take a 409 or a 503 for a final answer) and its
                 // Retry-After.
-                if let Some(secs) = retry_after {
+                if retry_after.is_some() || kind.status().is_server_error() {
                     *response.status_mut() = kind.status();
+                }
+                if let Some(secs) = retry_after {
                     if !response.headers().contains_key(header::RETRY_AFTER) {
                         response
                             .headers_mut()

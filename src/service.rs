@@ -3,7 +3,6 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use axum::body::Body;
@@ -29,9 +28,9 @@ pub struct ResponseFuture<E: 'static> {
     inner: Option<BoxedFuture<E>>,
     /// Where the rest is detached to (and counted) when the future is dropped before it finished.
     detach_to: Option<Drain>,
-    /// Set while the request only waits for its original's answer: dropped then, it is dropped
+    /// Whether the request only waits for its original's answer: dropped then, it is dropped
     /// outright (it has nothing to finish), not detached.
-    waiting: Option<Arc<AtomicBool>>,
+    waiting: Option<Arc<crate::wait::WaitState>>,
 }
 
 impl<E: 'static> std::fmt::Debug for ResponseFuture<E> {
@@ -69,11 +68,7 @@ impl<E: 'static> Future for ResponseFuture<E> {
 
 impl<E: 'static> Drop for ResponseFuture<E> {
     fn drop(&mut self) {
-        if self
-            .waiting
-            .as_ref()
-            .is_some_and(|w| w.load(Ordering::Acquire))
-        {
+        if self.waiting.as_ref().is_some_and(|w| w.client_left()) {
             return;
         }
         if let (Some(rest), Some(drain)) = (self.inner.take(), self.detach_to.take()) {
@@ -170,7 +165,7 @@ where
         }
         let has_key = request.headers().contains_key(crate::key::IDEMPOTENCY_KEY);
         let waiting =
-            (has_key && !self.config.wait.is_zero()).then(|| Arc::new(AtomicBool::new(false)));
+            (has_key && !self.config.wait.is_zero()).then(|| Arc::new(Default::default()));
         ResponseFuture {
             inner: Some(Box::pin(claim::guard(
                 self.config.clone(),

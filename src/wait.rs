@@ -10,8 +10,9 @@
 //!   that is granted to a waiter anyway (the record vanished between the look-up and the claim) is
 //!   released by its token in the background (as every claim whose answer is not used), and
 //!   answered `409`.
-//! - **Bounded.** Look-ups are cut at the configured time (a few seconds); the claim that reads a
-//!   finished record's answer gets what is left of it, and at least [`LAST_CLAIM`]. At most
+//! - **Bounded.** Look-ups are cut at the configured time (a few seconds); the last look-up, and
+//!   the claim that reads a finished record's answer, get what is left of it and at least
+//!   [`LAST_CLAIM`] each: a waiter is answered within the wait plus half a second. At most
 //!   `max_waiters` waiters a key at this instance; the others get `409` at once.
 //! - **A waiter whose client went away is dropped**, not detached as a running request is: it has
 //!   nothing to finish, and must not take a place in the layer's admission bound. Only its last
@@ -21,7 +22,7 @@ use std::collections::HashMap;
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -40,6 +41,45 @@ const FIRST_POLL: Duration = Duration::from_millis(25);
 const LONGEST_POLL: Duration = Duration::from_millis(250);
 /// The least time given to the claim that reads a finished record's answer, past the wait.
 pub(crate) const LAST_CLAIM: Duration = Duration::from_millis(250);
+
+/// Where a request that may wait stands, shared with its response future: running (claiming,
+/// or reading the answer), waiting (nothing but look-ups under way), or its client gone.
+#[derive(Debug, Default)]
+pub(crate) struct WaitState(AtomicU8);
+
+const RUNNING: u8 = 0;
+const WAITING: u8 = 1;
+const GONE: u8 = 2;
+
+impl WaitState {
+    /// Starts waiting; `false` when the client has gone already (then there is nobody to wait
+    /// for: answer at once).
+    fn start(&self) -> bool {
+        self.0
+            .compare_exchange(RUNNING, WAITING, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// Stops waiting, before the claim that reads the answer (which must run on if dropped).
+    fn stop(&self) {
+        let _ = self
+            .0
+            .compare_exchange(WAITING, RUNNING, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// The request's future is dropped (its client went away): `true` when it only waits, and
+    /// may be dropped outright; otherwise it is marked gone, so that it does not start waiting
+    /// once detached.
+    pub(crate) fn client_left(&self) -> bool {
+        match self
+            .0
+            .compare_exchange(RUNNING, GONE, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => false,
+            Err(state) => state == WAITING,
+        }
+    }
+}
 
 /// How many duplicates wait on each key at this instance.
 pub(crate) struct Waiters {
@@ -111,28 +151,28 @@ impl Drop for Place<'_> {
 /// What a duplicate that was answered "in progress" answers after waiting (see the module docs):
 /// the replay or a mismatch from a finished record, or [`ClaimOutcome::InProgress`] (`409`).
 ///
-/// `waiting`, when given, is set while nothing but look-ups are under way: a request future dropped
-/// then (its client went away) is dropped outright rather than detached.
+/// `state`, when given, says while nothing but look-ups are under way: a request future dropped
+/// then (its client went away) is dropped outright rather than detached; one whose client left
+/// before the wait does not wait.
 pub(crate) async fn for_answer<St: IdempotencyStore>(
     config: &Config,
     store: &St,
     claim: &ClaimRequest,
-    waiting: Option<&AtomicBool>,
+    state: Option<&WaitState>,
 ) -> ClaimOutcome {
+    if state.is_some_and(|s| !s.start()) {
+        return ClaimOutcome::InProgress;
+    }
     let scope = claim.key.digest();
     let Some(_place) = config.waiters.enter(scope, config.max_waiters) else {
         tracing::debug!("too many duplicates wait on this key; not waiting");
         return ClaimOutcome::InProgress;
     };
     let deadline = Instant::now() + config.wait;
-    let set_waiting = |on: bool| {
-        if let Some(flag) = waiting {
-            flag.store(on, Ordering::Release);
-        }
-    };
-    set_waiting(true);
     let finished = poll_until_finished(config, store, claim, scope, deadline).await;
-    set_waiting(false);
+    if let Some(state) = state {
+        state.stop();
+    }
     if finished {
         let bound = deadline.max(Instant::now() + LAST_CLAIM);
         answer_of_finished(config, store, claim, bound).await
@@ -142,7 +182,8 @@ pub(crate) async fn for_answer<St: IdempotencyStore>(
 }
 
 /// Sleeps and looks the record up until it is finished (`true`), or it is gone, still in progress
-/// at `deadline`, or cannot be read (`false`). Every look-up is cut at `deadline`.
+/// at `deadline`, or cannot be read (`false`). Every look-up is cut at `deadline` (the last one,
+/// started there, at [`LAST_CLAIM`] after it).
 async fn poll_until_finished<St: IdempotencyStore>(
     config: &Config,
     store: &St,
@@ -161,7 +202,9 @@ async fn poll_until_finished<St: IdempotencyStore>(
             None => tokio::time::sleep_until(wake).await,
         }
         pause = (pause * 2).min(LONGEST_POLL);
-        match tokio::time::timeout_at(deadline, store.lookup(&claim.key)).await {
+        // The last look-up starts at the bound: it gets a little time of its own to answer.
+        let cut = deadline.max(Instant::now() + LAST_CLAIM);
+        match tokio::time::timeout_at(cut, store.lookup(&claim.key)).await {
             Ok(Ok(Some(info))) if info.state.is_finished() => return true,
             Ok(Ok(Some(_in_progress))) => {}
             // Released, deleted or expired: the retry runs it, not this wait.
@@ -193,8 +236,9 @@ async fn answer_of_finished<St: IdempotencyStore>(
         ..claim.clone()
     };
     let Ok(asked) = tokio::time::timeout_at(bound, store.claim(&ask)).await else {
-        // Cut: it may have been granted and committed all the same.
-        lease::abandon(config, store.clone(), ask.key, ask.lease);
+        // Cut: it may have been granted and committed all the same (the record would have to
+        // have vanished since the look-up found it finished, so most likely it was not).
+        lease::abandon_briefly(config, store.clone(), ask.key, ask.lease);
         return ClaimOutcome::InProgress;
     };
     match asked {
@@ -218,6 +262,20 @@ async fn answer_of_finished<St: IdempotencyStore>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_waiting_request_is_dropped_and_a_gone_one_does_not_wait() {
+        let state = WaitState::default();
+        assert!(!state.client_left(), "running: detached, and marked gone");
+        assert!(!state.start(), "gone: it does not start waiting");
+        let state = WaitState::default();
+        assert!(state.start());
+        assert!(state.client_left(), "waiting: dropped outright");
+        let state = WaitState::default();
+        assert!(state.start());
+        state.stop();
+        assert!(!state.client_left(), "reading the answer: detached");
+    }
 
     #[test]
     fn places_are_bounded_and_given_back() {

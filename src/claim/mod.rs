@@ -5,7 +5,6 @@ mod run;
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 
 use axum::body::Body;
 use http::{Request, Response};
@@ -36,7 +35,7 @@ pub(crate) async fn guard<S, St, ResBody>(
     store: St,
     inner: S,
     request: Request<Body>,
-    waiting: Option<Arc<AtomicBool>>,
+    waiting: Option<Arc<crate::wait::WaitState>>,
 ) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,

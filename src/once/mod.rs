@@ -32,7 +32,9 @@
 //! **The call runs on a task of its own** (counted in [`RunOnce::drain`]), so a caller that stops
 //! waiting (a consumer's shutdown timeout, a `select!` on a cancel signal) cancels neither the
 //! closure halfway nor the recording of its output: a redelivery then gets the output, or
-//! [`OnceError::InProgress`] while the run goes on. Hence the `Send + 'static` bounds.
+//! [`OnceError::InProgress`] while the run goes on. Hence the `Send + 'static` bounds. At shutdown,
+//! wait for [`RunOnce::drain`] (`drain.wait(deadline)`) before the runtime stops: a run cut there
+//! is left in progress and retaken, so run again, after the in-progress TTL.
 //!
 //! **Scopes.** A scope shares the store with the layer's records: choose an `endpoint` no route
 //! has (`"queue orders"`, not `"POST /orders"`), or a subject no user can be, so that a call and a
@@ -540,8 +542,10 @@ where
     };
     match ended {
         Ok(Ok(value)) => {
-            // The effect has happened: from here on, a lease dropped (the task aborted, say)
-            // records this head without its body rather than releasing the record.
+            // The effect has happened: from here on, a panic before the completion starts records
+            // this head without its body rather than releasing the record. (A task dropped while
+            // the completion is under way, at a runtime's shutdown, leaves the record in progress,
+            // retaken after the TTL: wait for `drain()` at shutdown, as for the layer.)
             lease.answered(&recorded(OUTPUT, Vec::new()));
             // A `Serialize` that panics must not release the record either.
             let serialized =

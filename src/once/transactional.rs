@@ -32,9 +32,33 @@ use crate::record::RecordKey;
 use crate::recording::transactional::rollback;
 use crate::store::{IdempotencyStore, StoreError};
 
-/// The transaction a [`RunOnce::run_in_transaction`] closure writes its effects in, and gives back
-/// with its output.
-pub type OnceTransaction = Transaction<'static, Postgres>;
+/// The transaction a [`RunOnce::run_in_transaction`] closure writes its effects in (it derefs to a
+/// `PgConnection`: `query.execute(&mut *tx)`), and gives back with its output. It has no `commit`
+/// or `rollback`: the record of the output is written in it and committed with the effects. (Do not
+/// send `COMMIT` through it either: effects committed apart from their record would run again.)
+pub struct OnceTransaction {
+    tx: Transaction<'static, Postgres>,
+}
+
+impl std::fmt::Debug for OnceTransaction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OnceTransaction").finish_non_exhaustive()
+    }
+}
+
+impl std::ops::Deref for OnceTransaction {
+    type Target = sqlx::PgConnection;
+
+    fn deref(&self) -> &sqlx::PgConnection {
+        &self.tx
+    }
+}
+
+impl std::ops::DerefMut for OnceTransaction {
+    fn deref_mut(&mut self) -> &mut sqlx::PgConnection {
+        &mut self.tx
+    }
+}
 
 impl<St: IdempotencyStore> RunOnce<St> {
     /// [`run`](Self::run), with the closure's effects and the record of its output committed in
@@ -126,7 +150,8 @@ where
             return Err(OnceError::Store(e));
         }
     };
-    let run = AssertUnwindSafe(async move { f(context, tx).await }).catch_unwind();
+    let run =
+        AssertUnwindSafe(async move { f(context, OnceTransaction { tx }).await }).catch_unwind();
     let Ok(ended) = tokio::time::timeout_at(lease.deadline(), run).await else {
         // Cancelled with its transaction, which rolls back: nothing of it happened.
         lease.timed_out();
@@ -135,7 +160,7 @@ where
         return Err(OnceError::TimedOut);
     };
     let (value, mut tx) = match ended {
-        Ok(Ok(done)) => done,
+        Ok(Ok((value, OnceTransaction { tx }))) => (value, tx),
         Ok(Err(e)) => {
             lease.release("the closure returned an error").await;
             return Err(OnceError::Failed(e));
@@ -145,7 +170,14 @@ where
             return Err(OnceError::Panicked);
         }
     };
-    let body = match serde_json::to_vec(&value) {
+    // A `Serialize` that panics is an output that does not serialize: nothing is committed.
+    let serialized = std::panic::catch_unwind(AssertUnwindSafe(|| serde_json::to_vec(&value)))
+        .unwrap_or_else(|_| {
+            Err(<serde_json::Error as serde::ser::Error>::custom(
+                "the output's Serialize panicked",
+            ))
+        });
+    let body = match serialized {
         Ok(body) => body,
         Err(e) => {
             // Nothing is committed: the effects roll back with the transaction, so the record is

@@ -99,6 +99,9 @@ struct Shard {
     /// Scopes deleted through this cache, with when the delete was answered: a read that began
     /// before then may carry the deleted record, and is not cached.
     deleted: HashMap<[u8; 32], Instant>,
+    /// The size of `deleted` at which it is next swept of old entries (amortised: each sweep is
+    /// paid for by as many deletes before it).
+    sweep_deleted_at: usize,
 }
 
 struct Entry {
@@ -271,9 +274,12 @@ impl Cache {
         if let Some(entry) = shard.entries.remove(scope) {
             shard.bytes -= entry.size;
         }
-        shard
-            .deleted
-            .retain(|_, at| now.saturating_duration_since(*at) < keep);
+        if shard.deleted.len() >= shard.sweep_deleted_at.max(64) {
+            shard
+                .deleted
+                .retain(|_, at| now.saturating_duration_since(*at) < keep);
+            shard.sweep_deleted_at = 2 * shard.deleted.len();
+        }
         shard.deleted.insert(*scope, now);
     }
 
@@ -291,6 +297,10 @@ impl Cache {
                 keep
             });
             shard.bytes -= freed;
+            let keep = self.max_age.max(Duration::from_secs(60));
+            shard
+                .deleted
+                .retain(|_, at| now.saturating_duration_since(*at) < keep);
             let entries = &shard.entries;
             shard
                 .order
@@ -357,8 +367,11 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
     async fn delete(&self, key: &RecordKey) -> Result<Deleted, StoreError> {
         let scope = key.digest();
         let deleted = self.inner.delete(key).await;
-        // Also after a failure: the delete may have happened all the same.
-        self.cache.deleted(&scope);
+        // A record deleted (or, after a failure, maybe deleted) is forgotten; one in progress or
+        // absent was never cached.
+        if matches!(deleted, Ok(Deleted::Deleted) | Err(_)) {
+            self.cache.deleted(&scope);
+        }
         deleted
     }
 

@@ -272,6 +272,9 @@ impl PostgresStore {
 /// It is not needed for claims, so a role that does not own the table, or a table whose lock is
 /// not had within 3 s (claims would queue behind the waiting build), leaves it out with a
 /// warning; the next `migrate()` tries again.
+/// The largest table (its heap, in bytes) on which `migrate()` builds the subject index itself.
+const SUBJECT_INDEX_MAX_TABLE_BYTES: i64 = 64 * 1024 * 1024;
+
 async fn apply_subject_index(
     tx: &mut sqlx::PgConnection,
     sql: &Statements,
@@ -282,6 +285,24 @@ async fn apply_subject_index(
         .await
         .map_err(db("migrate: look up the subject index"))?;
     if present {
+        return Ok(());
+    }
+    // Built here only on a table small enough to index in about a second: the build holds off
+    // every write on the table (claims, heartbeats, completions) until this transaction ends, and
+    // a long stall of heartbeats would let records of live handlers be retaken. A larger table is
+    // left to the operator (`CREATE INDEX CONCURRENTLY`, see migrations/0005); listings read the
+    // whole table meanwhile.
+    let (bytes,): (i64,) =
+        sqlx::query_as("SELECT coalesce(pg_relation_size(to_regclass($1)), 0)::int8")
+            .bind(&sql.quoted)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db("migrate: the table's size"))?;
+    if bytes > SUBJECT_INDEX_MAX_TABLE_BYTES {
+        tracing::warn!(
+            table_bytes = bytes,
+            "migrate: the table is too large to build the index that lists a subject's records              while it takes writes; create it with CREATE INDEX CONCURRENTLY (migrations/0005)              for listings that do not read the whole table"
+        );
         return Ok(());
     }
     let index_sql = SUBJECT_INDEX_MIGRATION

@@ -96,7 +96,7 @@ const SCAN_PER_RECORD: usize = 10;
 /// shapes key names), of record digests scored by creation time, which lives as long as the longest
 /// lifetime (in-progress TTL and retention) of the claims that filed into it. It lives in another
 /// slot than the records, so a claim that creates a record files it with a second command, awaited
-/// (one more round trip, on fresh keys only), within the same operation timeout. The index serves
+/// (one more round trip, on fresh keys only), within a quarter of the operation timeout. The index serves
 /// listings only: when that command fails or times out the claim still stands and the record is
 /// merely missing from listings; a record kept longer than its claim's lifetime (a handler renewing
 /// its lease past the in-progress TTL) may likewise drop out of listings when the index expires
@@ -605,7 +605,12 @@ impl IdempotencyStore for RedisStore {
             // The record is claimed whatever becomes of its index entry, which only listings
             // read: a failure here is logged, not answered. The claim's operation timeout bounds
             // both commands together.
-            let left = self.timeout.saturating_sub(started.elapsed());
+            // At most a quarter of the timeout: a slow index node must not slow every fresh claim
+            // by a whole timeout.
+            let left = self
+                .timeout
+                .saturating_sub(started.elapsed())
+                .min(self.timeout / 4);
             let digest = request.key.digest();
             let filed = self
                 .index(&request.key.subject, &digest, created_ms, lifetime, left)
