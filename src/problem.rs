@@ -270,12 +270,12 @@ impl ProblemTypes {
                 if retry_after.is_some() || kind.status().is_server_error() {
                     *response.status_mut() = kind.status();
                 }
-                if let Some(secs) = retry_after {
-                    if !response.headers().contains_key(header::RETRY_AFTER) {
-                        response
-                            .headers_mut()
-                            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
-                    }
+                if let Some(secs) = retry_after
+                    && !response.headers().contains_key(header::RETRY_AFTER)
+                {
+                    response
+                        .headers_mut()
+                        .insert(header::RETRY_AFTER, HeaderValue::from(secs));
                 }
                 response
             }
