@@ -104,6 +104,23 @@
 //! with the same stores, lease and recording: given a scope and a fingerprint, it runs an async
 //! closure once and returns its recorded output to every later call.
 //!
+//! # Waiting, hooks, expiry, inspection, and run-once
+//!
+//! - **Wait instead of 409**: [`IdempotencyLayerBuilder::wait`] lets a duplicate of a request in
+//!   progress wait (at most [`MAX_WAIT`]) for its answer and get the replay; no connection or lock
+//!   is held while it waits, and a wait never runs the handler.
+//! - **Hooks**: [`IdempotencyLayerBuilder::on_replay`] sees every replay and changes its headers;
+//!   [`IdempotencyLayerBuilder::render_errors`] renders the layer's own errors ([`Problem`]).
+//! - **Expiry for clients**: recorded and replayed answers carry [`IDEMPOTENCY_EXPIRES`], the HTTP
+//!   date when the key's record expires.
+//! - **Inspection**: every store answers [`IdempotencyStore::lookup`],
+//!   [`IdempotencyStore::delete`] (finished records only) and [`IdempotencyStore::list`] (a
+//!   subject's records, paged by [`ListCursor`]); the example serves them for the caller's own
+//!   checkouts.
+//! - **Run once outside HTTP**: [`RunOnce`] guards an async closure (a queue consumer, a webhook,
+//!   a job) with the same stores, lease and recording, and returns its recorded output (serde) to
+//!   every later call.
+//!
 //! # Feature flags
 //!
 //! | feature | default | what it adds |
@@ -117,7 +134,8 @@
 //! # Implementing a store
 //!
 //! A store is a type that implements [`IdempotencyStore`]: five atomic operations (claim, complete,
-//! renew, release, purge) whose contracts the trait's documentation states, with an example of a
+//! renew, release, purge) and three for inspection (lookup, delete, list), whose contracts the
+//! trait's documentation states, with an example of a
 //! store wrapping another. Check one against the contract with the `test-suite` feature: its
 //! `store_suite!` runs the same behaviour suite as the crate's own stores (races, fencing,
 //! retention, disconnects, streams) on yours.
