@@ -375,3 +375,55 @@ pub async fn delete_racing_claims_never_grants_twice<S: IdempotencyStore>(store:
         );
     }
 }
+
+/// Through the layer: a delete racing duplicates of a finished request, round after round. The
+/// handler runs at most once more after the delete (the key is new), never twice, and every later
+/// duplicate gets that run's answer.
+pub async fn delete_racing_requests_runs_the_handler_at_most_once_more<S: IdempotencyStore>(
+    store: S,
+) {
+    use super::app::{app, post, send};
+    use axum::http::StatusCode;
+
+    let layer = crate::IdempotencyLayer::new(store.clone());
+    let (router, counters) = app(layer);
+    for round in 0..10 {
+        let key = format!("delete-race-{round}");
+        let req = || post("/pay").key(&key).user("alice").json("{\"amount\":1}");
+        let started = counters.started();
+        assert_eq!(send(&router, req()).await.status, StatusCode::CREATED);
+        let mut racing = JoinSet::new();
+        for _ in 0..8 {
+            let (router, request) = (router.clone(), req());
+            racing.spawn(async move { send(&router, request).await.status });
+        }
+        let scope = self::key(&key, "alice", "POST /pay");
+        let deleted = store.delete(&scope).await.expect("delete");
+        assert_eq!(deleted, Deleted::Deleted, "round {round}");
+        while let Some(status) = racing.join_next().await {
+            let status = status.expect("task");
+            assert!(
+                status == StatusCode::CREATED || status == StatusCode::CONFLICT,
+                "round {round}: {status}"
+            );
+        }
+        let runs = counters.started() - started;
+        assert!((1..=2).contains(&runs), "round {round}: {runs} runs");
+        // The next request runs only if none of the racers came after the delete; then the key
+        // is settled, and every later one is a replay of that run.
+        let next = super::suite::until_not_in_progress(&router, req, 200).await;
+        assert_eq!(next.status, StatusCode::CREATED, "round {round}");
+        let total = counters.started() - started;
+        assert!(
+            total == runs || (runs == 1 && total == 2 && !next.replayed()),
+            "round {round}: {runs} runs in the race, {total} in all"
+        );
+        let settled = send(&router, req()).await;
+        assert!(settled.replayed(), "round {round}");
+        assert_eq!(
+            counters.started() - started,
+            total,
+            "round {round}: no run after"
+        );
+    }
+}

@@ -15,7 +15,8 @@ use tokio::task::JoinSet;
 
 use super::app::{Answer, Counting, Req, app, eventually, post, send};
 pub use super::inspection::{
-    delete_racing_claims_never_grants_twice, inspection_forgets_expired_records,
+    delete_racing_claims_never_grants_twice,
+    delete_racing_requests_runs_the_handler_at_most_once_more, inspection_forgets_expired_records,
     inspection_shows_every_state, listing_pages_through_one_subjects_records,
 };
 pub use super::waiting::{
@@ -77,6 +78,7 @@ macro_rules! store_suite {
             inspection_forgets_expired_records,
             listing_pages_through_one_subjects_records,
             delete_racing_claims_never_grants_twice,
+            delete_racing_requests_runs_the_handler_at_most_once_more,
             waiters_get_the_replay_and_never_wait_past_the_bound,
             waiters_on_a_dead_holder_get_409_and_a_later_retake_runs_once,
             a_released_answer_ends_the_wait_with_409,
