@@ -198,19 +198,33 @@ impl<St: IdempotencyStore> RunOnce<St> {
         F: FnOnce(IdempotencyContext) -> Fut + Send + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
     {
+        self.on_its_own_task(scope, fingerprint, |config, lease, ctx| async move {
+            held(&config, lease, ctx, f).await
+        })
+        .await
+    }
+
+    /// Runs one call (`once`, with `runner` once the claim is held) on a task of its own, counted
+    /// in the drain, and answers what it came to.
+    async fn on_its_own_task<T, E, R, RF>(
+        &self,
+        scope: RecordKey,
+        fingerprint: Fingerprint,
+        runner: R,
+    ) -> Result<T, OnceError<E>>
+    where
+        T: DeserializeOwned + Send + 'static,
+        E: Send + 'static,
+        R: FnOnce(Arc<Config>, Lease<Coalesced<Measured<St>>>, IdempotencyContext) -> RF
+            + Send
+            + 'static,
+        RF: Future<Output = Result<T, OnceError<E>>> + Send,
+    {
         let span = span(&self.config, &scope.key, &scope.subject, &scope.endpoint);
         let (config, store, label) = (self.config.clone(), self.store.clone(), self.label.clone());
         let (answer, answered) = tokio::sync::oneshot::channel();
         let work = async move {
-            let outcome = once(
-                config,
-                store,
-                label,
-                scope,
-                fingerprint,
-                |config, lease, ctx| async move { held(&config, lease, ctx, f).await },
-            )
-            .await;
+            let outcome = once(config, store, label, scope, fingerprint, runner).await;
             // The caller may have stopped waiting: the run and its record stand all the same.
             let _ = answer.send(outcome);
         };

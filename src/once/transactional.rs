@@ -19,17 +19,14 @@ use futures_util::FutureExt;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::{Postgres, Transaction};
-use tracing::Instrument;
 
-use super::{OUTPUT, OnceError, RunOnce, once, recorded};
-use crate::claim::span;
+use super::{OUTPUT, OnceError, RunOnce, recorded};
 use crate::config::Config;
 use crate::context::IdempotencyContext;
 use crate::fingerprint::Fingerprint;
-use crate::lease::{Lease, Settled};
-use crate::metrics;
+use crate::lease::Lease;
 use crate::record::RecordKey;
-use crate::recording::transactional::rollback;
+use crate::recording::transactional::{InTransaction, commit_with_record, rollback};
 use crate::store::{IdempotencyStore, StoreError};
 
 /// The transaction a [`RunOnce::run_in_transaction`] closure writes its effects in (it derefs to a
@@ -94,30 +91,10 @@ impl<St: IdempotencyStore> RunOnce<St> {
                 "run_in_transaction needs a PostgresStore (or a wrapper of one)",
             )));
         }
-        let span = span(&self.config, &scope.key, &scope.subject, &scope.endpoint);
-        let (config, store, label) = (self.config.clone(), self.store.clone(), self.label.clone());
-        let (answer, answered) = tokio::sync::oneshot::channel();
-        let work = async move {
-            let outcome = once(
-                config,
-                store,
-                label,
-                scope,
-                fingerprint,
-                |config, lease, ctx| {
-                    Box::pin(async move { held_in_transaction(&config, lease, ctx, f).await })
-                },
-            )
-            .await;
-            let _ = answer.send(outcome);
-        };
-        self.config.drain.spawn(work.instrument(span));
-        match answered.await {
-            Ok(outcome) => outcome,
-            Err(_) => Err(OnceError::Store(StoreError::msg(
-                "the run was dropped before it settled: no runtime to run it on",
-            ))),
-        }
+        self.on_its_own_task(scope, fingerprint, |config, lease, ctx| {
+            Box::pin(async move { held_in_transaction(&config, lease, ctx, f).await })
+        })
+        .await
     }
 }
 
@@ -159,7 +136,7 @@ where
         lease.release("the closure ran past the maximum hold").await;
         return Err(OnceError::TimedOut);
     };
-    let (value, mut tx) = match ended {
+    let (value, tx) = match ended {
         Ok(Ok((value, OnceTransaction { tx }))) => (value, tx),
         Ok(Err(e)) => {
             lease.release("the closure returned an error").await;
@@ -188,66 +165,21 @@ where
         }
     };
     let stored = Arc::new(recorded(OUTPUT, body));
-    let written = match lease.store().capabilities().transform(
-        lease.key(),
-        lease.fingerprint(),
-        stored.clone(),
-    ) {
-        Ok(written) => written,
-        Err(e) => {
-            rollback(&pg, tx).await;
+    match commit_with_record(config, lease, &pg, tx, &stored).await {
+        InTransaction::Committed => Ok(value),
+        // The retaker's output is the one that counts.
+        InTransaction::Lost => Err(OnceError::InProgress),
+        InTransaction::NotPrepared(lease, e) => {
             lease.release("the record could not be prepared").await;
-            return Err(OnceError::Store(e));
+            Err(OnceError::Store(e))
         }
-    };
-    let completed = metrics::timed(
-        "complete",
-        pg.complete_in(
-            &mut tx,
-            lease.key(),
-            lease.token(),
-            &written,
-            config.retention,
-        ),
-    )
-    .await;
-    match completed {
-        Ok(true) => {}
-        Ok(false) => {
-            rollback(&pg, tx).await;
-            lease.settled_outside(Settled::Lost);
-            tracing::warn!("the lease was lost before the commit: rolled back");
-            return Err(OnceError::InProgress);
-        }
-        Err(e) => {
-            rollback(&pg, tx).await;
+        InTransaction::NotWritten(lease, e) => {
             lease.release("the output could not be recorded").await;
-            return Err(OnceError::Store(e.error));
+            Err(OnceError::Store(e.error))
         }
+        // Not committed (released), or not known (released in the background if it did not land):
+        // either way the caller is told the store failed; a later call gets the output if it
+        // landed, or runs again.
+        InTransaction::CommitFailed(e) | InTransaction::Unknown(e) => Err(OnceError::Store(e)),
     }
-    if let Err(e) = pg.commit(tx).await {
-        tracing::error!(error = %e, "the commit of the run's transaction failed");
-        match metrics::timed(
-            "release",
-            pg.settle_failed_commit(lease.key(), lease.token()),
-        )
-        .await
-        {
-            // Not committed: released, nothing happened.
-            Ok(false) => {
-                lease.settled_outside(Settled::Released);
-                return Err(OnceError::Store(e));
-            }
-            // Committed; its answer was lost on the way.
-            Ok(true) => {}
-            Err(unknown) => {
-                lease.settled_outside(Settled::Unknown);
-                return Err(OnceError::Store(unknown));
-            }
-        }
-    }
-    lease.settled_outside(Settled::Recorded {
-        status: stored.status,
-    });
-    Ok(value)
 }

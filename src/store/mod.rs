@@ -27,6 +27,8 @@ pub use memory::{DEFAULT_MEMORY_CAPACITY, MemoryStore};
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "postgres")]
+pub(crate) use postgres::CompleteInError;
+#[cfg(feature = "postgres")]
 pub use postgres::{
     DEFAULT_OPERATION_TIMEOUT, MIN_MIGRATE_TIMEOUT, MIN_OPERATION_TIMEOUT, PostgresStore,
     PostgresStoreError,
