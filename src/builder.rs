@@ -391,20 +391,11 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
         if config.max_running == 0 {
             return err("max_running must be at least 1");
         }
-        if config.wait > MAX_WAIT {
-            return err("wait must be at most 5 s: a duplicate is not held longer");
-        }
-        if !config.wait.is_zero() && config.max_waiters == 0 {
-            return err("max_waiters must be at least 1 when the wait is on");
-        }
         if config.retry_after_secs == 0 {
             return err("retry_after_secs must be at least 1");
         }
         if config.body_limit == 0 || config.body_limit > MAX_BODY_LIMIT {
             return err("body_limit must be from 1 byte to 64 MiB");
-        }
-        if config.retention < MIN_RETENTION {
-            return err("retention must be at least 100 ms");
         }
         if config.min_key_length == 0 || config.min_key_length > crate::key::MAX_KEY_LEN {
             return err("min_key_length must be from 1 to 255");
@@ -464,10 +455,10 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
     }
 }
 
-/// The checks of the time limits and the derived-key secret, shared with
+/// The checks of the time limits, the derived-key secret and the wait, shared with
 /// [`RunOnceBuilder::build`](crate::once::RunOnceBuilder::build): the in-progress TTL (against the
-/// store's operation timeout too), the retention's upper bound, the maximum hold (set to its
-/// default when `max_hold_set` is false) and the secret's length.
+/// store's operation timeout too), the retention's bounds, the maximum hold (set to its default
+/// when `max_hold_set` is false), the secret's length, and the wait's bound and waiters.
 pub(crate) fn check_times<S: IdempotencyStore>(
     config: &mut Config,
     store: &S,
@@ -506,6 +497,15 @@ pub(crate) fn check_times<S: IdempotencyStore>(
         .is_some_and(|s| s.bytes().len() < MIN_SECRET_LEN)
     {
         return err("derived_key_secret must be at least 16 bytes");
+    }
+    if config.retention < MIN_RETENTION {
+        return err("retention must be at least 100 ms");
+    }
+    if config.wait > MAX_WAIT {
+        return err("wait must be at most 5 s: a duplicate is not held longer");
+    }
+    if !config.wait.is_zero() && config.max_waiters == 0 {
+        return err("max_waiters must be at least 1 when the wait is on");
     }
     Ok(())
 }

@@ -90,7 +90,7 @@ use tracing::Instrument;
 
 use crate::claim::{fresh, span};
 use crate::coalesce::Coalesced;
-use crate::config::{Config, ConfigError, MIN_RETENTION};
+use crate::config::{Config, ConfigError};
 use crate::context::IdempotencyContext;
 use crate::drain::Drain;
 use crate::fingerprint::Fingerprint;
@@ -345,7 +345,7 @@ impl<St: IdempotencyStore> RunOnceBuilder<St> {
     }
 
     /// How long recorded outputs are kept and returned; after that the scope is new again. From
-    /// [`MIN_RETENTION`] to [`MAX_DURATION`](crate::MAX_DURATION); keep it above the longest
+    /// [`MIN_RETENTION`](crate::MIN_RETENTION) to [`MAX_DURATION`](crate::MAX_DURATION); keep it above the longest
     /// redelivery horizon of your queue. Default: 24 h.
     pub fn retention(mut self, retention: Duration) -> Self {
         self.config.retention = retention;
@@ -398,12 +398,6 @@ impl<St: IdempotencyStore> RunOnceBuilder<St> {
     pub fn build(self) -> Result<RunOnce<St>, ConfigError> {
         let mut config = self.config;
         crate::builder::check_times(&mut config, &self.store, self.max_hold_set)?;
-        if config.retention < MIN_RETENTION {
-            return Err(ConfigError("retention must be at least 100 ms".to_owned()));
-        }
-        if config.wait > crate::MAX_WAIT {
-            return Err(ConfigError("wait must be at most 5 s".to_owned()));
-        }
         Ok(RunOnce::from_parts(self.store, config))
     }
 }
