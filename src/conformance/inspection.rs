@@ -45,6 +45,27 @@ fn answer(outcome: Finished, status: u16) -> Arc<StoredResponse> {
     })
 }
 
+/// Completes `request`'s record held by `lease` with `response`, for its retention; the lease must
+/// hold it.
+async fn finish<S: IdempotencyStore>(
+    store: &S,
+    request: &ClaimRequest,
+    lease: LeaseToken,
+    response: Arc<StoredResponse>,
+) {
+    let done = store
+        .complete(
+            &request.key,
+            lease,
+            &request.fingerprint,
+            response,
+            request.retention,
+        )
+        .await
+        .expect("complete");
+    assert_eq!(done, Fenced::Done);
+}
+
 async fn claimed<S: IdempotencyStore>(store: &S, request: &ClaimRequest) -> LeaseToken {
     match store.claim(request).await.expect("claim") {
         ClaimOutcome::Claimed { lease, .. } => lease,
@@ -101,17 +122,7 @@ pub async fn inspection_shows_every_state<S: IdempotencyStore>(store: S) {
         "and it is still held"
     );
 
-    let done = store
-        .complete(
-            &k,
-            lease,
-            &request.fingerprint,
-            answer(Finished::Completed, 201),
-            retention,
-        )
-        .await
-        .expect("complete");
-    assert_eq!(done, Fenced::Done);
+    finish(&store, &request, lease, answer(Finished::Completed, 201)).await;
     let info = store.lookup(&k).await.expect("lookup").expect("completed");
     assert_eq!(info.state, RecordState::Completed);
     assert_eq!(info.status, Some(201));
@@ -130,17 +141,7 @@ pub async fn inspection_shows_every_state<S: IdempotencyStore>(store: S) {
     let lease = claimed(&store, &again).await;
 
     // A definitive failure.
-    let done = store
-        .complete(
-            &k,
-            lease,
-            &again.fingerprint,
-            answer(Finished::Failed, 402),
-            retention,
-        )
-        .await
-        .expect("complete");
-    assert_eq!(done, Fenced::Done);
+    finish(&store, &again, lease, answer(Finished::Failed, 402)).await;
     let info = store.lookup(&k).await.expect("lookup").expect("failed");
     assert_eq!((info.state, info.status), (RecordState::Failed, Some(402)));
     assert_eq!(store.delete(&k).await.expect("delete"), Deleted::Deleted);
@@ -179,17 +180,7 @@ pub async fn inspection_forgets_expired_records<S: IdempotencyStore>(store: S) {
     let retention = Duration::from_millis(200);
     let request = claim(k.clone(), Duration::from_secs(30), retention);
     let lease = claimed(&store, &request).await;
-    let done = store
-        .complete(
-            &k,
-            lease,
-            &request.fingerprint,
-            answer(Finished::Completed, 201),
-            retention,
-        )
-        .await
-        .expect("complete");
-    assert_eq!(done, Fenced::Done);
+    finish(&store, &request, lease, answer(Finished::Completed, 201)).await;
     assert!(store.lookup(&k).await.expect("lookup").is_some());
     tokio::time::sleep(Duration::from_millis(1200)).await;
     assert_eq!(store.lookup(&k).await.expect("lookup"), None);
@@ -217,17 +208,13 @@ pub async fn listing_pages_through_one_subjects_records<S: IdempotencyStore>(sto
         let request = claim(key(&format!("k{n}"), "alice", endpoint), ttl, retention);
         let lease = claimed(&store, &request).await;
         if n % 3 != 0 {
-            let done = store
-                .complete(
-                    &request.key,
-                    lease,
-                    &request.fingerprint,
-                    answer(Finished::Completed, 200 + n),
-                    retention,
-                )
-                .await
-                .expect("complete");
-            assert_eq!(done, Fenced::Done);
+            finish(
+                &store,
+                &request,
+                lease,
+                answer(Finished::Completed, 200 + n),
+            )
+            .await;
         }
         mine.insert((format!("k{n}"), endpoint.to_owned()));
     }
@@ -327,17 +314,7 @@ pub async fn delete_racing_claims_never_grants_twice<S: IdempotencyStore>(store:
         while let Some(done) = racing.join_next().await {
             done.expect("task");
         }
-        let done = store
-            .complete(
-                &k,
-                lease,
-                &first.fingerprint,
-                answer(Finished::Completed, 201),
-                retention,
-            )
-            .await
-            .expect("complete");
-        assert_eq!(done, Fenced::Done);
+        finish(&store, &first, lease, answer(Finished::Completed, 201)).await;
 
         // Finished: one delete races eight claims.
         let mut racing = JoinSet::new();
