@@ -134,6 +134,33 @@ impl<St: IdempotencyStore> Lease<St> {
         }
     }
 
+    /// The lease of `claim`, held since `held_since`, once its heartbeat has started: for a
+    /// handler or a closure about to run under it.
+    ///
+    /// The heartbeat's task was just spawned into this worker's LIFO slot, which other workers
+    /// cannot steal from: were the handler to block this thread at its first poll, the heartbeat
+    /// would never start. Yielding once lets it run (and arm its timer) first; its later wake-ups
+    /// come from the timer and the store's sockets, on whichever worker drives them.
+    pub(crate) async fn started(
+        store: St,
+        config: Arc<Config>,
+        label: Label,
+        claim: crate::record::ClaimRequest,
+        held_since: Instant,
+    ) -> Self {
+        let lease = Lease::new(
+            store,
+            config,
+            label,
+            claim.key,
+            claim.fingerprint,
+            claim.lease,
+            held_since,
+        );
+        tokio::task::yield_now().await;
+        lease
+    }
+
     /// When the handler and its body must be done (the maximum hold).
     pub(crate) fn deadline(&self) -> Instant {
         self.deadline

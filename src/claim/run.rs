@@ -128,20 +128,8 @@ where
         request.extensions_mut().insert(slot.clone());
         (pg.clone(), slot)
     });
-    let lease = Lease::new(
-        store,
-        config.clone(),
-        label,
-        claim.key,
-        claim.fingerprint,
-        claim.lease,
-        held_since,
-    );
-    // The heartbeat's task was just spawned into this worker's LIFO slot, which other workers
-    // cannot steal from: were the handler to block this thread at its first poll, the heartbeat
-    // would never start. Yielding once lets it run (and arm its timer) first; its later wake-ups
-    // come from the timer and the store's sockets, on whichever worker drives them.
-    tokio::task::yield_now().await;
+    // Its heartbeat runs before the handler does (see `Lease::started`).
+    let lease = Lease::started(store, config.clone(), label, claim, held_since).await;
     // The handler runs until it answers or the maximum hold; the heartbeat runs on a task of its
     // own meanwhile.
     let handler = AssertUnwindSafe(inner.oneshot(request)).catch_unwind();

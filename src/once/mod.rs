@@ -464,18 +464,8 @@ where
                 generation,
                 config.derived_key_secret.clone(),
             );
-            let lease = Lease::new(
-                store,
-                config.clone(),
-                label,
-                claim.key,
-                claim.fingerprint,
-                claim.lease,
-                held_since,
-            );
-            // Lets the heartbeat's task start first, as the layer does (a closure that blocks its
-            // thread at its first poll would otherwise keep it from ever starting).
-            tokio::task::yield_now().await;
+            // Its heartbeat runs before the closure does, as the layer's (see `Lease::started`).
+            let lease = Lease::started(store, config.clone(), label, claim, held_since).await;
             runner(config, lease, context).await
         }
         Ok(ClaimOutcome::InProgress) if !config.wait.is_zero() => {
