@@ -44,22 +44,42 @@ pub struct LeaseToken(pub i64);
 impl LeaseToken {
     /// A fresh token, unique with overwhelming probability across processes and machines.
     pub fn generate() -> Self {
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
-        // RandomState is seeded from the operating system's randomness once per thread and differs for
-        // every instance; hashing a process-wide counter and the clock through it gives unpredictable,
-        // unique 64-bit values without another dependency.
-        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-        hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-        if let Ok(now) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
-            hasher.write_u128(now.as_nanos());
-        }
-        hasher.write_u32(std::process::id());
         // 0 marks a released record in the stores: never a claim's token.
-        match hasher.finish() as i64 {
+        match unique_u64s::<1>()[0] as i64 {
             0 => LeaseToken(1),
             token => LeaseToken(token),
         }
     }
+}
+
+/// `N` unpredictable 64-bit values, unique with overwhelming probability across threads,
+/// processes and machines, without a system call: a process-wide counter and the clock, hashed
+/// with keys drawn from the operating system's randomness once per thread (`RandomState`), one
+/// hash per value (each with its index). A forked child inherits its parent's keys and counter;
+/// the clock's nanoseconds still tell their values apart.
+fn unique_u64s<const N: usize>() -> [u64; N] {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    thread_local! {
+        static KEYS: std::collections::hash_map::RandomState =
+            std::collections::hash_map::RandomState::new();
+    }
+    let count = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let hash = |keys: &std::collections::hash_map::RandomState, i: usize| {
+        let mut hasher = keys.build_hasher();
+        hasher.write_u64(count);
+        hasher.write_u128(now);
+        hasher.write_usize(i);
+        hasher.finish()
+    };
+    KEYS.try_with(|keys| std::array::from_fn(|i| hash(keys, i)))
+        // A thread being torn down: keys of its own, made for this call.
+        .unwrap_or_else(|_| {
+            let keys = std::collections::hash_map::RandomState::new();
+            std::array::from_fn(|i| hash(&keys, i))
+        })
 }
 
 /// The generation of a record: 128 random bits chosen when its key is first claimed, kept by retakes
@@ -73,7 +93,7 @@ pub struct Generation(pub [u8; 16]);
 impl Generation {
     /// A fresh generation, unique with overwhelming probability across processes and machines.
     pub fn generate() -> Self {
-        let (a, b) = (LeaseToken::generate().0, LeaseToken::generate().0);
+        let [a, b] = unique_u64s::<2>();
         let mut bytes = [0u8; 16];
         bytes[..8].copy_from_slice(&a.to_be_bytes());
         bytes[8..].copy_from_slice(&b.to_be_bytes());
@@ -209,4 +229,34 @@ pub enum ClaimOutcome {
     InProgress,
     /// The operation finished; replay its response.
     Finished(Arc<StoredResponse>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn tokens_and_generations_are_unique_across_threads() {
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                std::thread::spawn(|| {
+                    (0..20_000)
+                        .map(|_| (LeaseToken::generate(), Generation::generate()))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let mut tokens = HashSet::new();
+        let mut generations = HashSet::new();
+        for thread in threads {
+            for (token, generation) in thread.join().expect("thread") {
+                assert_ne!(token.0, 0, "0 marks a released record");
+                assert!(tokens.insert(token), "a token came twice");
+                assert_ne!(generation.0[..8], generation.0[8..], "two halves alike");
+                assert!(generations.insert(generation), "a generation came twice");
+            }
+        }
+        assert_eq!(tokens.len(), 80_000);
+    }
 }
