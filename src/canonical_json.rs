@@ -71,6 +71,20 @@ pub fn canonicalize(input: &[u8]) -> Option<Vec<u8>> {
     Some(parser.assemble())
 }
 
+/// The bytes that end a run of a string's plain bytes: the closing quote, an escape, and the
+/// control characters a string may not hold raw. One load a byte instead of three comparisons.
+static STRING_STOPS: [bool; 256] = {
+    let mut stops = [false; 256];
+    let mut b = 0;
+    while b < 0x20 {
+        stops[b] = true;
+        b += 1;
+    }
+    stops[b'"' as usize] = true;
+    stops[b'\\' as usize] = true;
+    stops
+};
+
 /// One object member as written in `out`: its decoded key in `keys`, and its canonical bytes.
 #[derive(Clone, Copy)]
 struct Member {
@@ -372,7 +386,7 @@ impl Parser<'_> {
             let rest = &self.input[run_start..];
             self.pos += rest
                 .iter()
-                .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
+                .position(|&b| STRING_STOPS[usize::from(b)])
                 .unwrap_or(rest.len());
             let run = &self.input[run_start..self.pos];
             if !run.is_empty() {
@@ -608,14 +622,30 @@ fn count_moved(_n: usize) {
 }
 
 /// Orders two UTF-8 strings by their UTF-16 code units, as RFC 8785 sorts object keys.
+///
+/// UTF-8's byte order is the order of code points, and so is UTF-16's but for one pair of ranges:
+/// a character above U+FFFF (a surrogate pair, from U+D800) comes before U+E000..=U+FFFF in
+/// UTF-16, after it in UTF-8. So the bytes decide, unless the first characters that differ are one
+/// of each (UTF-8 lead bytes 0xF0..=0xF4 against 0xEE or 0xEF).
 fn utf16_cmp(a: &[u8], b: &[u8]) -> std::cmp::Ordering {
-    if a.is_ascii() && b.is_ascii() {
-        return a.cmp(b);
+    let Some(i) = a.iter().zip(b).position(|(x, y)| x != y) else {
+        return a.len().cmp(&b.len()); // one is a prefix of the other
+    };
+    // The lead byte of the character holding byte `i`: the bytes before `i` are the same in both,
+    // so that character starts at the same place in both.
+    let mut start = i;
+    while start > 0 && a[start] & 0xC0 == 0x80 {
+        start -= 1;
     }
-    // Both were validated as UTF-8 while parsing.
-    match (std::str::from_utf8(a), std::str::from_utf8(b)) {
-        (Ok(a), Ok(b)) => a.encode_utf16().cmp(b.encode_utf16()),
-        _ => a.cmp(b),
+    let supplementary = |lead: u8| lead >= 0xF0;
+    let high_bmp = |lead: u8| lead == 0xEE || lead == 0xEF;
+    let (x, y) = (a[start], b[start]);
+    if supplementary(x) && high_bmp(y) {
+        std::cmp::Ordering::Less
+    } else if high_bmp(x) && supplementary(y) {
+        std::cmp::Ordering::Greater
+    } else {
+        a[i].cmp(&b[i])
     }
 }
 
@@ -676,6 +706,35 @@ mod tests {
             canon("{\"\u{E000}\":1,\"\u{1F600}\":2}"),
             "{\"\u{1F600}\":2,\"\u{E000}\":1}"
         );
+    }
+
+    /// Characters from every range the order treats apart: ASCII, two- and three-byte ones below
+    /// U+E000, U+E000..=U+FFFF, and above U+FFFF.
+    fn key_char() -> impl proptest::strategy::Strategy<Value = char> {
+        proptest::prop_oneof![
+            proptest::char::range('a', 'c'),
+            proptest::char::range('\u{7F}', '\u{81}'),
+            proptest::char::range('\u{D7FE}', '\u{D7FF}'),
+            proptest::char::range('\u{E000}', '\u{E001}'),
+            proptest::char::range('\u{FFFE}', '\u{FFFF}'),
+            proptest::char::range('\u{10000}', '\u{10001}'),
+            proptest::char::range('\u{1F600}', '\u{1F601}'),
+        ]
+    }
+
+    proptest::proptest! {
+        /// The byte-wise comparison orders keys as their UTF-16 code units do.
+        #[test]
+        fn utf16_order_matches_the_code_units(
+            a in proptest::collection::vec(key_char(), 0..5),
+            b in proptest::collection::vec(key_char(), 0..5),
+        ) {
+            let (a, b): (String, String) = (a.into_iter().collect(), b.into_iter().collect());
+            proptest::prop_assert_eq!(
+                utf16_cmp(a.as_bytes(), b.as_bytes()),
+                a.encode_utf16().cmp(b.encode_utf16())
+            );
+        }
     }
 
     #[test]
