@@ -7,6 +7,8 @@
 //! valgrind --tool=callgrind --callgrind-out-file=/tmp/cg.%p <binary> <bare|fresh|replay> <requests>
 //! ```
 //!
+//! With `LOAD_BODY=small` the body is the 150-byte order of the load harness instead.
+//!
 //! The harness runs `requests` requests after 200 warm-up ones, between two calls of
 //! `measured_start` and `measured_end`, so `callgrind_annotate` can attribute the cost, and
 //! instructions per request are (total at N2 − total at N1) / (N2 − N1), which cancels start-up.
@@ -17,7 +19,7 @@ mod in_process;
 mod support;
 
 use in_process::{call, request};
-use support::{created, json_1k};
+use support::{body_from_env, created};
 
 use axum::Router;
 use axum::routing::post;
@@ -38,7 +40,7 @@ fn run(mode: &str, requests: usize) {
         .enable_all()
         .build()
         .expect("runtime");
-    let body = json_1k();
+    let body = body_from_env();
     let router = match mode {
         "bare" => Router::new().route("/checkout", post(created)),
         "fresh" | "replay" => Router::new()

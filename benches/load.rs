@@ -16,7 +16,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
-use support::{created, json_1k};
+use support::created;
 
 use axum::Router;
 use axum::body::Bytes;
@@ -66,13 +66,7 @@ fn scale(n: usize) -> usize {
 
 /// The request body: the 1 KiB JSON order, or, with `LOAD_BODY=small`, a 150-byte one.
 fn request_body() -> Bytes {
-    if std::env::var("LOAD_BODY").is_ok_and(|v| v == "small") {
-        let mut body = br#"{"amount":1999,"currency":"EUR","customer":{"email":"alice@example.com","id":42},"items":[{"price":1999,"qty":1,"sku":"SKU-0001"}],"note":"x"}"#.to_vec();
-        body.resize(150, b' ');
-        Bytes::from(body)
-    } else {
-        json_1k()
-    }
+    support::body_from_env()
 }
 
 /// What one request of a load run looks like: path, subject, key.

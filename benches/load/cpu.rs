@@ -186,6 +186,11 @@ pub(super) async fn server_cpu_per_request(schema: &str) {
         .await;
     rows.push(("layer + memory, replays", s, cpu));
 
+    // `LOAD_CPU=memory` stops here: the bare route and the memory store alone (for a profile).
+    if std::env::var("LOAD_CPU").is_ok_and(|v| v == "memory") {
+        print_rows(&rows);
+        return;
+    }
     let pinging = server.postgres(schema, true).await;
     let (s, cpu) = server
         .measure(guarded(pinging.clone()), warm, fresh("pw"), n, fresh("p"))
@@ -224,22 +229,7 @@ pub(super) async fn server_cpu_per_request(schema: &str) {
     let pgbench = pgbench(schema, seconds);
     store.pool().close().await;
 
-    println!(
-        "\n### Server CPU time per request ({CLIENTS} clients, server on one thread, {n} requests a route, body {} bytes)\n",
-        super::request_body().len()
-    );
-    println!("| route | req/s | p50 | server CPU per request | vs bare |");
-    println!("|---|---|---|---|---|");
-    let bare_cpu = rows[0].2;
-    for (name, stats, cpu) in &rows {
-        println!(
-            "| {name} | {:.0} | {} | {:.1} us | **{:.2}x** |",
-            stats.rps,
-            ms(stats.p50),
-            cpu.as_secs_f64() * 1e6,
-            cpu.as_secs_f64() / bare_cpu.as_secs_f64(),
-        );
-    }
+    print_rows(&rows);
     match pgbench {
         Some(tps) => println!(
             "\npgbench, the same two statements, {CLIENTS} clients, {seconds} s: **{tps:.0} pairs/s**; \
@@ -249,5 +239,27 @@ pub(super) async fn server_cpu_per_request(schema: &str) {
             postgres_unpinged.rps / tps
         ),
         None => println!("\npgbench did not run (is it installed?)."),
+    }
+}
+
+/// The table of routes: requests/s, p50, the server's CPU time per request and its ratio to the
+/// bare route's (the first row).
+fn print_rows(rows: &[(&str, Stats, Duration)]) {
+    println!(
+        "\n### Server CPU time per request ({CLIENTS} clients, server on one thread, {} requests a route, body {} bytes)\n",
+        scale(20_000),
+        super::request_body().len()
+    );
+    println!("| route | req/s | p50 | server CPU per request | vs bare |");
+    println!("|---|---|---|---|---|");
+    let bare_cpu = rows[0].2;
+    for (name, stats, cpu) in rows {
+        println!(
+            "| {name} | {:.0} | {} | {:.1} us | **{:.2}x** |",
+            stats.rps,
+            ms(stats.p50),
+            cpu.as_secs_f64() * 1e6,
+            cpu.as_secs_f64() / bare_cpu.as_secs_f64(),
+        );
     }
 }

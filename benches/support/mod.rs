@@ -16,6 +16,24 @@ pub(crate) fn json_1k() -> Bytes {
     Bytes::from(bytes)
 }
 
+/// A 150-byte JSON checkout body (compact, keys sorted, padded with spaces).
+#[allow(dead_code)] // not every bench takes it
+pub(crate) fn json_150() -> Bytes {
+    let mut body = br#"{"amount":1999,"currency":"EUR","customer":{"email":"alice@example.com","id":42},"items":[{"price":1999,"qty":1,"sku":"SKU-0001"}],"note":"x"}"#.to_vec();
+    body.resize(150, b' ');
+    Bytes::from(body)
+}
+
+/// The body of the harnesses' requests: [`json_1k`], or [`json_150`] with `LOAD_BODY=small`.
+#[allow(dead_code)] // not every bench takes it from the environment
+pub(crate) fn body_from_env() -> Bytes {
+    if std::env::var("LOAD_BODY").is_ok_and(|v| v == "small") {
+        json_150()
+    } else {
+        json_1k()
+    }
+}
+
 /// The route under test: answers `201` with a small JSON body and a `Location`, doing nothing else.
 pub(crate) async fn created(_body: Bytes) -> Response {
     (
