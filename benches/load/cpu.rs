@@ -24,6 +24,9 @@ use super::{MakeRequest, Stats, bare, database_url, fresh_keys, guarded, load, m
 /// Clients of the load generator, and connections of the Postgres pool.
 const CLIENTS: usize = 8;
 
+/// Rounds of the bare route and the memory store's rows, alternating; each row is their median.
+const MEMORY_ROUNDS: usize = 3;
+
 /// A current-thread runtime on a thread of its own, and that thread's id.
 struct ServerThread {
     handle: Handle,
@@ -164,27 +167,44 @@ pub(super) async fn server_cpu_per_request(schema: &str) {
     let fresh = |p: &str| fresh_keys(p);
     let mut rows: Vec<(&str, Stats, Duration)> = Vec::new();
 
-    let (s, cpu) = server
-        .measure(bare(), warm, fresh("bw"), n, fresh("b"))
-        .await;
-    rows.push(("bare route", s, cpu));
+    // The bare route and the memory store's two rows, in alternating rounds: the median of each
+    // row, so that a slower or faster spell of this shared machine does not fall on one row alone.
     let memory = MemoryStore::new();
-    let (s, cpu) = server
-        .measure(guarded(memory.clone()), warm, fresh("mw"), n, fresh("m"))
-        .await;
-    rows.push(("layer + memory, fresh keys", s, cpu));
-    // The first `warm` keys of the fresh run are recorded: replay them over and over (the
-    // warm-up replays each once, so a cache in front of the store has read them all).
-    let (s, cpu) = server
-        .measure(
-            guarded(memory),
-            warm,
-            replays("m", warm),
-            n,
-            replays("m", warm),
-        )
-        .await;
-    rows.push(("layer + memory, replays", s, cpu));
+    let mut runs: [Vec<(Stats, Duration)>; 3] = Default::default();
+    for round in 0..MEMORY_ROUNDS {
+        let [bare_runs, fresh_runs, replay_runs] = &mut runs;
+        let keys = |p: &str| fresh(&format!("{p}{round}"));
+        bare_runs.push(server.measure(bare(), warm, keys("bw"), n, keys("b")).await);
+        fresh_runs.push(
+            server
+                .measure(guarded(memory.clone()), warm, keys("mw"), n, keys("m"))
+                .await,
+        );
+        // The first `warm` keys of the first round's fresh run are recorded: replay them over
+        // and over (the warm-up replays each once, so a cache in front of the store has read
+        // them all).
+        replay_runs.push(
+            server
+                .measure(
+                    guarded(memory.clone()),
+                    warm,
+                    replays("m0", warm),
+                    n,
+                    replays("m0", warm),
+                )
+                .await,
+        );
+    }
+    let names = [
+        "bare route",
+        "layer + memory, fresh keys",
+        "layer + memory, replays",
+    ];
+    for (name, mut row) in names.into_iter().zip(runs) {
+        row.sort_by_key(|(_, cpu)| *cpu);
+        let (s, cpu) = row[row.len() / 2];
+        rows.push((name, s, cpu));
+    }
 
     // `LOAD_CPU=memory` stops here: the bare route and the memory store alone (for a profile).
     if std::env::var("LOAD_CPU").is_ok_and(|v| v == "memory") {
@@ -246,7 +266,7 @@ pub(super) async fn server_cpu_per_request(schema: &str) {
 /// bare route's (the first row).
 fn print_rows(rows: &[(&str, Stats, Duration)]) {
     println!(
-        "\n### Server CPU time per request ({CLIENTS} clients, server on one thread, {} requests a route, body {} bytes)\n",
+        "\n### Server CPU time per request ({CLIENTS} clients, server on one thread, {} requests a route, body {} bytes; the first three rows the median of {MEMORY_ROUNDS} alternating rounds)\n",
         scale(20_000),
         super::request_body().len()
     );
