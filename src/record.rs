@@ -44,19 +44,30 @@ pub struct LeaseToken(pub i64);
 impl LeaseToken {
     /// A fresh token, unique with overwhelming probability across processes and machines.
     pub fn generate() -> Self {
+        Self::from_u64(unique_u64s::<1>()[0])
+    }
+
+    fn from_u64(value: u64) -> Self {
         // 0 marks a released record in the stores: never a claim's token.
-        match unique_u64s::<1>()[0] as i64 {
+        match value as i64 {
             0 => LeaseToken(1),
             token => LeaseToken(token),
         }
     }
 }
 
+/// A fresh lease token and generation for a claim, drawn together: one read of the process id
+/// and of the clock for both (see [`unique_u64s`]).
+pub(crate) fn claim_ids() -> (LeaseToken, Generation) {
+    let [token, a, b] = unique_u64s::<3>();
+    (LeaseToken::from_u64(token), Generation::from_halves(a, b))
+}
+
 /// `N` unpredictable 64-bit values, unique with overwhelming probability across threads,
-/// processes and machines, without a system call: a process-wide counter and the clock, hashed
-/// with keys drawn from the operating system's randomness once per thread (`RandomState`), one
-/// hash per value (each with its index). A forked child inherits its parent's keys and counter;
-/// the clock's nanoseconds still tell their values apart.
+/// processes and machines: a process-wide counter, the clock and the process id, hashed with keys
+/// drawn from the operating system's randomness once per thread (std's `RandomState`), one hash
+/// per value (each with its index). The process id keeps apart a forked child, which inherits
+/// the forking thread's keys and the counter, whatever its clock reads.
 fn unique_u64s<const N: usize>() -> [u64; N] {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     thread_local! {
@@ -67,15 +78,18 @@ fn unique_u64s<const N: usize>() -> [u64; N] {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
+    let pid = std::process::id();
     let hash = |keys: &std::collections::hash_map::RandomState, i: usize| {
         let mut hasher = keys.build_hasher();
         hasher.write_u64(count);
         hasher.write_u128(now);
+        hasher.write_u32(pid);
         hasher.write_usize(i);
         hasher.finish()
     };
     KEYS.try_with(|keys| std::array::from_fn(|i| hash(keys, i)))
-        // A thread being torn down: keys of its own, made for this call.
+        // A thread whose thread-locals are being torn down: std's keys for this thread, taken
+        // for this call.
         .unwrap_or_else(|_| {
             let keys = std::collections::hash_map::RandomState::new();
             std::array::from_fn(|i| hash(&keys, i))
@@ -94,6 +108,10 @@ impl Generation {
     /// A fresh generation, unique with overwhelming probability across processes and machines.
     pub fn generate() -> Self {
         let [a, b] = unique_u64s::<2>();
+        Self::from_halves(a, b)
+    }
+
+    fn from_halves(a: u64, b: u64) -> Self {
         let mut bytes = [0u8; 16];
         bytes[..8].copy_from_slice(&a.to_be_bytes());
         bytes[8..].copy_from_slice(&b.to_be_bytes());
@@ -242,7 +260,10 @@ mod tests {
             .map(|_| {
                 std::thread::spawn(|| {
                     (0..20_000)
-                        .map(|_| (LeaseToken::generate(), Generation::generate()))
+                        .map(|i| match i % 2 {
+                            0 => (LeaseToken::generate(), Generation::generate()),
+                            _ => claim_ids(),
+                        })
                         .collect::<Vec<_>>()
                 })
             })

@@ -22,7 +22,7 @@ use crate::lease;
 use crate::metrics::Label;
 use crate::outcome::Outcome;
 use crate::problem::ErrorKind;
-use crate::record::{ClaimOutcome, ClaimRequest, Generation, LeaseToken, RecordKey};
+use crate::record::{ClaimOutcome, ClaimRequest, RecordKey};
 use crate::replay;
 use crate::report::report;
 use crate::store::IdempotencyStore;
@@ -62,6 +62,7 @@ where
             Ok(bytes) => bytes,
             Err(refused) => return Ok(refused),
         };
+        let (lease, generation) = crate::record::claim_ids();
         let claim = ClaimRequest {
             key: RecordKey {
                 key,
@@ -69,8 +70,8 @@ where
                 endpoint,
             },
             fingerprint: config.fingerprint.of(&parts, &bytes),
-            lease: LeaseToken::generate(),
-            generation: Generation::generate(),
+            lease,
+            generation,
             in_progress_ttl: config.in_progress_ttl,
             retention: config.retention,
         };

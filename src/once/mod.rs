@@ -97,9 +97,7 @@ use crate::fingerprint::Fingerprint;
 use crate::lease::{self, Completed, Lease};
 use crate::metrics::{Label, Measured};
 use crate::outcome::Outcome;
-use crate::record::{
-    ClaimOutcome, ClaimRequest, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
-};
+use crate::record::{ClaimOutcome, ClaimRequest, Finished, RecordKey, StoredResponse};
 use crate::report::report;
 use crate::store::{IdempotencyStore, StoreError};
 
@@ -418,11 +416,12 @@ where
     R: FnOnce(Arc<Config>, Lease<Coalesced<Measured<St>>>, IdempotencyContext) -> RF,
     RF: Future<Output = Result<T, OnceError<E>>>,
 {
+    let (lease, generation) = crate::record::claim_ids();
     let claim = ClaimRequest {
         key: scope,
         fingerprint,
-        lease: LeaseToken::generate(),
-        generation: Generation::generate(),
+        lease,
+        generation,
         in_progress_ttl: config.in_progress_ttl,
         retention: config.retention,
     };
