@@ -255,11 +255,13 @@ fn stream<St: IdempotencyStore>(
                  without its body"
             );
             lease.timed_out();
+            // Recorded before the client sees the cut, as a body that ends is: a retry sent on
+            // the error gets the replay, not 409.
+            lease.complete(Arc::new(with_body(head, None))).await;
             if let Some(tx) = client.take() {
                 let cut = Err(axum::Error::new("the response ran past the maximum hold"));
                 let _ = tokio::time::timeout(Duration::from_secs(1), tx.send(cut)).await;
             }
-            lease.complete(Arc::new(with_body(head, None))).await;
             return;
         }
         let recorded = copy.finish();
