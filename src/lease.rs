@@ -23,10 +23,12 @@
 //!   still land later) are released by their token in the background ([`abandon`]) until the
 //!   release deletes them or the TTL has passed, so a retry is not stuck until the TTL.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
@@ -369,7 +371,13 @@ async fn heartbeat<St: IdempotencyStore>(held: Arc<Held<St>>, since: Instant) {
     loop {
         tokio::time::sleep_until(due).await;
         let started = Instant::now();
-        let renewal = held.store.renew(&held.key, held.token, lifetime);
+        // A store whose renewal panics must not end the heartbeat (the task would end with it,
+        // and a live handler be retaken after the TTL): a panic counts as a failed renewal.
+        let renewal = AssertUnwindSafe(held.store.renew(&held.key, held.token, lifetime))
+            .catch_unwind()
+            .map(|renewed| {
+                renewed.unwrap_or_else(|_| Err(StoreError::msg("the store's renewal panicked")))
+            });
         due = match tokio::time::timeout(renewal_bound(&held.config, &held.store), renewal).await {
             Ok(Ok(Fenced::Done)) => {
                 tracing::trace!("lease renewed");
@@ -558,6 +566,8 @@ pub(crate) mod tests {
     struct Timed {
         inner: MemoryStore,
         renewals: Arc<std::sync::Mutex<Vec<Instant>>>,
+        /// Its next renewal panics.
+        panic_once: Arc<std::sync::atomic::AtomicBool>,
     }
 
     impl IdempotencyStore for Timed {
@@ -586,6 +596,9 @@ pub(crate) mod tests {
             lifetime: Duration,
         ) -> Result<Fenced, StoreError> {
             crate::lock::lock(&self.renewals).push(Instant::now());
+            if self.panic_once.swap(false, Ordering::SeqCst) {
+                panic!("a store bug in renew");
+            }
             self.inner.renew(key, lease, lifetime).await
         }
         async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
@@ -674,6 +687,7 @@ pub(crate) mod tests {
         Timed {
             inner: MemoryStore::new(),
             renewals: Arc::default(),
+            panic_once: Arc::default(),
         }
     }
 
@@ -716,6 +730,25 @@ pub(crate) mod tests {
             "one renewal finds the lease lost, then none"
         );
         lease.complete(Arc::new(head(201))).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_that_panics_is_retried_and_the_heartbeat_goes_on() {
+        let (store, config) = (store(), config());
+        store.panic_once.store(true, Ordering::SeqCst);
+        let start = Instant::now();
+        let (_request, lease) = claimed(&store, &config, "k").await;
+        tokio::time::sleep(TTL + TTL / 6).await;
+        let renewals = crate::lock::lock(&store.renewals).clone();
+        let offsets: Vec<Duration> = renewals.iter().map(|at| *at - start).collect();
+        // The first panicked; the retry a twentieth of the TTL later got through, and the
+        // schedule goes on from it.
+        let retried = TTL / 3 + TTL / 20;
+        assert_eq!(
+            offsets,
+            vec![TTL / 3, retried, retried + TTL / 3, retried + TTL / 3 * 2]
+        );
+        assert_eq!(lease.held.renewals.load(Ordering::Relaxed), 3);
     }
 
     fn head(status: u16) -> StoredResponse {
