@@ -245,17 +245,7 @@ impl<St: IdempotencyStore> Lease<St> {
     /// or the lease is lost. Returns after the first attempt, with what it did.
     pub(crate) async fn complete(mut self, stored: Arc<StoredResponse>) -> Completed {
         self.done = true;
-        let held = &self.held;
-        let first = held
-            .store
-            .complete(
-                &held.key,
-                held.token,
-                &held.fingerprint,
-                stored.clone(),
-                held.config.retention,
-            )
-            .await;
+        let first = self.attempt(stored.clone()).await;
         if let Some(completed) = self.settled(first, stored.status) {
             return completed;
         }
@@ -286,16 +276,7 @@ impl<St: IdempotencyStore> Lease<St> {
                     ..(*stored).clone()
                 });
             }
-            let attempt = held
-                .store
-                .complete(
-                    &held.key,
-                    held.token,
-                    &held.fingerprint,
-                    stored.clone(),
-                    held.config.retention,
-                )
-                .await;
+            let attempt = self.attempt(stored.clone()).await;
             if attempt.is_err() {
                 let renewals = held.renewals.load(Ordering::Relaxed);
                 if renewals > renewals_seen {
@@ -307,6 +288,24 @@ impl<St: IdempotencyStore> Lease<St> {
                 return;
             }
         }
+    }
+
+    /// One completion attempt. A store that panics has failed this attempt, like one that answered
+    /// an error: the panic must not end the request's task with the record left in progress, to be
+    /// retaken (and the handler run again) after the TTL.
+    async fn attempt(&self, stored: Arc<StoredResponse>) -> Result<Fenced, StoreError> {
+        let held = &self.held;
+        let completion = held.store.complete(
+            &held.key,
+            held.token,
+            &held.fingerprint,
+            stored,
+            held.config.retention,
+        );
+        AssertUnwindSafe(completion)
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|_| Err(StoreError::msg("the store's completion panicked")))
     }
 
     /// The longest pause between retries: a quarter of the in-progress TTL, at most a second.
@@ -345,7 +344,7 @@ impl<St: IdempotencyStore> Lease<St> {
         let held = &self.held;
         report(&held.config, &self.label, Outcome::Released);
         tracing::debug!(reason = why, "releasing the record");
-        match held.store.release(&held.key, held.token).await {
+        match release_once(&held.store, &held.key, held.token).await {
             Ok(Fenced::Done) => {}
             Ok(Fenced::LeaseLost) => {
                 tracing::warn!("the lease was lost before the release; nothing changed")
@@ -536,7 +535,7 @@ async fn keep_releasing<St: IdempotencyStore>(
             return;
         }
         pause = (pause * 2).min(Duration::from_secs(2));
-        match store.release(&key, token).await {
+        match release_once(&store, &key, token).await {
             Ok(Fenced::Done) => {
                 tracing::debug!("released a claim whose holder could not use it");
                 return;
@@ -552,6 +551,19 @@ async fn keep_releasing<St: IdempotencyStore>(
     }
 }
 
+/// One release attempt; a store that panics has failed it (and the release is retried), rather
+/// than leave the record in progress until the TTL.
+async fn release_once<St: IdempotencyStore>(
+    store: &St,
+    key: &RecordKey,
+    token: LeaseToken,
+) -> Result<Fenced, StoreError> {
+    AssertUnwindSafe(store.release(key, token))
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|_| Err(StoreError::msg("the store's release panicked")))
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     //! The lease's schedule under a paused clock, over the memory store.
@@ -563,11 +575,13 @@ pub(crate) mod tests {
 
     /// The memory store, noting when each renewal reached it (on the paused clock).
     #[derive(Clone)]
-    struct Timed {
-        inner: MemoryStore,
+    pub(crate) struct Timed {
+        pub(crate) inner: MemoryStore,
         renewals: Arc<std::sync::Mutex<Vec<Instant>>>,
         /// Its next renewal panics.
         panic_once: Arc<std::sync::atomic::AtomicBool>,
+        /// Its next completion panics.
+        pub(crate) complete_panics: Arc<std::sync::atomic::AtomicBool>,
     }
 
     impl IdempotencyStore for Timed {
@@ -585,6 +599,9 @@ pub(crate) mod tests {
             response: Arc<StoredResponse>,
             retention: Duration,
         ) -> Result<Fenced, StoreError> {
+            if self.complete_panics.swap(false, Ordering::SeqCst) {
+                panic!("a store bug in complete");
+            }
             self.inner
                 .complete(key, lease, fingerprint, response, retention)
                 .await
@@ -683,11 +700,12 @@ pub(crate) mod tests {
         (request, lease)
     }
 
-    fn store() -> Timed {
+    pub(crate) fn store() -> Timed {
         Timed {
             inner: MemoryStore::new(),
             renewals: Arc::default(),
             panic_once: Arc::default(),
+            complete_panics: Arc::default(),
         }
     }
 
@@ -749,6 +767,27 @@ pub(crate) mod tests {
             vec![TTL / 3, retried, retried + TTL / 3, retried + TTL / 3 * 2]
         );
         assert_eq!(lease.held.renewals.load(Ordering::Relaxed), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_completion_that_panics_is_retried_and_the_answer_recorded() {
+        let (store, config) = (store(), config());
+        store.complete_panics.store(true, Ordering::SeqCst);
+        let (request, lease) = claimed(&store, &config, "k").await;
+        // The panic is the first attempt's failure, not the request's.
+        assert!(matches!(
+            lease.complete(Arc::new(head(201))).await,
+            Completed::Retrying
+        ));
+        assert!(config.drain.wait(Duration::from_secs(5)).await);
+        let retry = ClaimRequest {
+            lease: LeaseToken::generate(),
+            ..request
+        };
+        match store.claim(&retry).await.expect("claim") {
+            ClaimOutcome::Finished(stored) => assert_eq!(stored.status, 201),
+            other => panic!("expected the record, got {other:?}"),
+        }
     }
 
     fn head(status: u16) -> StoredResponse {

@@ -21,6 +21,7 @@ use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use axum::body::Body;
@@ -207,6 +208,8 @@ fn stream<St: IdempotencyStore>(
     mut body: Body,
 ) -> Response<Body> {
     let (tx, rx) = mpsc::channel(CHANNEL_FRAMES);
+    let finished = Arc::new(AtomicBool::new(false));
+    let body_end = finished.clone();
     let patience = config.in_progress_ttl;
     let deadline = lease.deadline();
     let task = async move {
@@ -258,10 +261,7 @@ fn stream<St: IdempotencyStore>(
             // Recorded before the client sees the cut, as a body that ends is: a retry sent on
             // the error gets the replay, not 409.
             lease.complete(Arc::new(with_body(head, None))).await;
-            if let Some(tx) = client.take() {
-                let cut = Err(axum::Error::new("the response ran past the maximum hold"));
-                let _ = tokio::time::timeout(Duration::from_secs(1), tx.send(cut)).await;
-            }
+            // The client's body ends here with an error (`Channel`), after the frames it holds.
             return;
         }
         let recorded = copy.finish();
@@ -283,11 +283,21 @@ fn stream<St: IdempotencyStore>(
                 }
             }
         }
-        // Dropping `client` here ends the body the client reads: after the record.
+        // Dropping `client` here ends the body the client reads: after the record. Any other end
+        // of this task (the cut at the maximum hold, a panic, a runtime that shuts down) ends it
+        // with an error, never as a whole body.
+        body_end.store(true, Ordering::Release);
         drop(client);
     };
     config.drain.spawn(task);
-    Response::from_parts(parts, Body::new(Channel { rx }))
+    Response::from_parts(
+        parts,
+        Body::new(Channel {
+            rx,
+            finished,
+            over: false,
+        }),
+    )
 }
 
 /// Handles one frame read from the handler's body; false once the body has ended.
@@ -439,6 +449,10 @@ impl http_body::Body for Prefixed {
 /// The client's side of a streamed body.
 struct Channel {
     rx: mpsc::Receiver<Result<Frame<Bytes>, axum::Error>>,
+    /// Set by the recording task once the body has ended as the handler's did.
+    finished: Arc<AtomicBool>,
+    /// The channel has closed (and its end was reported).
+    over: bool,
 }
 
 impl http_body::Body for Channel {
@@ -449,7 +463,22 @@ impl http_body::Body for Channel {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        self.rx.poll_recv(cx)
+        if self.over {
+            return Poll::Ready(None);
+        }
+        match std::task::ready!(self.rx.poll_recv(cx)) {
+            Some(frame) => Poll::Ready(Some(frame)),
+            None => {
+                self.over = true;
+                if self.finished.load(Ordering::Acquire) {
+                    Poll::Ready(None)
+                } else {
+                    // The task ended without ending the body: the client must not take what it
+                    // got for the whole answer.
+                    Poll::Ready(Some(Err(axum::Error::new("the response was cut short"))))
+                }
+            }
+        }
     }
 }
 
@@ -534,6 +563,7 @@ mod tests {
     use crate::lease::tests::{claimed, config};
     use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken};
     use crate::store::MemoryStore;
+    use std::sync::atomic::Ordering as AtomicOrdering;
 
     fn response(status: u16, body: Body) -> Response<Body> {
         Response::builder()
@@ -618,6 +648,63 @@ mod tests {
                 assert_eq!(&stored.body[..], b"part1;part2;part3");
             }
             other => panic!("expected the record, got {other:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_streamed_body_whose_completion_panics_still_ends_whole_and_is_recorded() {
+        let (store, config) = (crate::lease::tests::store(), config());
+        store.complete_panics.store(true, AtomicOrdering::SeqCst);
+        let (claim, lease) = claimed(&store, &config, "panics").await;
+        let body = slow_body(&["part1;", "part2"], Duration::from_millis(100));
+        let answer = record(&config, lease, response(201, body)).await;
+        assert_eq!(&read(answer).await[..], b"part1;part2");
+        assert!(config.drain.wait(Duration::from_secs(5)).await);
+        match retry(&store.inner, &claim).await {
+            ClaimOutcome::Finished(stored) => assert_eq!(&stored.body[..], b"part1;part2"),
+            other => panic!("expected the record, got {other:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_cut_at_the_maximum_hold_ends_in_an_error_even_when_its_completion_panics() {
+        use futures_util::StreamExt as _;
+        for panics in [false, true] {
+            let store = crate::lease::tests::store();
+            store.complete_panics.store(panics, AtomicOrdering::SeqCst);
+            let config = Arc::new(Config {
+                in_progress_ttl: Duration::from_millis(900),
+                max_hold: Duration::from_millis(250),
+                ..Config::default()
+            });
+            let (claim, lease) = claimed(&store, &config, "cut").await;
+            let body = slow_body(&["a", "b", "c", "d", "e"], Duration::from_millis(100));
+            let answer = record(&config, lease, response(201, body)).await;
+            let mut frames = answer.into_body().into_data_stream();
+            let mut got = Vec::new();
+            let mut ended_in_error = false;
+            while let Some(frame) = frames.next().await {
+                match frame {
+                    Ok(data) => got.extend_from_slice(&data),
+                    Err(_) => {
+                        ended_in_error = true;
+                        break;
+                    }
+                }
+            }
+            assert!(
+                ended_in_error,
+                "a cut body must not look whole (panics: {panics})"
+            );
+            assert_eq!(&got[..], b"ab", "the frames before the hold ran out");
+            assert!(config.drain.wait(Duration::from_secs(5)).await);
+            match retry(&store.inner, &claim).await {
+                ClaimOutcome::Finished(stored) => {
+                    assert_eq!(stored.status, 201);
+                    assert!(stored.body_omitted);
+                }
+                other => panic!("expected the record without its body, got {other:?}"),
+            }
         }
     }
 
