@@ -220,7 +220,9 @@ impl<St: IdempotencyStore> Lease<St> {
     pub(crate) fn settled_outside(mut self, how: Settled) {
         self.done = true;
         let held = &self.held;
-        held.config.local.let_go(&held.key.digest(), held.token);
+        held.config
+            .local
+            .let_go(&crate::coalesce::Scope::of(&held.key), held.token);
         match how {
             Settled::Recorded { status } => {
                 report(&held.config, &self.label, Outcome::Recorded);

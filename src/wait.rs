@@ -19,14 +19,13 @@
 //!   claim, which may need releasing, runs on if the client leaves during it.
 
 use std::collections::HashMap;
-use std::collections::hash_map::RandomState;
-use std::hash::BuildHasher;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::coalesce::{ByScope, Scope};
 use crate::config::Config;
 use crate::lease;
 use crate::lock::lock;
@@ -82,18 +81,9 @@ impl WaitState {
 }
 
 /// How many duplicates wait on each key at this instance.
+#[derive(Default)]
 pub(crate) struct Waiters {
-    hasher: RandomState,
-    shards: [Mutex<HashMap<[u8; 32], usize>>; SHARDS],
-}
-
-impl Default for Waiters {
-    fn default() -> Self {
-        Waiters {
-            hasher: RandomState::new(),
-            shards: Default::default(),
-        }
-    }
+    shards: [Mutex<HashMap<Scope, usize, ByScope>>; SHARDS],
 }
 
 impl std::fmt::Debug for Waiters {
@@ -105,16 +95,16 @@ impl std::fmt::Debug for Waiters {
 /// A waiter's place; given back when dropped.
 struct Place<'a> {
     waiters: &'a Waiters,
-    scope: [u8; 32],
+    scope: Scope,
 }
 
 impl Waiters {
-    fn shard(&self, scope: &[u8; 32]) -> &Mutex<HashMap<[u8; 32], usize>> {
-        &self.shards[self.hasher.hash_one(scope) as usize % SHARDS]
+    fn shard(&self, scope: &Scope) -> &Mutex<HashMap<Scope, usize, ByScope>> {
+        &self.shards[scope.shard(SHARDS)]
     }
 
     /// A place among the waiters of `scope`, if fewer than `max` wait on it now.
-    fn enter(&self, scope: [u8; 32], max: usize) -> Option<Place<'_>> {
+    fn enter(&self, scope: Scope, max: usize) -> Option<Place<'_>> {
         let mut shard = lock(self.shard(&scope));
         let count = shard.entry(scope).or_insert(0);
         if *count >= max {
@@ -163,7 +153,7 @@ pub(crate) async fn for_answer<St: IdempotencyStore>(
     if state.is_some_and(|s| !s.start()) {
         return ClaimOutcome::InProgress;
     }
-    let scope = claim.key.digest();
+    let scope = Scope::of(&claim.key);
     let Some(_place) = config.waiters.enter(scope, config.max_waiters) else {
         tracing::debug!("too many duplicates wait on this key; not waiting");
         return ClaimOutcome::InProgress;
@@ -188,7 +178,7 @@ async fn poll_until_finished<St: IdempotencyStore>(
     config: &Config,
     store: &St,
     claim: &ClaimRequest,
-    scope: [u8; 32],
+    scope: Scope,
     deadline: Instant,
 ) -> bool {
     let mut pause = FIRST_POLL;
@@ -280,15 +270,18 @@ mod tests {
     #[test]
     fn places_are_bounded_and_given_back() {
         let waiters = Waiters::default();
-        let a = waiters.enter([1; 32], 2).expect("first");
-        let b = waiters.enter([1; 32], 2).expect("second");
-        assert!(waiters.enter([1; 32], 2).is_none(), "a third is refused");
+        let a = waiters.enter(Scope::numbered(1), 2).expect("first");
+        let b = waiters.enter(Scope::numbered(1), 2).expect("second");
+        assert!(
+            waiters.enter(Scope::numbered(1), 2).is_none(),
+            "a third is refused"
+        );
         let other = waiters
-            .enter([2; 32], 2)
+            .enter(Scope::numbered(2), 2)
             .expect("another key has its own count");
         drop(a);
         let c = waiters
-            .enter([1; 32], 2)
+            .enter(Scope::numbered(1), 2)
             .expect("a place given back is taken again");
         drop((b, c, other));
         assert_eq!(waiters.waiting(), 0);

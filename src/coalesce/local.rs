@@ -14,8 +14,6 @@
 //! because of this; at worst a duplicate gets `409` where the store would have answered sooner.
 
 use std::collections::HashMap;
-use std::collections::hash_map::RandomState;
-use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -25,6 +23,8 @@ use crate::Fingerprint;
 use crate::lock::lock;
 use crate::record::{ClaimOutcome, LeaseToken};
 use crate::store::StoreError;
+
+use super::scope::{ByScope, Scope};
 
 const SHARDS: usize = 16;
 
@@ -60,7 +60,7 @@ enum Local {
 
 #[derive(Default)]
 struct Shard {
-    scopes: HashMap<[u8; 32], Local>,
+    scopes: HashMap<Scope, Local, ByScope>,
     next: u64,
 }
 
@@ -68,8 +68,8 @@ struct Shard {
 /// let go, say by a lease dropped outside a runtime), so the map stays bounded without a purge.
 const SWEEP_EVERY: u64 = 1024;
 
+#[derive(Default)]
 pub(crate) struct LocalClaims {
-    hasher: RandomState,
     shards: [Mutex<Shard>; SHARDS],
 }
 
@@ -87,29 +87,20 @@ pub(super) enum Entry {
 /// ask the store themselves.
 pub(super) struct Leader {
     claims: Arc<LocalClaims>,
-    scope: [u8; 32],
+    scope: Scope,
     number: u64,
     settled: bool,
 }
 
-impl Default for LocalClaims {
-    fn default() -> Self {
-        LocalClaims {
-            hasher: RandomState::new(),
-            shards: Default::default(),
-        }
-    }
-}
-
 impl LocalClaims {
-    fn shard(&self, scope: &[u8; 32]) -> MutexGuard<'_, Shard> {
-        lock(&self.shards[self.hasher.hash_one(scope) as usize % SHARDS])
+    fn shard(&self, scope: &Scope) -> MutexGuard<'_, Shard> {
+        lock(&self.shards[scope.shard(SHARDS)])
     }
 
     /// What a claim of `scope` with `fingerprint` does.
     pub(super) fn enter(
         self: &Arc<Self>,
-        scope: [u8; 32],
+        scope: Scope,
         fingerprint: Fingerprint,
         lease: LeaseToken,
     ) -> Entry {
@@ -231,7 +222,7 @@ impl LocalClaims {
     }
 
     /// This process no longer holds `scope` by `lease` (completed, released, or lost).
-    pub(crate) fn let_go(&self, scope: &[u8; 32], lease: LeaseToken) {
+    pub(crate) fn let_go(&self, scope: &Scope, lease: LeaseToken) {
         let mut shard = self.shard(scope);
         if matches!(shard.scopes.get(scope), Some(Local::Held { lease: held, .. }) if *held == lease)
         {
@@ -240,7 +231,7 @@ impl LocalClaims {
     }
 
     /// `lease` was renewed: the hold lasts another TTL.
-    pub(super) fn renewed(&self, scope: &[u8; 32], lease: LeaseToken) {
+    pub(super) fn renewed(&self, scope: &Scope, lease: LeaseToken) {
         let mut shard = self.shard(scope);
         if let Some(Local::Held {
             lease: held,
@@ -256,7 +247,7 @@ impl LocalClaims {
 
     /// A receiver that wakes (its sender dropped) when this process lets go of `scope`, if it
     /// holds it now; `None` when it does not (a waiter then asks the store).
-    pub(crate) fn watch(&self, scope: &[u8; 32]) -> Option<watch::Receiver<()>> {
+    pub(crate) fn watch(&self, scope: &Scope) -> Option<watch::Receiver<()>> {
         let now = Instant::now();
         let mut shard = self.shard(scope);
         match shard.scopes.get_mut(scope) {
@@ -372,13 +363,16 @@ mod tests {
     #[tokio::test]
     async fn followers_answer_from_the_leader() {
         let claims = Arc::new(LocalClaims::default());
-        let Entry::Lead(leader) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
+        let Entry::Lead(leader) = claims.enter(Scope::numbered(1), fp(1), LeaseToken(99)) else {
             panic!("the first claim leads");
         };
-        let Entry::Follow(leader_fp, same) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
+        let Entry::Follow(leader_fp, same) =
+            claims.enter(Scope::numbered(1), fp(1), LeaseToken(99))
+        else {
             panic!("the second follows");
         };
-        let Entry::Follow(_, other) = claims.enter([1; 32], fp(2), LeaseToken(99)) else {
+        let Entry::Follow(_, other) = claims.enter(Scope::numbered(1), fp(2), LeaseToken(99))
+        else {
             panic!("the third follows");
         };
         let same = tokio::spawn(LocalClaims::follow(leader_fp, fp(1), same, TTL));
@@ -403,27 +397,27 @@ mod tests {
         );
         // Held now: answered at once.
         assert!(matches!(
-            claims.enter([1; 32], fp(1), LeaseToken(99)),
+            claims.enter(Scope::numbered(1), fp(1), LeaseToken(99)),
             Entry::Answer(ClaimOutcome::InProgress)
         ));
-        claims.renewed(&[1; 32], lease);
+        claims.renewed(&Scope::numbered(1), lease);
         assert!(matches!(
-            claims.shard(&[1; 32]).scopes.get(&[1; 32]),
+            claims.shard(&Scope::numbered(1)).scopes.get(&Scope::numbered(1)),
             Some(Local::Held { until, .. }) if *until > Instant::now() + TTL - Duration::from_secs(1)
         ));
-        claims.let_go(&[1; 32], LeaseToken(8));
+        claims.let_go(&Scope::numbered(1), LeaseToken(8));
         assert_eq!(claims.len(), 1, "another lease lets nothing go");
-        claims.let_go(&[1; 32], lease);
+        claims.let_go(&Scope::numbered(1), lease);
         assert_eq!(claims.len(), 0);
     }
 
     #[tokio::test]
     async fn a_failed_or_cancelled_leader_sends_followers_to_the_store() {
         let claims = Arc::new(LocalClaims::default());
-        let Entry::Lead(leader) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
+        let Entry::Lead(leader) = claims.enter(Scope::numbered(1), fp(1), LeaseToken(99)) else {
             panic!("leads");
         };
-        let Entry::Follow(l, rx) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
+        let Entry::Follow(l, rx) = claims.enter(Scope::numbered(1), fp(1), LeaseToken(99)) else {
             panic!("follows");
         };
         leader.settle(fp(1), TTL, Err(&StoreError::msg("down")));
@@ -436,13 +430,14 @@ mod tests {
 
         // A record that could not be read stays unreadable for the followers: they must not
         // fail open and run the operation again.
-        let Entry::Lead(leader) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
+        let Entry::Lead(leader) = claims.enter(Scope::numbered(1), fp(1), LeaseToken(99)) else {
             panic!("leads");
         };
-        let Entry::Follow(l, rx) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
+        let Entry::Follow(l, rx) = claims.enter(Scope::numbered(1), fp(1), LeaseToken(99)) else {
             panic!("follows");
         };
-        let Entry::Follow(_, other) = claims.enter([1; 32], fp(2), LeaseToken(99)) else {
+        let Entry::Follow(_, other) = claims.enter(Scope::numbered(1), fp(2), LeaseToken(99))
+        else {
             panic!("follows");
         };
         leader.settle(fp(1), TTL, Err(&StoreError::unreadable_record("sealed")));
@@ -455,10 +450,10 @@ mod tests {
         ));
         assert_eq!(claims.len(), 0);
 
-        let Entry::Lead(leader) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
+        let Entry::Lead(leader) = claims.enter(Scope::numbered(1), fp(1), LeaseToken(99)) else {
             panic!("leads");
         };
-        let Entry::Follow(l, rx) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
+        let Entry::Follow(l, rx) = claims.enter(Scope::numbered(1), fp(1), LeaseToken(99)) else {
             panic!("follows");
         };
         drop(leader);
@@ -469,13 +464,14 @@ mod tests {
         assert_eq!(claims.len(), 0);
 
         // A mismatch settles only the followers with the leader's body.
-        let Entry::Lead(leader) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
+        let Entry::Lead(leader) = claims.enter(Scope::numbered(1), fp(1), LeaseToken(99)) else {
             panic!("leads");
         };
-        let Entry::Follow(l, same) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
+        let Entry::Follow(l, same) = claims.enter(Scope::numbered(1), fp(1), LeaseToken(99)) else {
             panic!("follows");
         };
-        let Entry::Follow(_, other) = claims.enter([1; 32], fp(2), LeaseToken(99)) else {
+        let Entry::Follow(_, other) = claims.enter(Scope::numbered(1), fp(2), LeaseToken(99))
+        else {
             panic!("follows");
         };
         leader.settle(fp(1), TTL, Ok(&ClaimOutcome::FingerprintMismatch));
@@ -490,13 +486,14 @@ mod tests {
 
         // "In progress" settles only the followers with the leader's body: a store may answer it
         // for a record with another fingerprint (one it could not retake).
-        let Entry::Lead(leader) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
+        let Entry::Lead(leader) = claims.enter(Scope::numbered(1), fp(1), LeaseToken(99)) else {
             panic!("leads");
         };
-        let Entry::Follow(l, same) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
+        let Entry::Follow(l, same) = claims.enter(Scope::numbered(1), fp(1), LeaseToken(99)) else {
             panic!("follows");
         };
-        let Entry::Follow(_, other) = claims.enter([1; 32], fp(2), LeaseToken(99)) else {
+        let Entry::Follow(_, other) = claims.enter(Scope::numbered(1), fp(2), LeaseToken(99))
+        else {
             panic!("follows");
         };
         leader.settle(fp(1), TTL, Ok(&ClaimOutcome::InProgress));
@@ -514,7 +511,7 @@ mod tests {
     async fn a_hold_lasts_a_ttl_without_renewal() {
         let claims = Arc::new(LocalClaims::default());
         let ttl = Duration::from_millis(50);
-        let Entry::Lead(leader) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
+        let Entry::Lead(leader) = claims.enter(Scope::numbered(1), fp(1), LeaseToken(99)) else {
             panic!("leads");
         };
         let claimed = ClaimOutcome::Claimed {
@@ -524,14 +521,14 @@ mod tests {
         };
         leader.settle(fp(1), ttl, Ok(&claimed));
         assert!(matches!(
-            claims.enter([1; 32], fp(2), LeaseToken(99)),
+            claims.enter(Scope::numbered(1), fp(2), LeaseToken(99)),
             Entry::Answer(ClaimOutcome::FingerprintMismatch)
         ));
         tokio::time::sleep(Duration::from_millis(60)).await;
         claims.sweep();
         assert_eq!(claims.len(), 0);
         assert!(matches!(
-            claims.enter([1; 32], fp(1), LeaseToken(99)),
+            claims.enter(Scope::numbered(1), fp(1), LeaseToken(99)),
             Entry::Lead(_)
         ));
     }
@@ -539,10 +536,10 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_follower_waits_no_longer_than_its_patience() {
         let claims = Arc::new(LocalClaims::default());
-        let Entry::Lead(leader) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
+        let Entry::Lead(leader) = claims.enter(Scope::numbered(1), fp(1), LeaseToken(99)) else {
             panic!("leads");
         };
-        let Entry::Follow(l, rx) = claims.enter([1; 32], fp(1), LeaseToken(99)) else {
+        let Entry::Follow(l, rx) = claims.enter(Scope::numbered(1), fp(1), LeaseToken(99)) else {
             panic!("follows");
         };
         let started = tokio::time::Instant::now();

@@ -9,6 +9,7 @@
 //! [`LocalClaims::let_go`] directly.
 
 mod local;
+mod scope;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,6 +17,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 pub(crate) use local::LocalClaims;
+pub(crate) use scope::{ByScope, Scope};
 
 use crate::Fingerprint;
 use crate::record::{
@@ -45,7 +47,7 @@ impl<St> Coalesced<St> {
 
 impl<St: IdempotencyStore> IdempotencyStore for Coalesced<St> {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let scope = request.key.digest();
+        let scope = Scope::of(&request.key);
         match self.local.enter(scope, request.fingerprint, request.lease) {
             local::Entry::Answer(answer) => Ok(answer),
             local::Entry::Follow(leader, answer) => {
@@ -91,7 +93,7 @@ impl<St: IdempotencyStore> IdempotencyStore for Coalesced<St> {
         // Finished, or lost: either way not held here any more. After an error the completion is
         // tried again, and the record is still in progress as far as anyone knows.
         if done.is_ok() {
-            self.local.let_go(&key.digest(), lease);
+            self.local.let_go(&Scope::of(key), lease);
         }
         done
     }
@@ -104,8 +106,8 @@ impl<St: IdempotencyStore> IdempotencyStore for Coalesced<St> {
     ) -> Result<Fenced, StoreError> {
         let renewed = self.inner.renew(key, lease, lifetime).await;
         match renewed {
-            Ok(Fenced::Done) => self.local.renewed(&key.digest(), lease),
-            Ok(Fenced::LeaseLost) => self.local.let_go(&key.digest(), lease),
+            Ok(Fenced::Done) => self.local.renewed(&Scope::of(key), lease),
+            Ok(Fenced::LeaseLost) => self.local.let_go(&Scope::of(key), lease),
             Err(_) => {}
         }
         renewed
@@ -114,7 +116,7 @@ impl<St: IdempotencyStore> IdempotencyStore for Coalesced<St> {
     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
         // Not held here from now on, whatever the store answers: if the release failed, the store
         // still says "in progress", which is what this process would have said.
-        self.local.let_go(&key.digest(), lease);
+        self.local.let_go(&Scope::of(key), lease);
         self.inner.release(key, lease).await
     }
 
