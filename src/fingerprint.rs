@@ -37,7 +37,7 @@ impl Fingerprint {
             }
             None => hasher.update(b"-"),
         }
-        match canonical_json::canonicalize(body) {
+        match canonical_json::canonical(body) {
             Some(canonical) => {
                 hasher.update(b"json");
                 match ignored {

@@ -17,6 +17,9 @@
 //! each out-of-order object around it: beyond sorting each object's members, the work is linear in
 //! the input.
 
+mod already;
+
+use std::borrow::Cow;
 use std::ops::Range;
 
 /// Deepest nesting of arrays and objects that is canonicalised; deeper documents are hashed as bytes.
@@ -51,6 +54,20 @@ const SMALL: usize = 1024;
 /// assert_eq!(canonicalize(br#"{"a":1,"a":2}"#), None); // duplicate keys: not I-JSON
 /// ```
 pub fn canonicalize(input: &[u8]) -> Option<Vec<u8>> {
+    canonical(input).map(Cow::into_owned)
+}
+
+/// The canonical form of `input`, as [`canonicalize`] gives it, borrowed when `input` is in
+/// canonical form already (the usual compact body): then nothing is copied.
+pub(crate) fn canonical(input: &[u8]) -> Option<Cow<'_, [u8]>> {
+    if already::is_canonical(input) {
+        return Some(Cow::Borrowed(input));
+    }
+    written(input).map(Cow::Owned)
+}
+
+/// The canonical form of `input`, written out.
+fn written(input: &[u8]) -> Option<Vec<u8>> {
     let mut parser = Parser {
         input,
         pos: 0,
