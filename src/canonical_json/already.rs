@@ -186,6 +186,11 @@ mod tests {
                 written.as_deref() == Some(text.as_bytes()),
                 "{}", text
             );
+            // Either path, with or without whitespace around: the same bytes.
+            for padded in [text.clone(), format!(" {text}\n")] {
+                let canonical = super::super::canonical(padded.as_bytes());
+                prop_assert_eq!(canonical.as_deref(), written.as_deref());
+            }
         }
     }
 
@@ -207,6 +212,21 @@ mod tests {
                 Some(doc.as_bytes())
             );
         }
+    }
+
+    #[test]
+    fn whitespace_around_a_canonical_document_is_all_it_drops() {
+        let doc = br#"{"a":[1,2],"b":"x"}"#;
+        for around in [&b"\n"[..], b" \r\n", b"\t"] {
+            let mut padded = around.to_vec();
+            padded.extend_from_slice(doc);
+            padded.extend_from_slice(around);
+            let canonical = super::super::canonical(&padded).expect("json");
+            assert!(matches!(canonical, std::borrow::Cow::Borrowed(_)));
+            assert_eq!(&canonical[..], &doc[..]);
+            assert_eq!(super::super::written(&padded).as_deref(), Some(&doc[..]));
+        }
+        assert_eq!(super::super::canonical(b" \n "), None);
     }
 
     #[test]

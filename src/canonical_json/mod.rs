@@ -58,10 +58,18 @@ pub fn canonicalize(input: &[u8]) -> Option<Vec<u8>> {
 }
 
 /// The canonical form of `input`, as [`canonicalize`] gives it, borrowed when `input` is in
-/// canonical form already (the usual compact body): then nothing is copied.
+/// canonical form already but for whitespace around the document (the usual compact body, maybe
+/// with a newline at its end): then nothing is copied.
 pub(crate) fn canonical(input: &[u8]) -> Option<Cow<'_, [u8]>> {
-    if already::is_canonical(input) {
-        return Some(Cow::Borrowed(input));
+    let is_ws = |b: &u8| matches!(b, b' ' | b'\t' | b'\n' | b'\r');
+    let start = input.iter().position(|b| !is_ws(b)).unwrap_or(input.len());
+    let end = input
+        .iter()
+        .rposition(|b| !is_ws(b))
+        .map_or(start, |last| last + 1);
+    let document = &input[start..end];
+    if already::is_canonical(document) {
+        return Some(Cow::Borrowed(document));
     }
     written(input).map(Cow::Owned)
 }
