@@ -239,5 +239,10 @@ pub(crate) fn default_endpoint(parts: &Parts) -> String {
         .extensions
         .get::<axum::extract::OriginalUri>()
         .map_or_else(|| parts.uri.path(), |original| original.0.path());
-    format!("{} {}", parts.method, path)
+    let method = parts.method.as_str();
+    let mut endpoint = String::with_capacity(method.len() + 1 + path.len());
+    endpoint.push_str(method);
+    endpoint.push(' ');
+    endpoint.push_str(path);
+    endpoint
 }

@@ -23,7 +23,7 @@ use crate::record::{Generation, RecordKey};
 /// retake, [`is_retake`](Self::is_retake)), the provider sees the same key and does not charge twice.
 #[derive(Clone)]
 pub struct IdempotencyContext {
-    scope: RecordKey,
+    scope: Arc<RecordKey>,
     fingerprint: Fingerprint,
     retake: bool,
     generation: Option<Generation>,
@@ -32,7 +32,7 @@ pub struct IdempotencyContext {
 
 impl IdempotencyContext {
     pub(crate) fn new(
-        scope: RecordKey,
+        scope: Arc<RecordKey>,
         fingerprint: Fingerprint,
         retake: bool,
         generation: Option<Generation>,
@@ -166,11 +166,11 @@ mod tests {
 
     fn context(generation: Option<Generation>, secret: Option<&[u8]>) -> IdempotencyContext {
         IdempotencyContext::new(
-            RecordKey {
+            Arc::new(RecordKey {
                 key: "order-1".into(),
                 subject: "alice".into(),
                 endpoint: "POST /checkout".into(),
-            },
+            }),
             Fingerprint::of(None, br#"{"amount":100}"#),
             false,
             generation,

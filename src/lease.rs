@@ -89,7 +89,8 @@ pub(crate) enum Settled {
 struct Held<St> {
     store: St,
     config: Arc<Config>,
-    key: RecordKey,
+    /// Shared with the handler's `IdempotencyContext` rather than copied for it.
+    key: Arc<RecordKey>,
     /// The claim's fingerprint, which the completion passes on to the store.
     fingerprint: Fingerprint,
     token: LeaseToken,
@@ -106,11 +107,12 @@ impl<St: IdempotencyStore> Lease<St> {
         store: St,
         config: Arc<Config>,
         label: Label,
-        key: RecordKey,
+        key: impl Into<Arc<RecordKey>>,
         fingerprint: Fingerprint,
         token: LeaseToken,
         held_since: Instant,
     ) -> Self {
+        let key = key.into();
         let deadline = held_since + config.max_hold;
         let held = Arc::new(Held {
             store,
@@ -147,18 +149,12 @@ impl<St: IdempotencyStore> Lease<St> {
         store: St,
         config: Arc<Config>,
         label: Label,
-        claim: crate::record::ClaimRequest,
+        key: Arc<RecordKey>,
+        fingerprint: Fingerprint,
+        token: LeaseToken,
         held_since: Instant,
     ) -> Self {
-        let lease = Lease::new(
-            store,
-            config,
-            label,
-            claim.key,
-            claim.fingerprint,
-            claim.lease,
-            held_since,
-        );
+        let lease = Lease::new(store, config, label, key, fingerprint, token, held_since);
         tokio::task::yield_now().await;
         lease
     }
@@ -236,7 +232,7 @@ impl<St: IdempotencyStore> Lease<St> {
             Settled::Unknown => abandon(
                 &held.config,
                 held.store.clone(),
-                held.key.clone(),
+                RecordKey::clone(&held.key),
                 held.token,
             ),
         }
@@ -353,7 +349,8 @@ impl<St: IdempotencyStore> Lease<St> {
             }
             Err(e) => {
                 tracing::error!(error = %e, "the record could not be released yet; retrying");
-                let (store, key, token) = (held.store.clone(), held.key.clone(), held.token);
+                let (store, key, token) =
+                    (held.store.clone(), RecordKey::clone(&held.key), held.token);
                 let ttl = held.config.in_progress_ttl;
                 held.config
                     .drain

@@ -115,8 +115,9 @@ where
     ResBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
+    let key = Arc::new(claim.key);
     request.extensions_mut().insert(IdempotencyContext::new(
-        claim.key.clone(),
+        key.clone(),
         claim.fingerprint,
         retaken,
         generation,
@@ -129,7 +130,16 @@ where
         (pg.clone(), slot)
     });
     // Its heartbeat runs before the handler does (see `Lease::started`).
-    let lease = Lease::started(store, config.clone(), label, claim, held_since).await;
+    let lease = Lease::started(
+        store,
+        config.clone(),
+        label,
+        key,
+        claim.fingerprint,
+        claim.lease,
+        held_since,
+    )
+    .await;
     // The handler runs until it answers or the maximum hold; the heartbeat runs on a task of its
     // own meanwhile.
     let handler = AssertUnwindSafe(inner.oneshot(request)).catch_unwind();

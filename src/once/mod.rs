@@ -456,15 +456,25 @@ where
             if retaken {
                 tracing::info!("retook a claim whose holder stopped renewing it");
             }
+            let key = Arc::new(claim.key);
             let context = IdempotencyContext::new(
-                claim.key.clone(),
+                key.clone(),
                 claim.fingerprint,
                 retaken,
                 generation,
                 config.derived_key_secret.clone(),
             );
             // Its heartbeat runs before the closure does, as the layer's (see `Lease::started`).
-            let lease = Lease::started(store, config.clone(), label, claim, held_since).await;
+            let lease = Lease::started(
+                store,
+                config.clone(),
+                label,
+                key,
+                claim.fingerprint,
+                claim.lease,
+                held_since,
+            )
+            .await;
             runner(config, lease, context).await
         }
         Ok(ClaimOutcome::InProgress) if !config.wait.is_zero() => {
