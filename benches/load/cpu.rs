@@ -232,6 +232,22 @@ pub(super) async fn server_cpu_per_request(schema: &str) {
         s,
         cpu,
     ));
+    // The floor under the two rows above: the handler itself sends the store's two statements of
+    // a fresh key (claim, then complete) through the same store and pool, without the layer.
+    let (s, cpu) = server
+        .measure(
+            super::direct_sql(store.clone()),
+            warm,
+            fresh("dw"),
+            n,
+            fresh("d"),
+        )
+        .await;
+    rows.push((
+        "no layer: the handler sends the same claim and completion through the store",
+        s,
+        cpu,
+    ));
     let cached = CachedStore::new(store.clone());
     let (s, cpu) = server
         .measure(
