@@ -578,7 +578,7 @@ pub(crate) mod tests {
         pub(crate) inner: MemoryStore,
         renewals: Arc<std::sync::Mutex<Vec<Instant>>>,
         /// Its next renewal panics.
-        panic_once: Arc<std::sync::atomic::AtomicBool>,
+        pub(crate) panic_once: Arc<std::sync::atomic::AtomicBool>,
         /// Its next completion panics.
         pub(crate) complete_panics: Arc<std::sync::atomic::AtomicBool>,
     }

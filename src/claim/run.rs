@@ -234,7 +234,13 @@ pub(crate) async fn fresh<St: IdempotencyStore>(
         return Some(sent);
     }
     let renewing = Instant::now();
-    let renewal = store.renew(&claim.key, claim.lease, ttl + config.retention);
+    // A store that panics has not confirmed the claim: given up (released by its token), as after
+    // an error.
+    let renewal = AssertUnwindSafe(store.renew(&claim.key, claim.lease, ttl + config.retention))
+        .catch_unwind()
+        .map(|renewed| {
+            renewed.unwrap_or_else(|_| Err(crate::StoreError::msg("the store's renewal panicked")))
+        });
     match tokio::time::timeout(renewal_bound(config, store), renewal).await {
         // A renewal answered late is no better than the claim: give up rather than trust it.
         Ok(Ok(Fenced::Done)) if renewing.elapsed() <= ttl / FRESH_FRACTION => Some(renewing),
@@ -262,4 +268,30 @@ struct Held {
     held_since: Instant,
     /// The record's generation, for the derived key.
     generation: Option<Generation>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lease::tests::{config, request, store};
+    use crate::record::ClaimOutcome;
+    use std::sync::atomic::Ordering;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_late_claim_whose_confirming_renewal_panics_is_given_up() {
+        let (store, config) = (store(), config());
+        let claim = request("late");
+        assert!(matches!(
+            store.claim(&claim).await.expect("claim"),
+            ClaimOutcome::Claimed { .. }
+        ));
+        let sent = Instant::now();
+        // Answered later than a tenth of the TTL: it must be confirmed by a renewal first.
+        tokio::time::sleep(config.in_progress_ttl / 5).await;
+        store.panic_once.store(true, Ordering::SeqCst);
+        assert_eq!(fresh(&config, &store, &claim, sent).await, None);
+        // The same, with a renewal that gets through: held since the renewal.
+        let confirmed = fresh(&config, &store, &claim, sent).await;
+        assert_eq!(confirmed, Some(Instant::now()));
+    }
 }

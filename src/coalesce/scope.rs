@@ -8,8 +8,8 @@ use std::sync::OnceLock;
 
 use crate::record::RecordKey;
 
-/// 128 bits of two SipHash-1-3 hashes of a record's scope, under keys drawn at random once per
-/// process. Two scopes share a name with probability about 2^-128 per pair, and no client can aim
+/// 128 bits of two SipHash-1-3 hashes of a record's scope (each after its own domain byte), under a
+/// key drawn at random once per process. Two scopes share a name with probability about 2^-128 per pair, and no client can aim
 /// for it (the keys are secret and new in every process), so the maps keyed by it tell scopes apart
 /// as the digest does, at a tenth of its cost.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -23,11 +23,11 @@ pub(crate) struct Scope {
 impl Scope {
     /// The name of `key`'s scope in this process.
     pub(crate) fn of(key: &RecordKey) -> Self {
-        static KEYS: OnceLock<(RandomState, RandomState)> = OnceLock::new();
-        let (first, second) = KEYS.get_or_init(|| (RandomState::new(), RandomState::new()));
+        static KEYS: OnceLock<RandomState> = OnceLock::new();
+        let keys = KEYS.get_or_init(RandomState::new);
         Scope {
-            slot: hash_of(first, key),
-            shard: hash_of(second, key),
+            slot: hash_of(keys, 1, key),
+            shard: hash_of(keys, 2, key),
         }
     }
 
@@ -43,8 +43,11 @@ impl Scope {
     }
 }
 
-fn hash_of(keys: &RandomState, key: &RecordKey) -> u64 {
+/// SipHash of `key` under `keys`, after `domain`: each half of a [`Scope`] is the hash of another
+/// input under the one secret key, rather than of one input under two related keys.
+fn hash_of(keys: &RandomState, domain: u8, key: &RecordKey) -> u64 {
     let mut hasher = keys.build_hasher();
+    hasher.write_u8(domain);
     // Each part prefixed with its length: ("ab", "c") and ("a", "bc") are other scopes.
     for part in [&key.key, &key.subject, &key.endpoint] {
         hasher.write_usize(part.len());

@@ -283,11 +283,15 @@ fn stream<St: IdempotencyStore>(
                 }
             }
         }
-        // Dropping `client` here ends the body the client reads: after the record. Any other end
-        // of this task (the cut at the maximum hold, a panic, a runtime that shuts down) ends it
-        // with an error, never as a whole body.
-        body_end.store(true, Ordering::Release);
-        drop(client);
+        // Dropping the sender here ends the body the client reads: after the record. Only a sender
+        // still live here has passed on every frame. One dropped before (a client that stopped
+        // reading for the patience, then resumes), and any other end of this task (the cut at the
+        // maximum hold, a panic, a runtime that shuts down), ends the client's body with an
+        // error, never as a whole body.
+        if let Some(tx) = client.take() {
+            body_end.store(true, Ordering::Release);
+            drop(tx);
+        }
     };
     config.drain.spawn(task);
     Response::from_parts(
@@ -706,6 +710,38 @@ mod tests {
                 other => panic!("expected the record without its body, got {other:?}"),
             }
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_stopped_reading_past_the_patience_never_sees_a_whole_body() {
+        use futures_util::StreamExt as _;
+        let (store, config) = (MemoryStore::new(), config());
+        let (claim, lease) = claimed(&store, &config, "stalled").await;
+        let parts = &["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"];
+        let body = slow_body(parts, Duration::from_millis(10));
+        let answer = record(&config, lease, response(201, body)).await;
+        // The client reads nothing for longer than the patience (the in-progress TTL): it is
+        // treated as gone, and the body is read and recorded without it.
+        tokio::time::sleep(config.in_progress_ttl * 2).await;
+        match retry(&store, &claim).await {
+            ClaimOutcome::Finished(stored) => assert_eq!(&stored.body[..], b"0123456789"),
+            other => panic!("expected the record, got {other:?}"),
+        }
+        // Then it reads again: what was on its way, then an error, never a clean end.
+        let mut frames = answer.into_body().into_data_stream();
+        let mut got = Vec::new();
+        let mut ended_in_error = false;
+        while let Some(frame) = frames.next().await {
+            match frame {
+                Ok(data) => got.extend_from_slice(&data),
+                Err(_) => {
+                    ended_in_error = true;
+                    break;
+                }
+            }
+        }
+        assert!(got.len() < parts.len(), "frames were dropped: {got:?}");
+        assert!(ended_in_error, "a body missing frames must not end cleanly");
     }
 
     #[tokio::test(start_paused = true)]
