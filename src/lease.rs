@@ -789,6 +789,37 @@ pub(crate) mod tests {
         }
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn an_outcome_hook_that_panics_does_not_stop_the_lease_from_settling() {
+        let store = store();
+        let config = Arc::new(Config {
+            in_progress_ttl: TTL,
+            on_outcome: Some(Arc::new(|outcome| {
+                if matches!(outcome, Outcome::RecordDeferred | Outcome::TimedOut) {
+                    panic!("an application hook bug");
+                }
+            })),
+            ..Config::default()
+        });
+        // A first completion attempt that fails reports `RecordDeferred`: the retries go on.
+        store.complete_panics.store(true, Ordering::SeqCst);
+        let (request, lease) = claimed(&store, &config, "k").await;
+        lease.timed_out();
+        assert!(matches!(
+            lease.complete(Arc::new(head(504))).await,
+            Completed::Retrying
+        ));
+        assert!(config.drain.wait(Duration::from_secs(5)).await);
+        let retry = ClaimRequest {
+            lease: LeaseToken::generate(),
+            ..request
+        };
+        match store.claim(&retry).await.expect("claim") {
+            ClaimOutcome::Finished(stored) => assert_eq!(stored.status, 504),
+            other => panic!("expected the record, got {other:?}"),
+        }
+    }
+
     fn head(status: u16) -> StoredResponse {
         StoredResponse {
             outcome: Finished::Completed,
