@@ -100,6 +100,11 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
     /// (its worker died) and may be retaken. The holder renews it every third of this, so a live
     /// handler, however slow, is never retaken; keep it well above the longest store outage you want
     /// to ride out. From [`MIN_IN_PROGRESS_TTL`] to [`MAX_DURATION`]. Default: 90 s.
+    ///
+    /// A claim judges a record abandoned by its own TTL, while the holder renews on the holder's:
+    /// every instance sharing a store must use the same value. Raising it is safe at any time;
+    /// lowering it while instances with the old value still hold claims can have their live
+    /// handlers retaken (the README's "One TTL for every instance" says how to lower it).
     pub fn in_progress_ttl(mut self, ttl: Duration) -> Self {
         self.config.in_progress_ttl = ttl;
         self

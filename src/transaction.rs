@@ -49,6 +49,11 @@ use crate::store::PostgresStore;
 /// - It holds one pool connection from extraction until the response is recorded, besides the
 ///   connections the layer uses for claims and heartbeats: size the pool for your concurrent
 ///   transactional requests plus a few.
+/// - The session may stay idle in the transaction (between two of its statements) for at most the
+///   in-progress TTL; past it PostgreSQL ends the session, the transaction rolls back and the
+///   record is released for another try. A handler that calls something slow while holding it
+///   (another service, a provider) should make that call before its first statement, or keep the
+///   TTL above it.
 /// - On a route whose layer is not on a `PostgresStore` (or that the layer did not claim: no key,
 ///   or a failing store with `fail_open`), extracting it answers `500 internal_error` and logs why;
 ///   the handler does not run without its transaction.

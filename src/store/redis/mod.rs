@@ -129,7 +129,11 @@ const SCAN_PER_RECORD: usize = 10;
 /// [`RedisStore::with_timeout`] on both kinds of connection.
 ///
 /// Without persistence (no AOF or RDB), a Redis restart forgets every record: a retry after the
-/// restart runs the handler again. Use the Postgres store where that is not acceptable.
+/// restart runs the handler again. So does an eviction: run Redis with `maxmemory-policy
+/// noeviction` (every record has an expiry, so any `volatile-*` or `allkeys-*` policy may evict
+/// one). Replication is asynchronous: a claim acknowledged by a primary that fails over before a
+/// replica has it is lost, and a retry claims again. Use the Postgres store where that is not
+/// acceptable. Claims need Redis 5 or later.
 #[derive(Clone)]
 pub struct RedisStore {
     connection: Connection,
@@ -242,9 +246,8 @@ impl RedisStore {
     ///
     /// The cluster client resends a command whose connection dropped before its answer came.
     /// Complete, renew and release may run twice harmlessly (a completion the same lease already
-    /// made counts as done). A claim resent that way finds its own claim: that request gets `409`
-    /// without running the handler, and the key is retaken after the in-progress TTL, as when a
-    /// process dies holding a claim; the handler never runs twice because of it.
+    /// made counts as done). A claim resent that way finds its own claim (the same lease token)
+    /// and is granted again: the request runs its handler once, under the claim it already made.
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
