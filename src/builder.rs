@@ -101,10 +101,10 @@ impl<S: IdempotencyStore> IdempotencyLayerBuilder<S> {
     /// handler, however slow, is never retaken; keep it well above the longest store outage you want
     /// to ride out. From [`MIN_IN_PROGRESS_TTL`] to [`MAX_DURATION`]. Default: 90 s.
     ///
-    /// A claim judges a record abandoned by its own TTL, while the holder renews on the holder's:
-    /// every instance sharing a store must use the same value. Raising it is safe at any time;
-    /// lowering it while instances with the old value still hold claims can have their live
-    /// handlers retaken (the README's "One TTL for every instance" says how to lower it).
+    /// The record keeps its holder's TTL, and a claim presumes the holder dead only after the
+    /// longer of its own and the holder's: instances of this version configured differently (a
+    /// rolling deploy that lowers it) do not retake each other's live claims. Earlier versions
+    /// neither keep nor read it: lower the TTL in a deploy after the one that brings this version.
     pub fn in_progress_ttl(mut self, ttl: Duration) -> Self {
         self.config.in_progress_ttl = ttl;
         self

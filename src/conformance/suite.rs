@@ -56,6 +56,7 @@ macro_rules! store_suite {
             oversized_response_is_recorded_without_its_body,
             same_key_race_runs_once,
             stale_retake_race_has_one_winner,
+            a_claimer_with_a_shorter_ttl_waits_for_the_holders,
             slow_handler_outliving_the_ttl_is_not_retaken,
             heartbeat_keeps_the_claim_until_it_stops,
             completion_by_the_same_lease_is_idempotent,
@@ -354,6 +355,52 @@ pub async fn stale_in_progress_is_retaken<S: IdempotencyStore>(store: S) {
     let replay = send(&router, post("/pay").key("k").user("alice")).await;
     assert!(replay.replayed());
     assert_eq!(counters.started(), 1);
+}
+
+/// A claimer configured with a shorter in-progress TTL than the holder's (a rolling deploy that
+/// lowers it) does not presume the holder dead before the holder's own TTL: the holder renews on its
+/// schedule, not the claimer's.
+pub async fn a_claimer_with_a_shorter_ttl_waits_for_the_holders<S: IdempotencyStore>(store: S) {
+    let short = short_ttl(&store, Duration::from_millis(300));
+    let long = short * 4;
+    let holder = claim_request("ttls", long);
+    let claimed_at = tokio::time::Instant::now();
+    assert!(matches!(
+        store.claim(&holder).await.expect("claim"),
+        ClaimOutcome::Claimed { retaken: false, .. }
+    ));
+    let claimer = || ClaimRequest {
+        lease: LeaseToken::generate(),
+        ..claim_request("ttls", short)
+    };
+    // Past the claimer's TTL, well within the holder's.
+    tokio::time::sleep(short * 2).await;
+    assert!(
+        matches!(
+            store.claim(&claimer()).await.expect("claim"),
+            ClaimOutcome::InProgress
+        ),
+        "a live holder's claim was taken by a claimer with a shorter TTL"
+    );
+    // A renewal restarts the holder's TTL, not the claimer's.
+    assert_eq!(
+        store
+            .renew(&holder.key, holder.lease, long + holder.retention)
+            .await
+            .expect("renew"),
+        Fenced::Done
+    );
+    tokio::time::sleep(short * 2).await;
+    assert!(matches!(
+        store.claim(&claimer()).await.expect("claim"),
+        ClaimOutcome::InProgress
+    ));
+    // Past the holder's TTL since its renewal: it is presumed dead, and one claimer retakes it.
+    tokio::time::sleep_until(claimed_at + short * 2 + long + Duration::from_millis(200)).await;
+    assert!(matches!(
+        store.claim(&claimer()).await.expect("claim"),
+        ClaimOutcome::Claimed { retaken: true, .. }
+    ));
 }
 
 /// A completion or release by a lease that was retaken changes nothing; the retaker's answer stands.

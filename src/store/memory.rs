@@ -92,6 +92,9 @@ enum State {
     InProgress {
         lease: LeaseToken,
         since: Instant,
+        /// The holder's in-progress TTL: its heartbeat renews on that schedule, so no claimer
+        /// presumes it dead sooner, whatever its own TTL.
+        ttl: Duration,
     },
     /// Finished by `lease`, so that a repeated completion by the same lease is recognised.
     Finished {
@@ -212,7 +215,11 @@ impl MemoryStore {
         let size = key_size(&request.key);
         let fresh = || Record {
             fingerprint: request.fingerprint,
-            state: State::InProgress { lease, since: now },
+            state: State::InProgress {
+                lease,
+                since: now,
+                ttl: request.in_progress_ttl,
+            },
             expires_at: now + request.in_progress_ttl + request.retention,
             size,
             generation: request.generation,
@@ -271,8 +278,8 @@ impl MemoryStore {
                     retaken: false,
                     generation: Some(record.generation),
                 },
-                State::InProgress { since, .. }
-                    if now.duration_since(*since) < request.in_progress_ttl =>
+                State::InProgress { since, ttl, .. }
+                    if now.duration_since(*since) < request.in_progress_ttl.max(*ttl) =>
                 {
                     ClaimOutcome::InProgress
                 }
@@ -362,7 +369,9 @@ impl IdempotencyStore for MemoryStore {
         match shard.records.get_mut(key) {
             Some(record) if holds(record, lease) => {
                 let now = Instant::now();
-                record.state = State::InProgress { lease, since: now };
+                if let State::InProgress { since, .. } = &mut record.state {
+                    *since = now;
+                }
                 record.expires_at = now + lifetime;
                 Ok(Fenced::Done)
             }

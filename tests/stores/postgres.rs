@@ -761,6 +761,107 @@ async fn records_of_the_previous_version_keep_their_derived_key_after_migrate() 
         store.claim(&fresh).await.expect("claim"),
         ClaimOutcome::Claimed { generation: Some(g), .. } if g == fresh.generation
     ));
+    // The claim function was brought up to migrations/0006 (it reads the holder's TTL), with its
+    // search path still fixed to the table's schema; new records keep their holder's TTL, the
+    // old one (written without it) none.
+    let (current, search_path): (bool, Option<String>) = sqlx::query_as(
+        "SELECT strpos(p.prosrc, 'in_progress_ttl_us') > 0, \
+                (SELECT c FROM unnest(p.proconfig) c WHERE c LIKE 'search_path=%') \
+         FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
+         WHERE n.nspname = $1 AND p.proname = 'idempotency_records_claim_v2'",
+    )
+    .bind(&schema)
+    .fetch_one(&pool)
+    .await
+    .expect("the claim function");
+    assert!(current, "the claim function reads the holder's TTL");
+    assert_eq!(
+        search_path.as_deref(),
+        Some(format!("search_path=pg_catalog, {schema}, pg_temp").as_str())
+    );
+    let ttls: Vec<(String, Option<f64>)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT idempotency_key, in_progress_ttl_us FROM {quoted} ORDER BY idempotency_key"
+    )))
+    .fetch_all(&pool)
+    .await
+    .expect("records");
+    let ttl_us = fresh.in_progress_ttl.as_micros() as f64;
+    assert_eq!(
+        ttls,
+        vec![
+            ("new".to_owned(), Some(ttl_us)),
+            (
+                "old".to_owned(),
+                Some(retake.in_progress_ttl.as_micros() as f64)
+            )
+        ],
+        "the retake writes its TTL as the holder's"
+    );
+}
+
+/// A table of the previous version (0001, 0003 and 0004: no holder's TTL column) that `migrate()`
+/// has not reached yet: fresh keys are claimed through the previous claim function, but a claim
+/// that would take an existing record (released, here) is refused, never granted or run
+/// unguarded; after `migrate()` it is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_table_without_the_holders_ttl_refuses_retakes_until_migrated() {
+    let pool = pool(4).await;
+    let schema = fresh_schema(&pool).await;
+    let table = format!("{schema}.idempotency_records");
+    let quoted = format!("\"{schema}\".\"idempotency_records\"");
+    let old_sql = include_str!("../../migrations/0001_idempotency_records.sql")
+        .replace("idempotency_records_expires_at_idx", "\u{0}")
+        .replace("idempotency_records", &quoted)
+        .replace('\u{0}', "\"idempotency_records_expires_at_idx\"");
+    // The generation column and the previous version's claim function, its search path fixed.
+    let function = format!("\"{schema}\".\"idempotency_records_claim_v2\"");
+    let generation_sql = include_str!("../../migrations/0003_idempotency_generation.sql")
+        .replace("idempotency_records_claim_v2", "\u{0}")
+        .replace("idempotency_records", &quoted)
+        .replace('\u{0}', &function);
+    let search_path_sql = include_str!("../../migrations/0004_idempotency_claim_search_path.sql")
+        .replace("idempotency_records_claim_v2", &function)
+        .replace(
+            "pg_catalog, public, pg_temp",
+            &format!("pg_catalog, \"{schema}\", pg_temp"),
+        );
+    for sql in [old_sql, generation_sql, search_path_sql] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(&pool)
+            .await
+            .expect("the previous version's table");
+    }
+    let released = claim_request("released", b"{}");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {quoted} (scope, idempotency_key, subject, endpoint, fingerprint, status, \
+           lease_token, updated_at, expires_at) \
+         VALUES ($1, 'released', 'alice', 'POST /pay', $2, 'in_progress', 0, '-infinity', \
+           now() + interval '1 day')"
+    )))
+    .bind(&released.key.digest()[..])
+    .bind(&released.fingerprint.as_bytes()[..])
+    .execute(&pool)
+    .await
+    .expect("a released record");
+    let store = PostgresStore::with_table(pool.clone(), &table).expect("table");
+    // Fresh keys go through the previous version's function, which needs no new column.
+    let fresh = claim_request("fresh", b"{}");
+    assert!(matches!(
+        store.claim(&fresh).await.expect("claim"),
+        ClaimOutcome::Claimed { .. }
+    ));
+    let mut again = claim_request("released", b"{}");
+    again.key = released.key.clone();
+    let refused = store
+        .claim(&again)
+        .await
+        .expect_err("refused before migrate");
+    assert!(refused.is_refused_claim(), "{refused:?}");
+    store.migrate().await.expect("migrate");
+    assert!(matches!(
+        store.claim(&again).await.expect("claim"),
+        ClaimOutcome::Claimed { retaken: false, .. }
+    ));
 }
 
 /// The store keeps an operation's connection for the next one, which skips the pings sqlx sends

@@ -37,7 +37,18 @@ impl PostgresStore {
                 .bind(&request.generation.0[..])
                 .fetch_optional(&mut *conn)
         })?
-        .map_err(db("retake"))?;
+        .map_err(|e| match e {
+            // The table lacks the holder's TTL column: made by an earlier version, and `migrate()`
+            // has not run. Nothing was retaken; never a reason to run unguarded.
+            sqlx::Error::Database(e) if e.code().as_deref() == Some("42703") => {
+                StoreError::refused_claim(format!(
+                    "postgres claim: the table {} lacks a column this version needs; run \
+                     PostgresStore::migrate() (or apply migrations/0003 and 0006): {e}",
+                    self.sql().table
+                ))
+            }
+            e => db("retake")(e),
+        })?;
         // `None`: lost the race; otherwise the record's generation as the retake left it.
         Ok(row.map(|(g,)| g.and_then(|g| Generation::from_slice(&g))))
     }
@@ -200,12 +211,13 @@ impl PostgresStore {
             .map_err(|_| self.no_answer("claim"))?;
             match row {
                 Ok(row) => Ok(row),
-                // The table lacks the generation column: made by an earlier version, and
-                // `migrate()` has not run. Nothing was claimed; never a reason to run unguarded.
+                // The table lacks a column this version writes: made by an earlier version,
+                // and `migrate()` has not run. Nothing was claimed; never a reason to run unguarded.
                 Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42703") => {
                     Err(StoreError::refused_claim(format!(
-                        "postgres claim: the table {} lacks the generation column; run \
-                         PostgresStore::migrate() (or apply migrations/0003): {e}",
+                        "postgres claim: the table {} lacks a column this version needs \
+                         (generation, in_progress_ttl_us); run PostgresStore::migrate() (or apply \
+                         migrations/0003 and 0006): {e}",
                         self.sql().table
                     )))
                 }

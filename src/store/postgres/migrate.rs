@@ -23,6 +23,10 @@ const CLAIM_V2_ARGUMENTS: &str =
 /// Fixes the claim function's search path (the table's schema in place of `public`).
 const SEARCH_PATH_MIGRATION: &str =
     include_str!("../../../migrations/0004_idempotency_claim_search_path.sql");
+/// The holder's in-progress TTL column and the claim function that reads it, with
+/// `idempotency_records` as the table name.
+const HOLDER_TTL_MIGRATION: &str =
+    include_str!("../../../migrations/0006_idempotency_holder_ttl.sql");
 /// The index that lists a subject's records, with `idempotency_records` as the table name.
 const SUBJECT_INDEX_MIGRATION: &str =
     include_str!("../../../migrations/0005_idempotency_subject_index.sql");
@@ -123,6 +127,7 @@ impl PostgresStore {
             .map_err(db("migrate: find the table's schema"))?;
             let pinned = Statements::on(Some(&schema), name, &configured.table);
             self.apply_generation(&mut tx, &pinned).await?;
+            apply_holder_ttl(&mut tx, &pinned).await?;
             apply_subject_index(&mut tx, &pinned).await?;
             tx.commit().await.map_err(db("migrate: commit"))?;
             *lock(&pinned.function_missing) = None;
@@ -267,6 +272,88 @@ impl PostgresStore {
     }
 }
 
+/// The holder's TTL column and the claim function that reads it (migrations/0006), on the table
+/// as `sql` names it. The column is needed by claims (their statements write it); a claim function
+/// that cannot be replaced (not its owner) keeps working as it did, judging staleness by the
+/// claimer's TTL alone, with a warning.
+async fn apply_holder_ttl(tx: &mut sqlx::PgConnection, sql: &Statements) -> Result<(), StoreError> {
+    let migration = HOLDER_TTL_MIGRATION
+        .replace(DEFAULT_FUNCTION, "\u{0}")
+        .replace(DEFAULT_TABLE, &sql.quoted)
+        .replace('\u{0}', &sql.function_v2)
+        .replace(
+            "pg_catalog, public, pg_temp",
+            &format!(
+                "pg_catalog, {}, pg_temp",
+                quote_ident(sql.schema.as_deref().unwrap_or("public"))
+            ),
+        );
+    let Some((column_sql, function_sql)) = migration.split_once("CREATE OR REPLACE FUNCTION")
+    else {
+        return Err(StoreError::msg(
+            "migrate: migrations/0006 has no claim function",
+        ));
+    };
+    let function_sql = format!("CREATE OR REPLACE FUNCTION{function_sql}");
+    // `ADD COLUMN IF NOT EXISTS` locks the table even when the column exists: look first.
+    let (column,): (bool,) = sqlx::query_as(
+        "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) \
+             AND attname = 'in_progress_ttl_us' AND NOT attisdropped)",
+    )
+    .bind(&sql.quoted)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(db("migrate: look up the holder's TTL column"))?;
+    if !column {
+        // The table's exclusive lock: waited for briefly (claims queue behind a waiting ALTER).
+        sqlx::query("SET LOCAL lock_timeout = '3s'")
+            .execute(&mut *tx)
+            .await
+            .map_err(db("migrate: lock timeout"))?;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(column_sql.to_owned()))
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| {
+                StoreError::new(
+                    format!(
+                        "migrate: could not add the holder's TTL column to {} (it needs the \
+                         table's owner, and no long transaction on it; apply migrations/0006 as \
+                         its owner, or migrate again)",
+                        sql.table
+                    ),
+                    e,
+                )
+            })?;
+        sqlx::query("SET LOCAL lock_timeout = 0")
+            .execute(&mut *tx)
+            .await
+            .map_err(db("migrate: lock timeout"))?;
+    }
+    // The claim function, unless it reads the column already (or is missing: claims then use
+    // their own statements, which do).
+    let signature = format!("{}{CLAIM_V2_ARGUMENTS}", sql.function_v2);
+    let current: Option<(bool,)> = sqlx::query_as(
+        "SELECT pg_catalog.strpos(p.prosrc, 'in_progress_ttl_us') > 0 \
+         FROM pg_catalog.pg_proc p WHERE p.oid = pg_catalog.to_regprocedure($1)",
+    )
+    .bind(&signature)
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(db("migrate: look up the claim function"))?;
+    if let Some((false,)) = current {
+        unless_forbidden(
+            tx,
+            function_sql,
+            "update the claim function",
+            "migrate: no privilege to update the claim function (apply migrations/0006 as its \
+             owner); until then a claim judges a record abandoned by its own in-progress TTL, \
+             not its holder's",
+        )
+        .await?;
+    }
+    Ok(())
+}
+
 /// The index that lists a subject's records (migrations/0005), on the table as `sql` names it,
 /// unless it exists: `CREATE INDEX IF NOT EXISTS` would lock the table against writes even then.
 /// It is not needed for claims, so a role that does not own the table, or a table whose lock is
@@ -373,6 +460,18 @@ async fn unless_refused(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_holder_ttl_migration_splits_into_its_column_and_its_function() {
+        let (column, function) = super::HOLDER_TTL_MIGRATION
+            .split_once("CREATE OR REPLACE FUNCTION")
+            .expect("the function");
+        assert!(column.contains("ADD COLUMN IF NOT EXISTS in_progress_ttl_us double precision"));
+        assert!(function.contains(super::DEFAULT_FUNCTION));
+        assert!(function.contains("SET search_path = pg_catalog, public, pg_temp"));
+        assert!(function.contains("coalesce(r.in_progress_ttl_us, 0)"));
+        assert!(!function.contains("CREATE OR REPLACE FUNCTION"));
+    }
+
     #[test]
     fn the_generation_migration_splits_into_its_column_and_its_function() {
         let (column, function) = super::GENERATION_MIGRATION

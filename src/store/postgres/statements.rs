@@ -106,9 +106,9 @@ impl Statements {
             claim_direct: format!(
                 "{}, ins AS ( \
                    INSERT INTO {t} (scope, idempotency_key, subject, endpoint, fingerprint, status, \
-                                    lease_token, expires_at, generation) \
+                                    lease_token, expires_at, generation, in_progress_ttl_us) \
                    SELECT $1, $2, $3, $4, $5, 'in_progress', $6, \
-                          now() + $7::float8 * interval '1 microsecond', $9 \
+                          now() + $7::float8 * interval '1 microsecond', $9, $8::float8 \
                    WHERE {LOCK_BOUND} \
                    ON CONFLICT DO NOTHING \
                    RETURNING lease_token) \
@@ -120,7 +120,8 @@ impl Statements {
                  FROM ins \
                  UNION ALL \
                  SELECT false, status, lease_token, fingerprint = $5, \
-                        updated_at <= now() - $8::float8 * interval '1 microsecond', \
+                        updated_at <= now() - GREATEST($8::float8, coalesce(in_progress_ttl_us, 0)) \
+                                              * interval '1 microsecond', \
                         expires_at <= now(), response_status, header_names, header_values, \
                         CASE WHEN fingerprint = $5 THEN response_body END, \
                         extract(epoch FROM expires_at - now())::float8, generation \
@@ -132,7 +133,8 @@ impl Statements {
             // The staleness is checked again against the row as it is now (READ COMMITTED rechecks
             // the newest version), so a heartbeat that landed since the claim read it wins.
             // $1 scope, $2 fingerprint, $3 new lease, $4 lifetime (µs), $5 old lease, $6 old status,
-            // $7 in-progress TTL (µs), $8 lock timeout, $9 generation (for an expired record, or
+            // $7 in-progress TTL (µs; the row keeps it as its holder's, and a holder with a longer
+            // one is not stale before it), $8 lock timeout, $9 generation (for an expired record, or
             // a released one taken by another request; a retake of the same operation keeps its
             // own; so does its creation time, as in every store). It answers the generation it left, which is the run's: the row may have been
             // taken and released again since the claim read it (every released row has lease 0).
@@ -148,12 +150,15 @@ impl Statements {
                    created_at = CASE WHEN status = 'in_progress' AND expires_at > now() \
                                        AND lease_token <> 0 THEN created_at ELSE now() END, \
                    updated_at = now(), \
-                   expires_at = now() + $4::float8 * interval '1 microsecond' \
+                   expires_at = now() + $4::float8 * interval '1 microsecond', \
+                   in_progress_ttl_us = $7::float8 \
                  WHERE scope = $1 \
                    AND ((lease_token = $5 AND status = $6 \
                          AND (expires_at <= now() \
                               OR (status = 'in_progress' \
-                                  AND updated_at <= now() - $7::float8 * interval '1 microsecond'))) \
+                                  AND updated_at <= now() \
+                                      - GREATEST($7::float8, coalesce(in_progress_ttl_us, 0)) \
+                                        * interval '1 microsecond'))) \
                         OR (lease_token = $3 AND status = 'in_progress')) \
                    AND {LOCK_BOUND} \
                  RETURNING generation",
