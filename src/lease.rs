@@ -779,14 +779,7 @@ pub(crate) mod tests {
             Completed::Retrying
         ));
         assert!(config.drain.wait(Duration::from_secs(5)).await);
-        let retry = ClaimRequest {
-            lease: LeaseToken::generate(),
-            ..request
-        };
-        match store.claim(&retry).await.expect("claim") {
-            ClaimOutcome::Finished(stored) => assert_eq!(stored.status, 201),
-            other => panic!("expected the record, got {other:?}"),
-        }
+        assert_eq!(recorded_status(&store, request).await, 201);
     }
 
     #[tokio::test(start_paused = true)]
@@ -810,12 +803,17 @@ pub(crate) mod tests {
             Completed::Retrying
         ));
         assert!(config.drain.wait(Duration::from_secs(5)).await);
+        assert_eq!(recorded_status(&store, request).await, 504);
+    }
+
+    /// The status `request`'s record holds, as a retry of it finds it (it must be finished).
+    async fn recorded_status(store: &Timed, request: ClaimRequest) -> u16 {
         let retry = ClaimRequest {
             lease: LeaseToken::generate(),
             ..request
         };
         match store.claim(&retry).await.expect("claim") {
-            ClaimOutcome::Finished(stored) => assert_eq!(stored.status, 504),
+            ClaimOutcome::Finished(stored) => stored.status,
             other => panic!("expected the record, got {other:?}"),
         }
     }

@@ -595,6 +595,21 @@ mod tests {
             .to_bytes()
     }
 
+    /// The data the client reads of `answer`, and whether its body ended in an error rather than
+    /// as a whole body.
+    async fn read_to_the_end(answer: Response<Body>) -> (Vec<u8>, bool) {
+        use futures_util::StreamExt as _;
+        let mut frames = answer.into_body().into_data_stream();
+        let mut got = Vec::new();
+        while let Some(frame) = frames.next().await {
+            match frame {
+                Ok(data) => got.extend_from_slice(&data),
+                Err(_) => return (got, true),
+            }
+        }
+        (got, false)
+    }
+
     /// A body of `parts`, each after `pause`.
     fn slow_body(parts: &'static [&'static str], pause: Duration) -> Body {
         use futures_util::StreamExt as _;
@@ -672,7 +687,6 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_body_cut_at_the_maximum_hold_ends_in_an_error_even_when_its_completion_panics() {
-        use futures_util::StreamExt as _;
         for panics in [false, true] {
             let store = crate::lease::tests::store();
             store.complete_panics.store(panics, AtomicOrdering::SeqCst);
@@ -684,18 +698,7 @@ mod tests {
             let (claim, lease) = claimed(&store, &config, "cut").await;
             let body = slow_body(&["a", "b", "c", "d", "e"], Duration::from_millis(100));
             let answer = record(&config, lease, response(201, body)).await;
-            let mut frames = answer.into_body().into_data_stream();
-            let mut got = Vec::new();
-            let mut ended_in_error = false;
-            while let Some(frame) = frames.next().await {
-                match frame {
-                    Ok(data) => got.extend_from_slice(&data),
-                    Err(_) => {
-                        ended_in_error = true;
-                        break;
-                    }
-                }
-            }
+            let (got, ended_in_error) = read_to_the_end(answer).await;
             assert!(
                 ended_in_error,
                 "a cut body must not look whole (panics: {panics})"
@@ -714,7 +717,6 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_client_that_stopped_reading_past_the_patience_never_sees_a_whole_body() {
-        use futures_util::StreamExt as _;
         let (store, config) = (MemoryStore::new(), config());
         let (claim, lease) = claimed(&store, &config, "stalled").await;
         let parts = &["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"];
@@ -728,18 +730,7 @@ mod tests {
             other => panic!("expected the record, got {other:?}"),
         }
         // Then it reads again: what was on its way, then an error, never a clean end.
-        let mut frames = answer.into_body().into_data_stream();
-        let mut got = Vec::new();
-        let mut ended_in_error = false;
-        while let Some(frame) = frames.next().await {
-            match frame {
-                Ok(data) => got.extend_from_slice(&data),
-                Err(_) => {
-                    ended_in_error = true;
-                    break;
-                }
-            }
-        }
+        let (got, ended_in_error) = read_to_the_end(answer).await;
         assert!(got.len() < parts.len(), "frames were dropped: {got:?}");
         assert!(ended_in_error, "a body missing frames must not end cleanly");
     }

@@ -704,6 +704,14 @@ async fn claims_work_without_the_claim_function_until_migrate_adds_it() {
     assert_eq!(counters.started(), 2);
 }
 
+/// migrations/0001 (the table as the first version made it) on the table `quoted`.
+fn first_table_sql(quoted: &str) -> String {
+    include_str!("../../migrations/0001_idempotency_records.sql")
+        .replace("idempotency_records_expires_at_idx", "\u{0}")
+        .replace("idempotency_records", quoted)
+        .replace('\u{0}', "\"idempotency_records_expires_at_idx\"")
+}
+
 /// A table made by the previous version (migrations 0001 and 0002 only: no generation column)
 /// holding a claim of that version whose holder died. `migrate()` adds the column without touching
 /// the record; the retake answers no generation, so the handler's derived key is the one the
@@ -714,11 +722,7 @@ async fn records_of_the_previous_version_keep_their_derived_key_after_migrate() 
     let schema = fresh_schema(&pool).await;
     let table = format!("{schema}.idempotency_records");
     let quoted = format!("\"{schema}\".\"idempotency_records\"");
-    let old_sql = include_str!("../../migrations/0001_idempotency_records.sql")
-        .replace("idempotency_records_expires_at_idx", "\u{0}")
-        .replace("idempotency_records", &quoted)
-        .replace('\u{0}', "\"idempotency_records_expires_at_idx\"");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(old_sql))
+    sqlx::raw_sql(sqlx::AssertSqlSafe(first_table_sql(&quoted)))
         .execute(&pool)
         .await
         .expect("the previous version's table");
@@ -809,10 +813,7 @@ async fn a_table_without_the_holders_ttl_refuses_retakes_until_migrated() {
     let schema = fresh_schema(&pool).await;
     let table = format!("{schema}.idempotency_records");
     let quoted = format!("\"{schema}\".\"idempotency_records\"");
-    let old_sql = include_str!("../../migrations/0001_idempotency_records.sql")
-        .replace("idempotency_records_expires_at_idx", "\u{0}")
-        .replace("idempotency_records", &quoted)
-        .replace('\u{0}', "\"idempotency_records_expires_at_idx\"");
+    let old_sql = first_table_sql(&quoted);
     // The generation column and the previous version's claim function, its search path fixed.
     let function = format!("\"{schema}\".\"idempotency_records_claim_v2\"");
     let generation_sql = include_str!("../../migrations/0003_idempotency_generation.sql")

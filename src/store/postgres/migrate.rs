@@ -193,41 +193,7 @@ impl PostgresStore {
                     e,
                 )
             })?;
-        // `ADD COLUMN IF NOT EXISTS` locks the table even when the column exists: look first.
-        let (column,): (bool,) = sqlx::query_as(
-            "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) \
-                 AND attname = 'generation' AND NOT attisdropped)",
-        )
-        .bind(&sql.quoted)
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(db("migrate: look up the generation column"))?;
-        if !column {
-            // It takes the table's exclusive lock: wait for it only briefly (claims queue
-            // behind a waiting ALTER), and let the caller try again.
-            sqlx::query("SET LOCAL lock_timeout = '3s'")
-                .execute(&mut *tx)
-                .await
-                .map_err(db("migrate: lock timeout"))?;
-            sqlx::raw_sql(sqlx::AssertSqlSafe(column_sql))
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| {
-                    StoreError::new(
-                        format!(
-                            "migrate: could not add the generation column to {} (it needs the \
-                                 table's owner, and no long transaction on it; apply \
-                                 migrations/0003 as its owner, or migrate again)",
-                            sql.table
-                        ),
-                        e,
-                    )
-                })?;
-            sqlx::query("SET LOCAL lock_timeout = 0")
-                .execute(&mut *tx)
-                .await
-                .map_err(db("migrate: lock timeout"))?;
-        }
+        add_column(tx, sql, "generation", "0003", column_sql).await?;
         let (function,): (bool,) = sqlx::query_as("SELECT to_regprocedure($1) IS NOT NULL")
             .bind(&signature)
             .fetch_one(&mut *tx)
@@ -295,40 +261,7 @@ async fn apply_holder_ttl(tx: &mut sqlx::PgConnection, sql: &Statements) -> Resu
         ));
     };
     let function_sql = format!("CREATE OR REPLACE FUNCTION{function_sql}");
-    // `ADD COLUMN IF NOT EXISTS` locks the table even when the column exists: look first.
-    let (column,): (bool,) = sqlx::query_as(
-        "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) \
-             AND attname = 'in_progress_ttl_us' AND NOT attisdropped)",
-    )
-    .bind(&sql.quoted)
-    .fetch_one(&mut *tx)
-    .await
-    .map_err(db("migrate: look up the holder's TTL column"))?;
-    if !column {
-        // The table's exclusive lock: waited for briefly (claims queue behind a waiting ALTER).
-        sqlx::query("SET LOCAL lock_timeout = '3s'")
-            .execute(&mut *tx)
-            .await
-            .map_err(db("migrate: lock timeout"))?;
-        sqlx::raw_sql(sqlx::AssertSqlSafe(column_sql.to_owned()))
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| {
-                StoreError::new(
-                    format!(
-                        "migrate: could not add the holder's TTL column to {} (it needs the \
-                         table's owner, and no long transaction on it; apply migrations/0006 as \
-                         its owner, or migrate again)",
-                        sql.table
-                    ),
-                    e,
-                )
-            })?;
-        sqlx::query("SET LOCAL lock_timeout = 0")
-            .execute(&mut *tx)
-            .await
-            .map_err(db("migrate: lock timeout"))?;
-    }
+    add_column(tx, sql, "in_progress_ttl_us", "0006", column_sql.to_owned()).await?;
     // The claim function, unless it reads the column already (or is missing: claims then use
     // their own statements, which do).
     let signature = format!("{}{CLAIM_V2_ARGUMENTS}", sql.function_v2);
@@ -351,6 +284,54 @@ async fn apply_holder_ttl(tx: &mut sqlx::PgConnection, sql: &Statements) -> Resu
         )
         .await?;
     }
+    Ok(())
+}
+
+/// Adds the column `name` to the table as `sql` names it with `column_sql` (from
+/// `migrations/<migration>`), unless it is there: `ADD COLUMN IF NOT EXISTS` locks the table even
+/// when the column exists. The lock is waited for only briefly (claims queue behind a waiting
+/// `ALTER`); the caller may try again.
+async fn add_column(
+    tx: &mut sqlx::PgConnection,
+    sql: &Statements,
+    name: &str,
+    migration: &str,
+    column_sql: String,
+) -> Result<(), StoreError> {
+    let (present,): (bool,) = sqlx::query_as(
+        "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) \
+             AND attname = $2 AND NOT attisdropped)",
+    )
+    .bind(&sql.quoted)
+    .bind(name)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(|e| StoreError::new(format!("migrate: look up the {name} column"), e))?;
+    if present {
+        return Ok(());
+    }
+    sqlx::query("SET LOCAL lock_timeout = '3s'")
+        .execute(&mut *tx)
+        .await
+        .map_err(db("migrate: lock timeout"))?;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(column_sql))
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| {
+            StoreError::new(
+                format!(
+                    "migrate: could not add the {name} column to {} (it needs the table's owner, \
+                     and no long transaction on it; apply migrations/{migration} as its owner, or \
+                     migrate again)",
+                    sql.table
+                ),
+                e,
+            )
+        })?;
+    sqlx::query("SET LOCAL lock_timeout = 0")
+        .execute(&mut *tx)
+        .await
+        .map_err(db("migrate: lock timeout"))?;
     Ok(())
 }
 
