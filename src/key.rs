@@ -5,6 +5,10 @@ use http::HeaderMap;
 /// The request header that carries the key.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 
+/// [`IDEMPOTENCY_KEY`] as a header name, made once at compile time (a lookup by `&str` parses the
+/// name on every request).
+const IDEMPOTENCY_KEY_NAME: http::HeaderName = http::HeaderName::from_static(IDEMPOTENCY_KEY);
+
 /// The longest key accepted, in characters (all keys are ASCII).
 pub const MAX_KEY_LEN: usize = 255;
 
@@ -40,7 +44,7 @@ impl KeyError {
 
 /// Reads the key from the request headers: `Ok(None)` when there is none.
 pub fn from_headers(headers: &HeaderMap) -> Result<Option<String>, KeyError> {
-    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    let mut values = headers.get_all(&IDEMPOTENCY_KEY_NAME).iter();
     let Some(value) = values.next() else {
         return Ok(None);
     };

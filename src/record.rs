@@ -79,21 +79,23 @@ fn unique_u64s<const N: usize>() -> [u64; N] {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     let pid = std::process::id();
-    let hash = |keys: &std::collections::hash_map::RandomState, i: usize| {
-        let mut hasher = keys.build_hasher();
-        hasher.write_u64(count);
-        hasher.write_u128(now);
-        hasher.write_u32(pid);
-        hasher.write_usize(i);
-        hasher.finish()
+    // The common part is hashed once and each value continues from a copy of that state: the
+    // same values as hashing the whole input for each.
+    let hash = |keys: &std::collections::hash_map::RandomState| {
+        let mut common = keys.build_hasher();
+        common.write_u64(count);
+        common.write_u128(now);
+        common.write_u32(pid);
+        std::array::from_fn(|i| {
+            let mut hasher = common.clone();
+            hasher.write_usize(i);
+            hasher.finish()
+        })
     };
-    KEYS.try_with(|keys| std::array::from_fn(|i| hash(keys, i)))
+    KEYS.try_with(hash)
         // A thread whose thread-locals are being torn down: std's keys for this thread, taken
         // for this call.
-        .unwrap_or_else(|_| {
-            let keys = std::collections::hash_map::RandomState::new();
-            std::array::from_fn(|i| hash(&keys, i))
-        })
+        .unwrap_or_else(|_| hash(&std::collections::hash_map::RandomState::new()))
 }
 
 /// The generation of a record: 128 random bits chosen when its key is first claimed, kept by retakes

@@ -23,6 +23,11 @@ pub const IDEMPOTENCY_REPLAY: &str = "idempotency-replay";
 /// [`expiry_header(false)`](crate::IdempotencyLayerBuilder::expiry_header).
 pub const IDEMPOTENCY_EXPIRES: &str = "idempotency-expires";
 
+/// The two headers above as header names, made at compile time (inserting by `&str` parses the
+/// name on every answer).
+const IDEMPOTENCY_EXPIRES_NAME: HeaderName = HeaderName::from_static(IDEMPOTENCY_EXPIRES);
+pub(crate) const IDEMPOTENCY_REPLAY_NAME: HeaderName = HeaderName::from_static(IDEMPOTENCY_REPLAY);
+
 /// Sets the expiry header to `left` from now (a date a little early rather than late: the record
 /// is written after the answer's head is sent).
 pub(crate) fn mark_expiry(headers: &mut HeaderMap, left: std::time::Duration) {
@@ -37,7 +42,7 @@ pub(crate) fn mark_expiry_from(
 ) {
     let at = base + left;
     if let Some(value) = expiry_value(at) {
-        let _ = headers.try_insert(IDEMPOTENCY_EXPIRES, value);
+        let _ = headers.try_insert(IDEMPOTENCY_EXPIRES_NAME, value);
     }
 }
 
@@ -103,7 +108,7 @@ pub(crate) fn replay(
     // answered without the marker rather than with a panic.
     let _ = headers.try_insert(marker.clone(), HeaderValue::from_static("true"));
     if stored.body_omitted {
-        let _ = headers.try_insert(IDEMPOTENCY_REPLAY, HeaderValue::from_static("omitted"));
+        let _ = headers.try_insert(IDEMPOTENCY_REPLAY_NAME, HeaderValue::from_static("omitted"));
     }
     response
 }

@@ -185,7 +185,7 @@ where
             // for an old one.
             let headers = response.headers_mut();
             headers.remove(&config.replay_header);
-            headers.remove(crate::replay::IDEMPOTENCY_REPLAY);
+            headers.remove(&crate::replay::IDEMPOTENCY_REPLAY_NAME);
             #[cfg(feature = "postgres")]
             match left {
                 Some((pg, crate::transaction::Left::Transaction(tx))) => {
