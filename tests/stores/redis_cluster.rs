@@ -120,6 +120,40 @@ async fn keys_per_master(prefix: &str) -> BTreeMap<String, usize> {
     counts
 }
 
+/// How many entries each listing index under `prefix` holds, asking each master for its own.
+async fn index_sizes(prefix: &str) -> Vec<i64> {
+    let mut sizes = Vec::new();
+    for master in masters().await {
+        let mut connection = node(&master).await;
+        let indexes: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{prefix}subject:*"))
+            .query_async(&mut connection)
+            .await
+            .expect("KEYS");
+        for index in indexes {
+            let entries: i64 = redis::cmd("ZCARD")
+                .arg(&index)
+                .query_async(&mut connection)
+                .await
+                .expect("ZCARD");
+            sizes.push(entries);
+        }
+    }
+    sizes
+}
+
+#[tokio::test]
+async fn the_index_of_a_subject_never_listed_stays_bounded_by_its_live_records() {
+    let prefix = prefix();
+    let store = RedisStore::cluster(client())
+        .expect("store")
+        .with_prefix(&prefix)
+        .with_timeout(common::SUITE_STORE_TIMEOUT);
+    crate::redis_store::churn_a_subject_never_listed(&store).await;
+    crate::redis_store::assert_swept_and_live_records_listed(&store, index_sizes(&prefix).await)
+        .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn records_spread_over_more_than_one_master() {
     let prefix = prefix();

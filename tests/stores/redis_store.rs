@@ -168,6 +168,11 @@ async fn a_listing_skips_records_gone_from_under_their_index() {
         .await
         .expect("list");
     assert_eq!(again.records.len(), 3, "{again:?}");
+    assert_eq!(index_sizes(&prefix).await, [3], "one index, for alice");
+}
+
+/// How many entries each listing index under `prefix` holds.
+async fn index_sizes(prefix: &str) -> Vec<i64> {
     let client = redis::Client::open(redis_url()).expect("REDIS_URL");
     let mut connection = client
         .get_multiplexed_async_connection()
@@ -178,13 +183,73 @@ async fn a_listing_skips_records_gone_from_under_their_index() {
         .query_async(&mut connection)
         .await
         .expect("KEYS");
-    assert_eq!(indexes.len(), 1, "one index, for alice: {indexes:?}");
-    let entries: i64 = redis::cmd("ZCARD")
-        .arg(&indexes[0])
-        .query_async(&mut connection)
-        .await
-        .expect("ZCARD");
-    assert_eq!(entries, 3);
+    let mut sizes = Vec::new();
+    for index in indexes {
+        let entries: i64 = redis::cmd("ZCARD")
+            .arg(&index)
+            .query_async(&mut connection)
+            .await
+            .expect("ZCARD");
+        sizes.push(entries);
+    }
+    sizes
+}
+
+/// Ten records of the anonymous subject that stay, then 800 that expire 30 ms after their claim,
+/// in rounds of 16: a busy endpoint whose records nobody lists. Returns once the last sweeps ended.
+pub(crate) async fn churn_a_subject_never_listed(store: &RedisStore) {
+    let claim = |key: String, life: Duration| async move {
+        let request = ClaimRequest {
+            key: RecordKey {
+                key,
+                subject: String::new(),
+                endpoint: "POST /pay".into(),
+            },
+            fingerprint: Fingerprint::of(None, b"{}"),
+            lease: LeaseToken::generate(),
+            generation: Generation::generate(),
+            in_progress_ttl: life,
+            retention: Duration::from_millis(1),
+        };
+        let outcome = store.claim(&request).await.expect("claim");
+        assert!(
+            matches!(outcome, ClaimOutcome::Claimed { .. }),
+            "{outcome:?}"
+        );
+    };
+    for n in 0..10 {
+        claim(format!("stays-{n}"), Duration::from_secs(600)).await;
+    }
+    for round in 0..50 {
+        for n in 0..16 {
+            claim(format!("goes-{round}-{n}"), Duration::from_millis(30)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(40)).await;
+    }
+    // The last sweeps run on tasks of their own.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+}
+
+/// After [`churn_a_subject_never_listed`]: its index (of `sizes`, the only one) holds far fewer
+/// than the 810 entries filed, and every record that stays is still listed.
+pub(crate) async fn assert_swept_and_live_records_listed(store: &RedisStore, sizes: Vec<i64>) {
+    assert_eq!(sizes.len(), 1, "{sizes:?}");
+    // Unswept, the index would hold all 810 entries; swept, about as many of records that are
+    // gone as of live ones (a simulation of these rounds never passes 40).
+    assert!(sizes[0] <= 150, "{sizes:?}");
+    // The sweeps removed no entry of a live record.
+    let page = store.list("", ListRequest::first(100)).await.expect("list");
+    let mut listed: Vec<&str> = page.records.iter().map(|r| r.key.as_str()).collect();
+    listed.sort_unstable();
+    let stays: Vec<String> = (0..10).map(|n| format!("stays-{n}")).collect();
+    assert_eq!(listed, stays, "{page:?}");
+}
+
+#[tokio::test]
+async fn the_index_of_a_subject_never_listed_stays_bounded_by_its_live_records() {
+    let (store, prefix) = store_and_prefix();
+    churn_a_subject_never_listed(&store).await;
+    assert_swept_and_live_records_listed(&store, index_sizes(&prefix).await).await;
 }
 
 #[tokio::test]

@@ -4,6 +4,7 @@
 use crate::record::Fenced;
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -70,6 +71,10 @@ const DELETE: &str = include_str!("delete.lua");
 /// creation time (ms), record digest (hex), lifetime (ms).
 const INDEX: &str = include_str!("index.lua");
 
+/// Whether a record is live (neither gone nor released), as a sweep of its index asks: 1 or 0.
+/// KEYS[1] the record. Reads two fields, not the stored answer.
+const LIVE: &str = include_str!("live.lua");
+
 /// Remove a record from its subject's index if its entry is still the one seen (same creation
 /// time): an entry a new claim of the key just re-filed stays. KEYS[1] the subject's index; ARGV
 /// record digest (hex), creation time (ms) as seen.
@@ -78,6 +83,15 @@ const UNINDEX: &str = include_str!("unindex.lua");
 /// How many index entries one listing reads, per record asked, before it returns what it has
 /// (with a cursor to continue from) when entries of records that are gone leave its page short.
 const SCAN_PER_RECORD: usize = 10;
+
+/// Every this many records a store files, it sweeps the index it filed into (see [`SWEEP_SAMPLE`]).
+const SWEEP_EVERY: u64 = 8;
+
+/// How many random entries of an index one sweep checks, removing those of records that are gone.
+/// Two checks per record filed: an index whose subject is never listed holds, in the long run,
+/// about as many entries of records that are gone as of live ones (each filing adds an entry that
+/// will die, and a sweep removes the dead ones in the proportion it finds them).
+const SWEEP_SAMPLE: usize = 16;
 
 /// Records in Redis, shared by every instance connected to the same server or cluster.
 ///
@@ -103,7 +117,10 @@ const SCAN_PER_RECORD: usize = 10;
 /// before it. Lookups and deletes never read the index. A listing reads the records its index
 /// names (each on its own node, on a cluster), skips (and removes from the index) those that are
 /// gone, released or expired, and reads at most ten index entries per record asked: a page left
-/// short by that bound still carries a cursor to continue from. Listing needs Redis 6.2 or later
+/// short by that bound still carries a cursor to continue from. Listings are not the only clean-up:
+/// every eighth record a store files, it checks 16 random entries of that index on a task of its
+/// own and drops those of records that are gone, so an index whose subject is never listed holds
+/// about as many dead entries as live ones. Listing needs Redis 6.2 or later
 /// (`ZRANGE ... BYSCORE`, `ZADD GT`); on an older server claims still work, unfiled. The connection
 /// is made lazily and re-made after failures; while Redis is unreachable every operation fails (and
 /// the layer answers `503`).
@@ -142,6 +159,8 @@ pub struct RedisStore {
     scripts: Arc<Scripts>,
     /// Whether records keep their key, subject and endpoint in clear, and are filed for listing.
     scope_fields: bool,
+    /// Records filed for listing by this store and its clones: every [`SWEEP_EVERY`]th sweeps.
+    filed: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -213,6 +232,7 @@ struct Scripts {
     delete: Lua,
     index: Lua,
     unindex: Lua,
+    live: Lua,
 }
 
 impl RedisStore {
@@ -285,6 +305,7 @@ impl RedisStore {
             prefix: Arc::from("idempotency:"),
             timeout: DEFAULT_REDIS_TIMEOUT,
             scope_fields: true,
+            filed: Arc::new(AtomicU64::new(0)),
             scripts: Arc::new(Scripts {
                 claim: Lua::new(CLAIM),
                 complete: Lua::new(COMPLETE),
@@ -294,6 +315,7 @@ impl RedisStore {
                 delete: Lua::new(DELETE),
                 index: Lua::new(INDEX),
                 unindex: Lua::new(UNINDEX),
+                live: Lua::new(LIVE),
             }),
         }
     }
@@ -408,6 +430,62 @@ impl RedisStore {
             )
             .await?;
         Ok(())
+    }
+
+    /// Every [`SWEEP_EVERY`]th record filed: [`RedisStore::sweep`] of `subject`'s index, on a task
+    /// of its own (the claim that filed does not wait for it).
+    ///
+    /// Listings drop the entries of records that are gone, but a subject that is never listed (the
+    /// shared anonymous subject, above all) would otherwise keep one entry for every key it ever
+    /// claimed, for as long as it keeps claiming.
+    fn sweep_now_and_then(&self, subject: &str) {
+        if !self
+            .filed
+            .fetch_add(1, Ordering::Relaxed)
+            .is_multiple_of(SWEEP_EVERY)
+        {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (store, index) = (self.clone(), self.index_key(subject));
+        runtime.spawn(async move { store.sweep(&index).await });
+    }
+
+    /// Checks [`SWEEP_SAMPLE`] random entries of the index `index` and removes those of records
+    /// that are gone, released or expired, as a listing does; best effort. An entry whose key a new
+    /// claim filed again meanwhile stays (the removal is conditional on the entry seen).
+    async fn sweep(&self, index: &str) {
+        let mut cmd = redis::cmd("ZRANDMEMBER");
+        cmd.arg(index).arg(SWEEP_SAMPLE).arg("WITHSCORES");
+        let mut connection = self.connection.clone();
+        let sampled: Result<Vec<(String, f64)>, _> = self
+            .timed("sweep", self.timeout, async move {
+                cmd.query_async(&mut connection).await
+            })
+            .await;
+        let sampled = match sampled {
+            Ok(sampled) => sampled,
+            Err(e) => {
+                tracing::debug!(error = %e, "sampling an idempotency listing index failed");
+                return;
+            }
+        };
+        let checks = sampled.into_iter().filter_map(|(member, score)| {
+            parse_digest(&member)?;
+            Some(async move {
+                let key = format!("{}{member}", self.prefix);
+                let live: Result<i64, _> = self
+                    .eval_on("sweep", &self.scripts.live, &key, self.timeout, |_| {})
+                    .await;
+                // Scores are whole milliseconds, well within an f64's exact integers.
+                if let Ok(0) = live {
+                    self.unindex(index, &member, score as i64).await;
+                }
+            })
+        });
+        futures_util::future::join_all(checks).await;
     }
 
     /// Removes `member` from the index `index` if it is still filed at `created_ms`; best effort (a
@@ -618,11 +696,12 @@ impl IdempotencyStore for RedisStore {
             let filed = self
                 .index(&request.key.subject, &digest, created_ms, lifetime, left)
                 .await;
-            if let Err(e) = filed {
-                tracing::warn!(
+            match filed {
+                Ok(()) => self.sweep_now_and_then(&request.key.subject),
+                Err(e) => tracing::warn!(
                     error = %e,
                     "an idempotency record was claimed but not filed for listing"
-                );
+                ),
             }
         }
         Ok(match tag {
