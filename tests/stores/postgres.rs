@@ -865,6 +865,50 @@ async fn a_table_without_the_holders_ttl_refuses_retakes_until_migrated() {
     ));
 }
 
+/// An operation dropped mid-statement from outside the store (as a heartbeat's bound on its
+/// renewal does) gives its connection's place in the pool back at once: sqlx would otherwise ping
+/// the connection on its return, with no timeout, and keep it out of the pool until the server
+/// finished the statement (here, until its lock timeout; on a stalled database or a connection that
+/// died quietly, far longer), so that a few such drops would leave no connection for renewals.
+#[tokio::test]
+async fn an_operation_dropped_mid_statement_frees_its_place_in_the_pool_at_once() {
+    let admin = pool(2).await;
+    let schema = fresh_schema(&admin).await;
+    let table = format!("{schema}.idempotency_records");
+    let one = pool(1).await;
+    let store = PostgresStore::with_table(one.clone(), &table)
+        .expect("valid table name")
+        .with_timeout(Duration::from_secs(10));
+    store.migrate().await.expect("migrate");
+    let claim = claim_request("dropped-mid-statement", b"{}");
+    let outcome = store.claim(&claim).await.expect("claim");
+    assert!(
+        matches!(outcome, ClaimOutcome::Claimed { .. }),
+        "{outcome:?}"
+    );
+
+    // Another session holds the record's row: the renewal waits for it (up to the store's lock
+    // timeout, 8 s), and its caller gives up first.
+    let mut locker = admin.begin().await.expect("begin");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {table} FOR UPDATE"
+    )))
+    .execute(&mut *locker)
+    .await
+    .expect("lock the row");
+    let renewal = store.renew(&claim.key, claim.lease, Duration::from_secs(60));
+    let cut = tokio::time::timeout(Duration::from_millis(300), renewal).await;
+    assert!(cut.is_err(), "the renewal waited on the row: {cut:?}");
+
+    // The pool's one place is free while the server still runs the dropped statement.
+    let again = tokio::time::timeout(Duration::from_secs(3), one.acquire()).await;
+    assert!(
+        matches!(again, Ok(Ok(_))),
+        "a connection is to be had at once: {again:?}"
+    );
+    locker.rollback().await.expect("rollback");
+}
+
 /// The store keeps an operation's connection for the next one, which skips the pings sqlx sends
 /// when a connection goes back to the pool and when it is handed out; a kept connection goes back to
 /// the pool once idle, and `Pool::close` still completes. Many claims at once on a small pool shared

@@ -202,13 +202,10 @@ impl PostgresStore {
             }
         }
         let direct = || async {
-            let row = tokio::time::timeout(
-                self.timeout,
+            let row = on_connection!(self, "claim", conn => {
                 self.claim_statement(&self.sql().claim_direct, request, scope)
-                    .fetch_optional(&self.pool),
-            )
-            .await
-            .map_err(|_| self.no_answer("claim"))?;
+                    .fetch_optional(&mut *conn)
+            })?;
             match row {
                 Ok(row) => Ok(row),
                 // The table lacks a column this version writes: made by an earlier version,

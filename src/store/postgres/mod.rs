@@ -13,6 +13,7 @@ use sqlx::pool::PoolConnection;
 use tokio::time::Instant;
 
 mod claim;
+mod in_flight;
 mod inspect;
 mod migrate;
 mod parking;
@@ -554,13 +555,16 @@ macro_rules! on_connection {
         let store = $store;
         let mut from_pool = false;
         loop {
-            let (mut $conn, kept) = match store.connection($what, from_pool).await {
+            let (taken, kept) = match store.connection($what, from_pool).await {
                 Ok(taken) => taken,
                 Err(e) => break Err(e),
             };
+            // Closed if this future is dropped mid-statement (see `in_flight.rs`).
+            let mut $conn = $crate::store::postgres::in_flight::InFlight::new(taken);
             // The statement has a whole timeout of its own: one that waited long for its
             // connection must not cut a healthy statement short (and close its connection).
             let done = tokio::time::timeout(store.timeout, $op).await;
+            let $conn = $conn.landed();
             match done {
                 // A kept connection that died while it waited (the database restarted, or ended
                 // the session): the statement goes once more, on a connection from the pool, as
