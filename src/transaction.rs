@@ -54,6 +54,10 @@ use crate::store::PostgresStore;
 ///   record is released for another try. A handler that calls something slow while holding it
 ///   (another service, a provider) should make that call before its first statement, or keep the
 ///   TTL above it.
+/// - Bound the handler's time with the layer's `max_hold` (past it the transaction is rolled
+///   back), not with a middleware between the layer and the handler that cancels the handler and
+///   answers on its own: the layer cannot tell that answer from the handler's, and commits what the
+///   handler had written so far if the policy records its status.
 /// - On a route whose layer is not on a `PostgresStore` (or that the layer did not claim: no key,
 ///   or a failing store with `fail_open`), extracting it answers `500 internal_error` and logs why;
 ///   the handler does not run without its transaction.
