@@ -12,8 +12,8 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use axum_idempotency::store::ListRequest;
 use axum_idempotency::{
-    ClaimOutcome, ClaimRequest, Fingerprint, Generation, IdempotencyLayer, IdempotencyStore,
-    LeaseToken, RecordKey, RedisStore,
+    ClaimOutcome, ClaimRequest, Fenced, Fingerprint, Generation, IdempotencyLayer,
+    IdempotencyStore, LeaseToken, RecordKey, RedisStore,
 };
 use common::{app, post, send};
 
@@ -85,6 +85,50 @@ async fn records_expire_with_retention() {
             .replayed()
     );
     assert_eq!(counters.started(), 2);
+}
+
+#[tokio::test]
+async fn a_retake_sent_twice_is_told_a_retake_both_times() {
+    let store = store().await;
+    let claim = |lease: LeaseToken| ClaimRequest {
+        key: RecordKey {
+            key: "resent".into(),
+            subject: "alice".into(),
+            endpoint: "POST /pay".into(),
+        },
+        fingerprint: Fingerprint::of(None, b"{}"),
+        lease,
+        generation: Generation::generate(),
+        in_progress_ttl: Duration::from_millis(100),
+        retention: Duration::from_secs(60),
+    };
+    let first = store.claim(&claim(LeaseToken::generate())).await;
+    assert!(
+        matches!(first, Ok(ClaimOutcome::Claimed { retaken: false, .. })),
+        "{first:?}"
+    );
+    // The holder stops renewing; past its TTL another request retakes, and that claim is sent
+    // again (as the cluster client resends a command whose connection dropped before the answer).
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let retaker = claim(LeaseToken::generate());
+    for attempt in ["first", "resent"] {
+        let outcome = store.claim(&retaker).await;
+        assert!(
+            matches!(outcome, Ok(ClaimOutcome::Claimed { retaken: true, .. })),
+            "{attempt}: {outcome:?}"
+        );
+    }
+    // Released, the record is claimed anew: no longer a retake, sent twice or not.
+    let released = store.release(&retaker.key, retaker.lease).await;
+    assert!(matches!(released, Ok(Fenced::Done)), "{released:?}");
+    let again = claim(LeaseToken::generate());
+    for attempt in ["first", "resent"] {
+        let outcome = store.claim(&again).await;
+        assert!(
+            matches!(outcome, Ok(ClaimOutcome::Claimed { retaken: false, .. })),
+            "{attempt}: {outcome:?}"
+        );
+    }
 }
 
 /// Claims `count` records of `subject` (keys `k0`, `k1`...), one after the other: listed in that

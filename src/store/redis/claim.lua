@@ -1,6 +1,6 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local rec = redis.call('HMGET', KEYS[1], 'fp', 'st', 'ts', 'lease', 'gen', 'ct', 'ttl')
+local rec = redis.call('HMGET', KEYS[1], 'fp', 'st', 'ts', 'lease', 'gen', 'ct', 'ttl', 'rt')
 if not rec[1] then
   redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'st', 'in_progress', 'lease', ARGV[2], 'ts', now,
     'gen', ARGV[5], 'ct', now, 'k', ARGV[6], 'sub', ARGV[7], 'ep', ARGV[8], 'ttl', ARGV[3])
@@ -10,12 +10,12 @@ end
 if rec[2] == 'in_progress' and rec[4] == '0' then
   if rec[1] == ARGV[1] then
     redis.call('HSET', KEYS[1], 'lease', ARGV[2], 'ts', now, 'ct', now, 'k', ARGV[6],
-      'sub', ARGV[7], 'ep', ARGV[8], 'ttl', ARGV[3])
+      'sub', ARGV[7], 'ep', ARGV[8], 'ttl', ARGV[3], 'rt', '0')
     redis.call('PEXPIRE', KEYS[1], ARGV[4])
     return {'claimed', rec[5], now}
   end
   redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'lease', ARGV[2], 'ts', now, 'gen', ARGV[5],
-    'ct', now, 'k', ARGV[6], 'sub', ARGV[7], 'ep', ARGV[8], 'ttl', ARGV[3])
+    'ct', now, 'k', ARGV[6], 'sub', ARGV[7], 'ep', ARGV[8], 'ttl', ARGV[3], 'rt', '0')
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
   return {'claimed', ARGV[5], now}
 end
@@ -23,10 +23,15 @@ if rec[1] ~= ARGV[1] then return {'mismatch'} end
 if rec[2] ~= 'in_progress' then
   return {'finished', redis.call('HGET', KEYS[1], 'resp'), redis.call('PTTL', KEYS[1])}
 end
-if rec[4] == ARGV[2] then return {'claimed', rec[5], rec[6]} end
+-- This claim's own record (the claim sent twice, its first answer lost): granted again, a retake
+-- if the first one retook it.
+if rec[4] == ARGV[2] then
+  if rec[8] == '1' then return {'retaken', rec[5], rec[6]} end
+  return {'claimed', rec[5], rec[6]}
+end
 -- Stale only past the holder's TTL too: it renews on its own schedule, whatever the claimer's.
 local ttl = math.max(tonumber(ARGV[3]), tonumber(rec[7]) or 0)
 if now - tonumber(rec[3]) < ttl then return {'in_progress'} end
-redis.call('HSET', KEYS[1], 'lease', ARGV[2], 'ts', now, 'ttl', ARGV[3])
+redis.call('HSET', KEYS[1], 'lease', ARGV[2], 'ts', now, 'ttl', ARGV[3], 'rt', '1')
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return {'retaken', rec[5], rec[6]}

@@ -30,7 +30,7 @@ pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(2);
 /// Claim, atomically: insert; or answer mismatch, finished (with the response), in progress; or
 /// retake a record whose claim (or last renewal) is older than the in-progress TTL. A record in
 /// progress under this very lease is this claim's own, sent twice (a resend after a lost reply):
-/// claimed. A released record (lease `0`) is claimed at once: by the same request with its
+/// claimed again, or retaken again if the first one retook it (the field `rt` says so). A released record (lease `0`) is claimed at once: by the same request with its
 /// generation, by another with the new one. Times are the server's `TIME`. A claimed or retaken
 /// answer carries the record's generation (a retake keeps it; a record written before generations
 /// has none).
@@ -267,7 +267,8 @@ impl RedisStore {
     /// The cluster client resends a command whose connection dropped before its answer came.
     /// Complete, renew and release may run twice harmlessly (a completion the same lease already
     /// made counts as done). A claim resent that way finds its own claim (the same lease token)
-    /// and is granted again: the request runs its handler once, under the claim it already made.
+    /// and is granted again: the request runs its handler once, under the claim it already made
+    /// (told a retake if that claim retook the record).
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
