@@ -297,6 +297,65 @@ async fn the_index_of_a_subject_never_listed_stays_bounded_by_its_live_records()
 }
 
 #[tokio::test]
+async fn a_listing_that_makes_an_index_anew_gives_it_its_records_life() {
+    let (store, prefix) = store_and_prefix();
+    let keys = claim_records(&store, "alice", 1).await;
+    // The index expired, and then an entry of the key from before its record's creation was
+    // filed again (a listing's refile racing the expiry): an index without an expiry, whose one
+    // entry the next listing moves to the record's creation time.
+    let client = redis::Client::open(redis_url()).expect("REDIS_URL");
+    let mut connection = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    let indexes: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}subject:*"))
+        .query_async(&mut connection)
+        .await
+        .expect("KEYS");
+    assert_eq!(indexes.len(), 1, "{indexes:?}");
+    let digest: String = keys[0]
+        .digest()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let _: () = redis::pipe()
+        .cmd("DEL")
+        .arg(&indexes[0])
+        .ignore()
+        .cmd("ZADD")
+        .arg(&indexes[0])
+        .arg(1)
+        .arg(&digest)
+        .ignore()
+        .query_async(&mut connection)
+        .await
+        .expect("DEL, ZADD");
+
+    let moved = store
+        .list("alice", ListRequest::first(10))
+        .await
+        .expect("list");
+    assert!(moved.records.is_empty(), "moved, not listed yet: {moved:?}");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(&indexes[0])
+        .query_async(&mut connection)
+        .await
+        .expect("PTTL");
+    assert!(
+        pttl > 1_000,
+        "the index lives as long as its record: {pttl}"
+    );
+    let listed = store
+        .list("alice", ListRequest::first(10))
+        .await
+        .expect("list");
+    let listed: Vec<&str> = listed.records.iter().map(|r| r.key.as_str()).collect();
+    assert_eq!(listed, ["k0"]);
+}
+
+#[tokio::test]
 async fn a_listing_reads_a_bounded_number_of_entries_and_continues() {
     let (store, prefix) = store_and_prefix();
     // Twelve records gone, then one live: a page of one reads at most ten entries.

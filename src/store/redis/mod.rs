@@ -554,6 +554,7 @@ impl RedisStore {
         Ok(Some(Inspected {
             info,
             created_ms,
+            ttl_ms,
             key: text(5)?,
             subject: text(6)?,
             endpoint: text(7)?,
@@ -613,6 +614,8 @@ impl RedisStore {
 struct Inspected {
     info: RecordInfo,
     created_ms: i64,
+    /// What the record has left to live (`PTTL`, ms).
+    ttl_ms: i64,
     key: String,
     subject: String,
     endpoint: String,
@@ -872,7 +875,7 @@ impl IdempotencyStore for RedisStore {
                     Some(record) if record.created_ms > ms => {
                         // Filed before a new run of its key took the record (a released one, or
                         // gone and claimed again): its entry moves later, where it is read.
-                        moved.push((digest, record.created_ms));
+                        moved.push((digest, record.created_ms, record.ttl_ms));
                     }
                     Some(record) => {
                         // Listed at its place in the index (its creation time, unless the
@@ -903,9 +906,13 @@ impl IdempotencyStore for RedisStore {
                 .iter()
                 .map(|(member, ms)| self.unindex(&index, member, *ms)),
         );
-        let refiled = futures_util::future::join_all(moved.iter().map(|(digest, created_ms)| {
-            self.index(subject, digest, *created_ms, Duration::ZERO, self.timeout)
-        }));
+        // Each refiled with its record's remaining life, so that an index the refile makes anew
+        // (it expired meanwhile) lives as long as the record, not a millisecond.
+        let refiled =
+            futures_util::future::join_all(moved.iter().map(|(digest, created_ms, ttl_ms)| {
+                let lifetime = Duration::from_millis(u64::try_from(*ttl_ms).unwrap_or(0));
+                self.index(subject, digest, *created_ms, lifetime, self.timeout)
+            }));
         let (_, refiled) = tokio::join!(unindexed, refiled);
         if let Some(Err(e)) = refiled.into_iter().find(Result::is_err) {
             tracing::debug!(error = %e, "moving an idempotency listing entry failed");
