@@ -124,20 +124,8 @@ async fn keys_per_master(prefix: &str) -> BTreeMap<String, usize> {
 async fn index_sizes(prefix: &str) -> Vec<i64> {
     let mut sizes = Vec::new();
     for master in masters().await {
-        let mut connection = node(&master).await;
-        let indexes: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("{prefix}subject:*"))
-            .query_async(&mut connection)
-            .await
-            .expect("KEYS");
-        for index in indexes {
-            let entries: i64 = redis::cmd("ZCARD")
-                .arg(&index)
-                .query_async(&mut connection)
-                .await
-                .expect("ZCARD");
-            sizes.push(entries);
-        }
+        let on_master = crate::redis_store::index_sizes_on(&mut node(&master).await, prefix).await;
+        sizes.extend(on_master);
     }
     sizes
 }

@@ -16,6 +16,7 @@ use axum_idempotency::{
     IdempotencyStore, LeaseToken, RecordKey, RedisStore,
 };
 use common::{app, post, send};
+use redis::aio::MultiplexedConnection;
 
 fn redis_url() -> String {
     common::servers::redis_url()
@@ -164,15 +165,10 @@ async fn claim_records(store: &RedisStore, subject: &str, count: usize) -> Vec<R
 /// Deletes the records of `keys` behind the store's back (as an operator's `DEL`, or an eviction),
 /// leaving their entries in the listing index.
 async fn delete_by_hand(prefix: &str, keys: &[RecordKey]) {
-    let client = redis::Client::open(redis_url()).expect("REDIS_URL");
-    let mut connection = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect");
+    let mut connection = connection().await;
     for key in keys {
-        let digest: String = key.digest().iter().map(|b| format!("{b:02x}")).collect();
         let deleted: i64 = redis::cmd("DEL")
-            .arg(format!("{prefix}{digest}"))
+            .arg(format!("{prefix}{}", digest_hex(key)))
             .query_async(&mut connection)
             .await
             .expect("DEL");
@@ -215,23 +211,44 @@ async fn a_listing_skips_records_gone_from_under_their_index() {
     assert_eq!(index_sizes(&prefix).await, [3], "one index, for alice");
 }
 
-/// How many entries each listing index under `prefix` holds.
-async fn index_sizes(prefix: &str) -> Vec<i64> {
-    let client = redis::Client::open(redis_url()).expect("REDIS_URL");
-    let mut connection = client
+/// A connection of its own to the Redis server, for what tests do behind the store's back.
+async fn connection() -> MultiplexedConnection {
+    redis::Client::open(redis_url())
+        .expect("REDIS_URL")
         .get_multiplexed_async_connection()
         .await
-        .expect("connect");
-    let indexes: Vec<String> = redis::cmd("KEYS")
+        .expect("connect")
+}
+
+/// A record key's digest in lower-case hex: its Redis key after the prefix, and its index entry.
+fn digest_hex(key: &RecordKey) -> String {
+    key.digest().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The listing indexes under `prefix` that `connection`'s server holds.
+async fn indexes_on(connection: &mut MultiplexedConnection, prefix: &str) -> Vec<String> {
+    redis::cmd("KEYS")
         .arg(format!("{prefix}subject:*"))
-        .query_async(&mut connection)
+        .query_async(connection)
         .await
-        .expect("KEYS");
+        .expect("KEYS")
+}
+
+/// How many entries each listing index under `prefix` holds.
+async fn index_sizes(prefix: &str) -> Vec<i64> {
+    index_sizes_on(&mut connection().await, prefix).await
+}
+
+/// How many entries each listing index under `prefix` on `connection`'s server holds.
+pub(crate) async fn index_sizes_on(
+    connection: &mut MultiplexedConnection,
+    prefix: &str,
+) -> Vec<i64> {
     let mut sizes = Vec::new();
-    for index in indexes {
+    for index in indexes_on(connection, prefix).await {
         let entries: i64 = redis::cmd("ZCARD")
             .arg(&index)
-            .query_async(&mut connection)
+            .query_async(connection)
             .await
             .expect("ZCARD");
         sizes.push(entries);
@@ -240,7 +257,8 @@ async fn index_sizes(prefix: &str) -> Vec<i64> {
 }
 
 /// Ten records of the anonymous subject that stay, then 800 that expire 30 ms after their claim,
-/// in rounds of 16: a busy endpoint whose records nobody lists. Returns once the last sweeps ended.
+/// in rounds of 16: a busy endpoint whose records nobody lists. Returns 200 ms after the last claim,
+/// time for the last sweeps, which run on tasks of their own.
 pub(crate) async fn churn_a_subject_never_listed(store: &RedisStore) {
     let claim = |key: String, life: Duration| async move {
         let request = ClaimRequest {
@@ -303,22 +321,10 @@ async fn a_listing_that_makes_an_index_anew_gives_it_its_records_life() {
     // The index expired, and then an entry of the key from before its record's creation was
     // filed again (a listing's refile racing the expiry): an index without an expiry, whose one
     // entry the next listing moves to the record's creation time.
-    let client = redis::Client::open(redis_url()).expect("REDIS_URL");
-    let mut connection = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect");
-    let indexes: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{prefix}subject:*"))
-        .query_async(&mut connection)
-        .await
-        .expect("KEYS");
+    let mut connection = connection().await;
+    let indexes = indexes_on(&mut connection, &prefix).await;
     assert_eq!(indexes.len(), 1, "{indexes:?}");
-    let digest: String = keys[0]
-        .digest()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let digest = digest_hex(&keys[0]);
     let _: () = redis::pipe()
         .cmd("DEL")
         .arg(&indexes[0])
@@ -398,11 +404,7 @@ async fn without_scope_fields_nothing_is_in_clear_and_nothing_is_listed() {
     )
     .await;
     assert_eq!(answer.status, StatusCode::CREATED);
-    let client = redis::Client::open(redis_url()).expect("REDIS_URL");
-    let mut connection = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("redis");
+    let mut connection = connection().await;
     let keys: Vec<String> = redis::cmd("KEYS")
         .arg(format!("{prefix}*"))
         .query_async(&mut connection)
