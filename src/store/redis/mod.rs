@@ -30,8 +30,9 @@ pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(2);
 /// Claim, atomically: insert; or answer mismatch, finished (with the response), in progress; or
 /// retake a record whose claim (or last renewal) is older than the in-progress TTL. A record in
 /// progress under this very lease is this claim's own, sent twice (a resend after a lost reply):
-/// claimed again, or retaken again if the first one retook it (the field `rt` says so). A released record (lease `0`) is claimed at once: by the same request with its
-/// generation, by another with the new one. Times are the server's `TIME`. A claimed or retaken
+/// claimed again, or retaken again if the first one retook it (the field `rt` says so). A released
+/// record (lease `0`) is claimed at once: by the same request with its generation, by another with
+/// the new one. Times are the server's `TIME`. A claimed or retaken
 /// answer carries the record's generation (a retake keeps it; a record written before generations
 /// has none).
 /// A record made by the claim (new, or a released one taken as a new run) gets its creation time
@@ -120,8 +121,8 @@ const SWEEP_SAMPLE: usize = 16;
 /// short by that bound still carries a cursor to continue from. Listings are not the only clean-up:
 /// every eighth record a store files, it checks 16 random entries of that index on a task of its
 /// own and drops those of records that are gone, so an index whose subject is never listed holds
-/// about as many dead entries as live ones. Listing needs Redis 6.2 or later
-/// (`ZRANGE ... BYSCORE`, `ZADD GT`); on an older server claims still work, unfiled. The connection
+/// about as many dead entries as live ones. Listing needs Redis 6.2 or later (`ZRANGE ...
+/// BYSCORE`, `ZADD GT`); on an older server claims still work, unfiled. The connection
 /// is made lazily and re-made after failures; while Redis is unreachable every operation fails (and
 /// the layer answers `503`).
 ///
