@@ -9,7 +9,8 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use sha2::{Digest, Sha256};
 use std::hint::black_box;
 
-use axum_idempotency::{Fingerprint, canonicalize};
+use axum_idempotency::Fingerprint;
+use axum_idempotency::fingerprint::canonicalize;
 
 /// A JSON order document of about `size` bytes: nested objects, arrays of objects, strings with
 /// escapes, integers and decimals. serde_json writes object members sorted by key.

@@ -45,7 +45,7 @@ fn run(mode: &str, requests: usize) {
         "bare" => Router::new().route("/checkout", post(created)),
         "fresh" | "replay" => Router::new()
             .route("/checkout", post(created))
-            .route_layer(IdempotencyLayer::new(MemoryStore::new())),
+            .route_layer(IdempotencyLayer::new(MemoryStore::new()).expect("valid settings")),
         other => panic!("unknown mode {other}: bare, fresh or replay"),
     };
     let key = |i: usize| match mode {

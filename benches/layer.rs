@@ -27,7 +27,7 @@ fn bench(c: &mut Criterion) {
     let bare = Router::new().route("/checkout", post(created));
     let guarded = Router::new()
         .route("/checkout", post(created))
-        .route_layer(IdempotencyLayer::new(MemoryStore::new()));
+        .route_layer(IdempotencyLayer::new(MemoryStore::new()).expect("valid settings"));
     let n = AtomicU64::new(0);
     let mut group = c.benchmark_group("layer_per_request");
     group.bench_function("bare_route", |b| {

@@ -25,10 +25,11 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::post;
-use axum_idempotency::{
-    CachedStore, ClaimOutcome, ClaimRequest, Fingerprint, Finished, IdempotencyLayer,
-    IdempotencyStore, LeaseToken, MemoryStore, PostgresStore, RecordKey, StoredResponse, Subject,
+use axum_idempotency::store::{
+    CachedStore, ClaimOutcome, ClaimRequest, Finished, IdempotencyStore, LeaseToken, PostgresStore,
+    RecordKey, StoredResponse,
 };
+use axum_idempotency::{Fingerprint, IdempotencyLayer, MemoryStore, Subject};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use sqlx::PgPool;
@@ -171,7 +172,7 @@ fn bare() -> Router {
 fn guarded<S: IdempotencyStore>(store: S) -> Router {
     Router::new()
         .route("/checkout", post(created))
-        .route_layer(IdempotencyLayer::new(store))
+        .route_layer(IdempotencyLayer::new(store).expect("valid settings"))
         .layer(middleware::from_fn(auth))
 }
 
@@ -197,7 +198,7 @@ fn direct_sql(store: PostgresStore) -> Router {
             },
             fingerprint: Fingerprint::of(None, &body),
             lease: LeaseToken::generate(),
-            generation: axum_idempotency::Generation::generate(),
+            generation: axum_idempotency::store::Generation::generate(),
             in_progress_ttl: Duration::from_secs(90),
             retention: Duration::from_secs(86_400),
         };
@@ -431,7 +432,7 @@ async fn duplicate_in_progress(schema: &str) {
     let router = || {
         Router::new()
             .route("/checkout", post(slow))
-            .route_layer(IdempotencyLayer::new(store.clone()))
+            .route_layer(IdempotencyLayer::new(store.clone()).expect("valid settings"))
             .layer(middleware::from_fn(auth))
     };
     let addr = serve(router()).await;
@@ -476,7 +477,7 @@ async fn duplicate_in_progress(schema: &str) {
         },
         fingerprint: Fingerprint::of(None, b""),
         lease: LeaseToken::generate(),
-        generation: axum_idempotency::Generation::generate(),
+        generation: axum_idempotency::store::Generation::generate(),
         in_progress_ttl: Duration::from_secs(90),
         retention: Duration::from_secs(86_400),
     };
@@ -621,7 +622,7 @@ fn filler_claim(i: usize) -> ClaimRequest {
         },
         fingerprint: Fingerprint::of(None, b"{}"),
         lease: LeaseToken::generate(),
-        generation: axum_idempotency::Generation::generate(),
+        generation: axum_idempotency::store::Generation::generate(),
         in_progress_ttl: Duration::from_secs(90),
         retention: Duration::from_secs(86_400),
     }
@@ -771,7 +772,7 @@ async fn burst_of_duplicates(schema: &str) {
     fn router<S: IdempotencyStore>(store: S) -> Router {
         Router::new()
             .route("/checkout", post(slow))
-            .route_layer(IdempotencyLayer::new(store))
+            .route_layer(IdempotencyLayer::new(store).expect("valid settings"))
             .layer(middleware::from_fn(auth))
     }
     /// Racer `i` sends to `addrs[i % addrs.len()]`.

@@ -54,9 +54,10 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
+use axum_idempotency::store::{Deleted, IdempotencyStore, PostgresStore, RecordKey};
 use axum_idempotency::{
-    Deleted, Drain, IdempotencyContext, IdempotencyLayer, IdempotencyStore, IdempotencyTx,
-    MemoryStore, PostgresStore, RecordKey, Subject,
+    Drain, IdempotencyContext, IdempotencyLayer, IdempotencyLayerBuilder, IdempotencyTx,
+    MemoryStore, Subject,
 };
 use serde_json::{Value, json};
 use sqlx::postgres::PgPoolOptions;
@@ -300,18 +301,25 @@ struct AppState {
     settings: Settings,
 }
 
-/// The API: `POST /checkout` and `POST /refund` behind the idempotency layer, `GET /charges`.
-pub(crate) fn app<S: IdempotencyStore>(
+/// The idempotency layer of the payment routes, as this API sets it, on `store`.
+pub(crate) fn idempotency<S: IdempotencyStore>(
     store: S,
-    ledger: Ledger,
-    settings: Settings,
-) -> Result<Router, Box<dyn Error>> {
-    let idempotency = IdempotencyLayer::builder(store.clone())
+    settings: &Settings,
+) -> IdempotencyLayerBuilder<S> {
+    IdempotencyLayer::builder(store)
         .require_key(true)
         .in_progress_ttl(settings.in_progress_ttl)
         .wait(settings.wait)
         .drain(drain())
-        .build()?;
+}
+
+/// The API: `POST /checkout` and `POST /refund` behind the idempotency layer, `GET /charges`.
+pub(crate) fn app<S: IdempotencyStore>(
+    idempotency: IdempotencyLayer<S>,
+    ledger: Ledger,
+    settings: Settings,
+) -> Result<Router, Box<dyn Error>> {
+    let store = idempotency.store().clone();
     // On Postgres the charge is written in the layer's transaction (`IdempotencyTx`), so it commits
     // with its record; `CHECKOUT_TRANSACTIONAL=0` writes it on its own instead, to compare.
     // The layer wraps each handler (`handler.layer(..)`), not the route: a method the route does not
@@ -342,11 +350,10 @@ pub(crate) fn app<S: IdempotencyStore>(
     Ok(router)
 }
 
-/// The store's operation timeout: the default, or less when the in-progress TTL is short, since
-/// the TTL must be at least twice it.
+/// The store's operation timeout: 5 s (the Postgres store's default), or less when the in-progress
+/// TTL is short, since the TTL must be at least twice it.
 fn store_timeout(settings: &Settings) -> Duration {
-    axum_idempotency::store::DEFAULT_OPERATION_TIMEOUT
-        .min(settings.in_progress_ttl / axum_idempotency::TTL_PER_OPERATION_TIMEOUT)
+    Duration::from_secs(5).min(settings.in_progress_ttl / 2)
 }
 
 /// The process's one drain, shared by every idempotency layer it builds: `main` waits for it at
@@ -379,7 +386,7 @@ async fn shutdown_signal() {
 /// The caller's own checkout record of `key`, in the scope the layer gives it.
 /// `None` for a key the layer would refuse (the same rules as the header's): it is not looked up.
 fn checkout_scope(subject: &Subject, key: &str) -> Option<RecordKey> {
-    axum_idempotency::key::parse(key.as_bytes())
+    axum_idempotency::layer::key::parse(key.as_bytes())
         .ok()
         .map(|key| RecordKey {
             key,
@@ -418,7 +425,7 @@ async fn inspect<S: IdempotencyStore>(
         Ok(Some(info)) => Json(json!({
             "state": info.state.as_str(),
             "status": info.status,
-            "expires_at": axum_idempotency::rfc3339(info.expires_at),
+            "expires_at": humantime::format_rfc3339_seconds(info.expires_at).to_string(),
         }))
         .into_response(),
         Ok(None) => (StatusCode::NOT_FOUND, Json(json!({"error": "not_found"}))).into_response(),
@@ -548,10 +555,18 @@ async fn pay(
             return error(StatusCode::SERVICE_UNAVAILABLE, "provider_unavailable");
         }
     };
-    let recorded = state
-        .ledger
-        .record(subject, kind, amount, tx.as_deref_mut())
-        .await;
+    // The layer's transaction begins here, at its first use: the provider call above held none.
+    let conn = match tx.as_mut() {
+        Some(tx) => match tx.conn().await {
+            Ok(conn) => Some(conn),
+            Err(e) => {
+                tracing::error!(error = %e, "could not begin the transaction");
+                return error(StatusCode::SERVICE_UNAVAILABLE, "ledger_unavailable");
+            }
+        },
+        None => None,
+    };
+    let recorded = state.ledger.record(subject, kind, amount, conn).await;
     tokio::time::sleep(state.settings.checkout_hold).await;
     match recorded {
         Ok(id) => (
@@ -623,15 +638,22 @@ pub(crate) async fn router_from_env(settings: Settings) -> Result<Router, Box<dy
                 .with_transaction_pool(transactions)
                 .with_timeout(store_timeout(&settings));
             store.migrate().await?;
-            axum_idempotency::spawn_purge(store.clone(), Duration::from_secs(3600));
+            axum_idempotency::store::spawn_purge(store.clone(), Duration::from_secs(3600));
             tracing::info!("idempotency records and charges in PostgreSQL");
-            app(store, Ledger::postgres(ledger).await?, settings)
+            let idempotency = idempotency(store, &settings)
+                .transactions(settings.transactional)
+                .build()?;
+            app(idempotency, Ledger::postgres(ledger).await?, settings)
         }
         Err(_) => {
             tracing::info!(
                 "idempotency records and charges in memory (set DATABASE_URL for Postgres)"
             );
-            app(MemoryStore::new(), Ledger::memory(), settings)
+            app(
+                idempotency(MemoryStore::new(), &settings).build()?,
+                Ledger::memory(),
+                settings,
+            )
         }
     }
 }
@@ -641,8 +663,8 @@ pub(crate) async fn router_from_env(settings: Settings) -> Result<Router, Box<dy
 /// written on its own, as with `CHECKOUT_TRANSACTIONAL=0` on Postgres.
 #[cfg(feature = "redis")]
 async fn redis_router(url: &str, settings: Settings) -> Result<Router, Box<dyn Error>> {
-    let store = axum_idempotency::RedisStore::new(redis::Client::open(url)?)?
-        .with_timeout(store_timeout(&settings).min(axum_idempotency::store::DEFAULT_REDIS_TIMEOUT));
+    let store = axum_idempotency::store::RedisStore::new(redis::Client::open(url)?)?
+        .with_timeout(store_timeout(&settings).min(Duration::from_secs(2)));
     let ledger = match std::env::var("DATABASE_URL") {
         Ok(db) => {
             let pool = PgPoolOptions::new()
@@ -657,7 +679,7 @@ async fn redis_router(url: &str, settings: Settings) -> Result<Router, Box<dyn E
             Ledger::memory()
         }
     };
-    app(store, ledger, settings)
+    app(idempotency(store, &settings).build()?, ledger, settings)
 }
 
 #[cfg(not(feature = "redis"))]

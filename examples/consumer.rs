@@ -11,7 +11,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum_idempotency::{MemoryStore, OnceError, RecordKey, RunOnce};
+use axum_idempotency::MemoryStore;
+use axum_idempotency::once::{OnceError, RunOnce};
+use axum_idempotency::store::RecordKey;
 use serde_json::json;
 use tokio::sync::mpsc;
 
@@ -30,7 +32,7 @@ type Ledger = Arc<Mutex<HashMap<u64, u32>>>;
 
 #[tokio::main]
 async fn main() {
-    let once = RunOnce::new(MemoryStore::new());
+    let once = RunOnce::new(MemoryStore::new()).expect("valid settings");
     let ledger = Ledger::default();
     // The stream: each message delivered two or three times in a row (to whichever consumer takes
     // it, so often to both at once), and every fifth once more later (a late redelivery).

@@ -15,7 +15,8 @@ use axum::Router;
 use axum::body::Body;
 use axum::http::{HeaderMap, Request, Response, StatusCode};
 use axum::routing::post as route_post;
-use axum_idempotency::{IdempotencyLayer, IdempotencyStore, MemoryStore};
+use axum_idempotency::store::IdempotencyStore;
+use axum_idempotency::{IdempotencyLayer, MemoryStore};
 use common::{eventually, post, send};
 use metrics::{
     Counter, Gauge, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder, SharedString, Unit,
@@ -297,7 +298,7 @@ async fn heartbeats_purges_and_late_outcomes_are_timed_and_labelled() {
     let recorder = TestRecorder::default();
     let _local = metrics::set_default_local_recorder(&recorder);
     let store = MemoryStore::new();
-    let purge = axum_idempotency::spawn_purge(store.clone(), Duration::from_secs(3600));
+    let purge = axum_idempotency::store::spawn_purge(store.clone(), Duration::from_secs(3600));
     let layer = builder(store)
         .in_progress_ttl(Duration::from_millis(60))
         .build()
@@ -328,7 +329,7 @@ async fn store_failures_are_timed_as_errors() {
         .acquire_timeout(Duration::from_secs(2))
         .connect_lazy("postgres://postgres@127.0.0.1:1/test")
         .expect("lazy pool");
-    let layer = builder(axum_idempotency::PostgresStore::new(pool))
+    let layer = builder(axum_idempotency::store::PostgresStore::new(pool))
         .build()
         .expect("layer");
     let (router, runs) = orders(layer);

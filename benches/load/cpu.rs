@@ -15,7 +15,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum_idempotency::{CachedStore, MemoryStore, PostgresStore};
+use axum_idempotency::MemoryStore;
+use axum_idempotency::store::{CachedStore, PostgresStore};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio::runtime::Handle;
 

@@ -17,7 +17,8 @@ use axum::http::StatusCode;
 use axum::middleware;
 use axum::response::Response;
 use axum::routing::post;
-use axum_idempotency::{IdempotencyLayer, IdempotencyStore, MemoryStore};
+use axum_idempotency::store::IdempotencyStore;
+use axum_idempotency::{IdempotencyLayer, MemoryStore};
 
 use super::{Client, auth, created, fresh_pg_store, ms, scale, serve};
 

@@ -2,7 +2,8 @@
 //! The canonicaliser never panics or overflows its stack, and its output is a fixed point: the
 //! canonical form of a canonical form is itself.
 
-use axum_idempotency::{Fingerprint, canonicalize};
+use axum_idempotency::Fingerprint;
+use axum_idempotency::fingerprint::canonicalize;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -2,7 +2,7 @@
 //! The key parser never panics, and what it accepts is a valid key: 1 to 255 characters from 0x20 to
 //! 0x7E with no leading or trailing space, parsed again to itself.
 
-use axum_idempotency::key;
+use axum_idempotency::layer::key;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

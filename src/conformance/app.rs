@@ -5,10 +5,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use crate::{
-    ClaimOutcome, ClaimRequest, Fenced, Fingerprint, IdempotencyLayer, IdempotencyStore,
-    LeaseToken, RecordKey, StoredResponse, Subject,
+use crate::store::{
+    ClaimOutcome, ClaimRequest, Fenced, Fingerprint, IdempotencyStore, LeaseToken, RecordKey,
+    StoredResponse,
 };
+use crate::{IdempotencyLayer, Subject};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -313,7 +314,10 @@ impl<S> Counting<S> {
 }
 
 impl<S: IdempotencyStore> IdempotencyStore for Counting<S> {
-    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, crate::StoreError> {
+    async fn claim(
+        &self,
+        request: &ClaimRequest,
+    ) -> Result<ClaimOutcome, crate::store::StoreError> {
         self.claims.fetch_add(1, Ordering::SeqCst);
         self.store.claim(request).await
     }
@@ -324,7 +328,7 @@ impl<S: IdempotencyStore> IdempotencyStore for Counting<S> {
         fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
-    ) -> Result<Fenced, crate::StoreError> {
+    ) -> Result<Fenced, crate::store::StoreError> {
         self.store
             .complete(key, lease, fingerprint, response, retention)
             .await
@@ -334,39 +338,39 @@ impl<S: IdempotencyStore> IdempotencyStore for Counting<S> {
         key: &RecordKey,
         lease: LeaseToken,
         lifetime: Duration,
-    ) -> Result<Fenced, crate::StoreError> {
+    ) -> Result<Fenced, crate::store::StoreError> {
         self.store.renew(key, lease, lifetime).await
     }
     async fn release(
         &self,
         key: &RecordKey,
         lease: LeaseToken,
-    ) -> Result<Fenced, crate::StoreError> {
+    ) -> Result<Fenced, crate::store::StoreError> {
         self.store.release(key, lease).await
     }
-    async fn purge_expired(&self) -> Result<u64, crate::StoreError> {
+    async fn purge_expired(&self) -> Result<u64, crate::store::StoreError> {
         self.store.purge_expired().await
     }
     async fn lookup(
         &self,
-        key: &crate::RecordKey,
-    ) -> Result<Option<crate::store::RecordInfo>, crate::StoreError> {
+        key: &crate::store::RecordKey,
+    ) -> Result<Option<crate::store::RecordInfo>, crate::store::StoreError> {
         self.store.lookup(key).await
     }
     async fn delete(
         &self,
-        key: &crate::RecordKey,
-    ) -> Result<crate::store::Deleted, crate::StoreError> {
+        key: &crate::store::RecordKey,
+    ) -> Result<crate::store::Deleted, crate::store::StoreError> {
         self.store.delete(key).await
     }
     async fn list(
         &self,
         subject: &str,
         request: crate::store::ListRequest,
-    ) -> Result<crate::store::RecordPage, crate::StoreError> {
+    ) -> Result<crate::store::RecordPage, crate::store::StoreError> {
         self.store.list(subject, request).await
     }
-    fn capabilities(&self) -> crate::store::Capabilities<'_> {
-        self.store.capabilities()
+    fn operation_timeout(&self) -> Option<std::time::Duration> {
+        self.store.operation_timeout()
     }
 }

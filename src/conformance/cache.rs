@@ -4,7 +4,8 @@
 
 use std::time::Duration;
 
-use crate::{CachedStore, IdempotencyLayer, IdempotencyStore};
+use crate::IdempotencyLayer;
+use crate::store::{CachedStore, IdempotencyStore};
 use axum::http::StatusCode;
 
 use super::app::{Counting, app, post, send};
@@ -17,7 +18,7 @@ macro_rules! cache_suite {
         mod cached {
             use super::*;
             $crate::store_suite!(
-                async { $crate::CachedStore::new($make.await) },
+                async { $crate::store::CachedStore::new($make.await) },
                 purged = $purged
             );
 
@@ -44,7 +45,7 @@ macro_rules! cache_suite {
 pub async fn cached_replays_skip_the_store<S: IdempotencyStore>(store: S) {
     let counting = Counting::new(store);
     let cached = CachedStore::new(counting.clone());
-    let (router, counters) = app(IdempotencyLayer::new(cached.clone()));
+    let (router, counters) = app(IdempotencyLayer::new(cached.clone()).expect("valid settings"));
     let req = || post("/pay").key("k").user("alice").json(r#"{"amount":5}"#);
     let first = send(&router, req()).await;
     assert_eq!(first.status, StatusCode::CREATED);
@@ -112,7 +113,7 @@ pub async fn cache_entry_expires_with_its_record<S: IdempotencyStore>(store: S) 
 pub async fn in_progress_records_are_never_cached<S: IdempotencyStore>(store: S) {
     let counting = Counting::new(store);
     let cached = CachedStore::new(counting.clone());
-    let (router, counters) = app(IdempotencyLayer::new(cached.clone()));
+    let (router, counters) = app(IdempotencyLayer::new(cached.clone()).expect("valid settings"));
     let req = || post("/pay").key("k").user("alice").json("{}");
     let slow = tokio::spawn({
         let router = router.clone();
@@ -121,7 +122,8 @@ pub async fn in_progress_records_are_never_cached<S: IdempotencyStore>(store: S)
     super::app::eventually(|| counters.started() == 1).await;
     // Another instance: its own cache in front of the same store.
     let elsewhere = CachedStore::new(counting.clone());
-    let (other_router, other_counters) = app(IdempotencyLayer::new(elsewhere.clone()));
+    let (other_router, other_counters) =
+        app(IdempotencyLayer::new(elsewhere.clone()).expect("valid settings"));
     for _ in 0..3 {
         assert_eq!(send(&router, req()).await.status, StatusCode::CONFLICT);
         assert_eq!(
@@ -146,7 +148,7 @@ pub async fn in_progress_records_are_never_cached<S: IdempotencyStore>(store: S)
 pub async fn records_without_an_expiry_are_not_cached<S: IdempotencyStore>(store: S) {
     let counting = Counting::new(store);
     let cached = CachedStore::new(counting.clone());
-    let (router, _) = app(IdempotencyLayer::new(cached.clone()));
+    let (router, _) = app(IdempotencyLayer::new(cached.clone()).expect("valid settings"));
     let req = || post("/pay").key("k").user("alice").json("{}");
     send(&router, req()).await;
     for _ in 0..3 {

@@ -9,11 +9,11 @@ use std::time::{Duration, SystemTime};
 use bytes::Bytes;
 use tokio::task::JoinSet;
 
-use crate::store::{Deleted, ListRequest, RecordState};
-use crate::{
+use crate::store::{
     ClaimOutcome, ClaimRequest, Fenced, Fingerprint, Finished, Generation, IdempotencyStore,
     LeaseToken, RecordKey, StoredResponse,
 };
+use crate::store::{Deleted, ListRequest, RecordState};
 
 fn key(key: &str, subject: &str, endpoint: &str) -> RecordKey {
     RecordKey {
@@ -362,7 +362,7 @@ pub async fn delete_racing_requests_runs_the_handler_at_most_once_more<S: Idempo
     use super::app::{app, post, send};
     use axum::http::StatusCode;
 
-    let layer = crate::IdempotencyLayer::new(store.clone());
+    let layer = crate::IdempotencyLayer::new(store.clone()).expect("valid settings");
     let (router, counters) = app(layer);
     for round in 0..10 {
         let key = format!("delete-race-{round}");

@@ -6,7 +6,7 @@
 //! store: one per row of the claim table (fresh, replay, `422`, `409`, retake), races of many tasks
 //! on one key, lease fencing, retention, disconnects, panics, streamed and oversized bodies, a
 //! handler that blocks its thread, generations, and the layer's answers through a real router.
-//! [`cache_suite!`](crate::cache_suite) runs it again behind a [`CachedStore`](crate::CachedStore)
+//! [`cache_suite!`](crate::cache_suite) runs it again behind a [`CachedStore`](crate::store::CachedStore)
 //! with the cache's own tests. Every test takes a fresh store from the expression you give, so a
 //! store on a shared server should give each one a table, schema or key prefix of its own.
 //!
@@ -40,8 +40,8 @@
 //! real application may do; nothing in the kit is meant for a server.
 //!
 //! The suite's in-progress TTLs are short (a few hundred milliseconds), and never under
-//! [`TTL_PER_OPERATION_TIMEOUT`](crate::TTL_PER_OPERATION_TIMEOUT) times the store's
-//! operation timeout ([`Capabilities`](crate::store::Capabilities)): give the store under test a
+//! twice the store's operation timeout
+//! ([`operation_timeout`](crate::store::IdempotencyStore::operation_timeout)): give the store under test a
 //! short one ([`SUITE_STORE_TIMEOUT`](app::SUITE_STORE_TIMEOUT)) to keep the suite fast. Its tests
 //! panic on the first behaviour that differs, naming it.
 

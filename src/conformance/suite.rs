@@ -1,13 +1,14 @@
 //! The behavioural suite every store passes: one test per row of the claim table, plus races,
 //! disconnects, panics, retention and lease fencing. `store_suite!` instantiates it for a store.
 
-use crate::Fenced;
+use crate::store::Fenced;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::{
-    ClaimOutcome, ClaimRequest, Fingerprint, Finished, IdempotencyLayer, IdempotencyStore,
-    LeaseToken, RecordKey, StoredResponse,
+use crate::IdempotencyLayer;
+use crate::store::{
+    ClaimOutcome, ClaimRequest, Fingerprint, Finished, IdempotencyStore, LeaseToken, RecordKey,
+    StoredResponse,
 };
 use axum::http::StatusCode;
 use bytes::Bytes;
@@ -117,14 +118,11 @@ pub async fn until_not_in_progress(
 /// A short in-progress TTL for tests of its expiry: `base`, or the shortest the store's operation
 /// timeout allows when that is longer.
 pub(crate) fn short_ttl<S: IdempotencyStore>(store: &S, base: Duration) -> Duration {
-    store
-        .capabilities()
-        .operation_timeout()
-        .map_or(base, |t| base.max(t * crate::TTL_PER_OPERATION_TIMEOUT))
+    store.operation_timeout().map_or(base, |t| base.max(t * 2))
 }
 
 fn default_layer<S: IdempotencyStore>(store: S) -> IdempotencyLayer<S> {
-    IdempotencyLayer::new(store)
+    IdempotencyLayer::new(store).expect("the default settings fit the store")
 }
 
 fn record_key(key: &str) -> RecordKey {
@@ -140,7 +138,7 @@ fn claim_request(key: &str, ttl: Duration) -> ClaimRequest {
         key: record_key(key),
         fingerprint: Fingerprint::of(None, b"{}"),
         lease: LeaseToken::generate(),
-        generation: crate::Generation::generate(),
+        generation: crate::store::Generation::generate(),
         in_progress_ttl: ttl,
         retention: Duration::from_secs(60),
     }
@@ -533,7 +531,7 @@ pub async fn purge_removes_expired_records<S: IdempotencyStore>(store: S, purged
     assert_eq!(store.purge_expired().await.expect("purge"), 0);
     let another = ClaimRequest {
         lease: LeaseToken::generate(),
-        generation: crate::Generation::generate(),
+        generation: crate::store::Generation::generate(),
         ..keep.clone()
     };
     assert_eq!(
@@ -1034,13 +1032,16 @@ impl<S> Faulty<S> {
 }
 
 impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
-    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, crate::StoreError> {
+    async fn claim(
+        &self,
+        request: &ClaimRequest,
+    ) -> Result<ClaimOutcome, crate::store::StoreError> {
         let outcome = self.store.claim(request).await;
         match self.fault {
             ClaimFault::LateAnswer => tokio::time::sleep(Duration::from_millis(300)).await,
             ClaimFault::FirstAnswerLost => {
                 if !self.lost.swap(true, std::sync::atomic::Ordering::SeqCst) {
-                    return Err(crate::StoreError::msg("no answer within 5s"));
+                    return Err(crate::store::StoreError::msg("no answer within 5s"));
                 }
             }
         }
@@ -1053,7 +1054,7 @@ impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
         fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
-    ) -> Result<Fenced, crate::StoreError> {
+    ) -> Result<Fenced, crate::store::StoreError> {
         self.store
             .complete(key, lease, fingerprint, response, retention)
             .await
@@ -1063,40 +1064,40 @@ impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
         key: &RecordKey,
         lease: LeaseToken,
         lifetime: Duration,
-    ) -> Result<Fenced, crate::StoreError> {
+    ) -> Result<Fenced, crate::store::StoreError> {
         self.store.renew(key, lease, lifetime).await
     }
     async fn release(
         &self,
         key: &RecordKey,
         lease: LeaseToken,
-    ) -> Result<Fenced, crate::StoreError> {
+    ) -> Result<Fenced, crate::store::StoreError> {
         self.store.release(key, lease).await
     }
-    async fn purge_expired(&self) -> Result<u64, crate::StoreError> {
+    async fn purge_expired(&self) -> Result<u64, crate::store::StoreError> {
         self.store.purge_expired().await
     }
     async fn lookup(
         &self,
-        key: &crate::RecordKey,
-    ) -> Result<Option<crate::store::RecordInfo>, crate::StoreError> {
+        key: &crate::store::RecordKey,
+    ) -> Result<Option<crate::store::RecordInfo>, crate::store::StoreError> {
         self.store.lookup(key).await
     }
     async fn delete(
         &self,
-        key: &crate::RecordKey,
-    ) -> Result<crate::store::Deleted, crate::StoreError> {
+        key: &crate::store::RecordKey,
+    ) -> Result<crate::store::Deleted, crate::store::StoreError> {
         self.store.delete(key).await
     }
     async fn list(
         &self,
         subject: &str,
         request: crate::store::ListRequest,
-    ) -> Result<crate::store::RecordPage, crate::StoreError> {
+    ) -> Result<crate::store::RecordPage, crate::store::StoreError> {
         self.store.list(subject, request).await
     }
-    fn capabilities(&self) -> crate::store::Capabilities<'_> {
-        self.store.capabilities()
+    fn operation_timeout(&self) -> Option<Duration> {
+        self.store.operation_timeout()
     }
 }
 
@@ -1251,7 +1252,7 @@ pub async fn a_claim_sent_twice_by_its_lease_is_still_claimed<S: IdempotencyStor
     );
     let other = ClaimRequest {
         lease: LeaseToken::generate(),
-        generation: crate::Generation::generate(),
+        generation: crate::store::Generation::generate(),
         ..request.clone()
     };
     assert_eq!(
@@ -1325,7 +1326,10 @@ struct LateClaims<S> {
 }
 
 impl<S: IdempotencyStore> IdempotencyStore for LateClaims<S> {
-    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, crate::StoreError> {
+    async fn claim(
+        &self,
+        request: &ClaimRequest,
+    ) -> Result<ClaimOutcome, crate::store::StoreError> {
         let outcome = self.inner.claim(request).await;
         tokio::time::sleep(self.delay).await;
         outcome
@@ -1338,7 +1342,7 @@ impl<S: IdempotencyStore> IdempotencyStore for LateClaims<S> {
         fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
-    ) -> impl std::future::Future<Output = Result<Fenced, crate::StoreError>> + Send {
+    ) -> impl std::future::Future<Output = Result<Fenced, crate::store::StoreError>> + Send {
         self.inner
             .complete(key, lease, fingerprint, response, retention)
     }
@@ -1348,7 +1352,7 @@ impl<S: IdempotencyStore> IdempotencyStore for LateClaims<S> {
         key: &RecordKey,
         lease: LeaseToken,
         lifetime: Duration,
-    ) -> impl std::future::Future<Output = Result<Fenced, crate::StoreError>> + Send {
+    ) -> impl std::future::Future<Output = Result<Fenced, crate::store::StoreError>> + Send {
         self.inner.renew(key, lease, lifetime)
     }
 
@@ -1356,37 +1360,37 @@ impl<S: IdempotencyStore> IdempotencyStore for LateClaims<S> {
         &self,
         key: &RecordKey,
         lease: LeaseToken,
-    ) -> impl std::future::Future<Output = Result<Fenced, crate::StoreError>> + Send {
+    ) -> impl std::future::Future<Output = Result<Fenced, crate::store::StoreError>> + Send {
         self.inner.release(key, lease)
     }
 
     fn purge_expired(
         &self,
-    ) -> impl std::future::Future<Output = Result<u64, crate::StoreError>> + Send {
+    ) -> impl std::future::Future<Output = Result<u64, crate::store::StoreError>> + Send {
         self.inner.purge_expired()
     }
 
     async fn lookup(
         &self,
-        key: &crate::RecordKey,
-    ) -> Result<Option<crate::store::RecordInfo>, crate::StoreError> {
+        key: &crate::store::RecordKey,
+    ) -> Result<Option<crate::store::RecordInfo>, crate::store::StoreError> {
         self.inner.lookup(key).await
     }
     async fn delete(
         &self,
-        key: &crate::RecordKey,
-    ) -> Result<crate::store::Deleted, crate::StoreError> {
+        key: &crate::store::RecordKey,
+    ) -> Result<crate::store::Deleted, crate::store::StoreError> {
         self.inner.delete(key).await
     }
     async fn list(
         &self,
         subject: &str,
         request: crate::store::ListRequest,
-    ) -> Result<crate::store::RecordPage, crate::StoreError> {
+    ) -> Result<crate::store::RecordPage, crate::store::StoreError> {
         self.inner.list(subject, request).await
     }
-    fn capabilities(&self) -> crate::store::Capabilities<'_> {
-        self.inner.capabilities()
+    fn operation_timeout(&self) -> Option<Duration> {
+        self.inner.operation_timeout()
     }
 }
 
@@ -1434,7 +1438,7 @@ pub async fn claim_answered_after_the_ttl_does_not_run_twice<S: IdempotencyStore
     assert!(replay.replayed());
 }
 
-fn generation_of(outcome: ClaimOutcome) -> crate::Generation {
+fn generation_of(outcome: ClaimOutcome) -> crate::store::Generation {
     match outcome {
         ClaimOutcome::Claimed {
             generation: Some(generation),
@@ -1459,7 +1463,7 @@ pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: Id
     tokio::time::sleep(ttl + Duration::from_millis(100)).await;
     let mut retaker = claim_request("g", ttl);
     assert_ne!(retaker.generation, g1);
-    retaker.generation = crate::Generation::generate();
+    retaker.generation = crate::store::Generation::generate();
     let outcome = store.claim(&retaker).await.expect("retake");
     assert!(
         matches!(outcome, ClaimOutcome::Claimed { retaken: true, .. }),
@@ -1587,8 +1591,9 @@ pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: Id
 /// store and gets `409` too. Once the record is finished, claims reach the store again.
 pub async fn duplicates_at_the_holding_instance_skip_the_store<S: IdempotencyStore>(store: S) {
     let counting = Counting::new(store);
-    let (router, counters) = app(IdempotencyLayer::new(counting.clone()));
-    let (other, other_counters) = app(IdempotencyLayer::new(counting.clone()));
+    let (router, counters) = app(IdempotencyLayer::new(counting.clone()).expect("valid settings"));
+    let (other, other_counters) =
+        app(IdempotencyLayer::new(counting.clone()).expect("valid settings"));
     let req = || post("/pay").key("k").user("alice").json("{}");
     let slow = tokio::spawn({
         let router = router.clone();
@@ -1624,7 +1629,7 @@ pub async fn duplicates_at_the_holding_instance_skip_the_store<S: IdempotencySto
 /// handler runs once, and the other nineteen get `409`.
 pub async fn a_burst_of_duplicates_costs_the_store_one_claim<S: IdempotencyStore>(store: S) {
     let counting = Counting::new(store);
-    let (router, counters) = app(IdempotencyLayer::new(counting.clone()));
+    let (router, counters) = app(IdempotencyLayer::new(counting.clone()).expect("valid settings"));
     for round in 0..3 {
         let before = counting.claims();
         let key = format!("burst-{round}");

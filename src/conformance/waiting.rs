@@ -7,8 +7,10 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use super::app::{app, post, send};
-use crate::{ClaimOutcome, ClaimRequest, Fingerprint, Generation, IdempotencyLayer};
-use crate::{IdempotencyStore, LeaseToken, RecordKey};
+use crate::IdempotencyLayer;
+use crate::store::{
+    ClaimOutcome, ClaimRequest, Fingerprint, Generation, IdempotencyStore, LeaseToken, RecordKey,
+};
 
 /// Many duplicates of a slow request wait on one key: the handler runs once, and each duplicate
 /// gets the replay (or `409` when it would have waited past the bound); none waits much past the

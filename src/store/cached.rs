@@ -1,6 +1,5 @@
 //! A local cache of finished records in front of any store, so that replays skip the round trip.
 
-use crate::record::Fenced;
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasher;
@@ -8,17 +7,17 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::{
-    Capabilities, Deleted, IdempotencyStore, ListRequest, RecordInfo, RecordPage, StoreError,
+    ClaimOutcome, ClaimRequest, Deleted, FailedCommit, Fenced, Fingerprint, IdempotencyStore,
+    LeaseToken, ListRequest, RecordInfo, RecordKey, RecordPage, StoreError, StoredResponse,
+    TransactionalStore,
 };
-use crate::Fingerprint;
-use crate::lock::lock;
-use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
+use crate::util::lock::lock;
 
 /// The default bound on the bytes a [`CachedStore`] keeps: 32 MiB.
-pub const DEFAULT_CACHE_BYTES: usize = 32 << 20;
+pub(crate) const DEFAULT_CACHE_BYTES: usize = 32 << 20;
 
 /// The default longest time a [`CachedStore`] keeps a record: 5 minutes.
-pub const DEFAULT_CACHE_MAX_AGE: Duration = Duration::from_secs(300);
+pub(crate) const DEFAULT_CACHE_MAX_AGE: Duration = Duration::from_secs(300);
 
 const SHARDS: usize = 16;
 
@@ -36,13 +35,13 @@ const ENTRY_OVERHEAD: usize = 160;
 ///   and Redis stores do). So the first replay of a record on each instance reads the store, and the
 ///   next ones do not.
 /// - **Never outlives its record.** An entry expires when its record does (counted from before the
-///   read, so never later), or after `max_age` ([`DEFAULT_CACHE_MAX_AGE`]), whichever is first. The
+///   read, so never later), or after `max_age` (5 minutes by default), whichever is first. The
 ///   age bound limits how long a record that vanished early is still replayed here: deleted by
 ///   hand (to let a key run again), or lost by a Redis that evicts keys under memory pressure
 ///   (`maxmemory-policy` other than `noeviction`) or restarts without persistence.
 /// - **Fingerprint checked.** A cached record answers a request with another body `422`, exactly as
 ///   the store would.
-/// - **Bounded by bytes** (bodies, headers and a fixed overhead per entry; [`DEFAULT_CACHE_BYTES`]),
+/// - **Bounded by bytes** (bodies, headers and a fixed overhead per entry; 32 MiB by default),
 ///   in 16 independently locked shards, each evicting its oldest entries first. A record larger than
 ///   a sixteenth of a shard's share is not cached (so a capacity under about 64 KiB caches
 ///   nothing).
@@ -59,10 +58,11 @@ const ENTRY_OVERHEAD: usize = 160;
 /// ```no_run
 /// # #[cfg(feature = "postgres")]
 /// # async fn demo(pool: sqlx::PgPool) {
-/// use axum_idempotency::{IdempotencyLayer, PostgresStore, store::CachedStore};
+/// use axum_idempotency::{IdempotencyLayer, store::CachedStore};
+/// use axum_idempotency::store::PostgresStore;
 ///
 /// let store = CachedStore::new(PostgresStore::new(pool)).with_capacity(64 << 20);
-/// let layer = IdempotencyLayer::new(store);
+/// let layer = IdempotencyLayer::new(store).expect("valid settings");
 /// # let _ = layer;
 /// # }
 /// ```
@@ -115,7 +115,7 @@ struct Entry {
 }
 
 impl<S: IdempotencyStore> CachedStore<S> {
-    /// A cache of [`DEFAULT_CACHE_BYTES`] in front of `inner`.
+    /// A cache of 32 MiB of records, each kept at most 5 minutes, in front of `inner`.
     pub fn new(inner: S) -> Self {
         Self::build(inner, DEFAULT_CACHE_BYTES, DEFAULT_CACHE_MAX_AGE)
     }
@@ -191,7 +191,7 @@ impl Cache {
                 ..StoredResponse::clone(&entry.response)
             }))
         } else {
-            ClaimOutcome::FingerprintMismatch
+            ClaimOutcome::KeyReuse
         })
     }
 
@@ -352,8 +352,8 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
     }
 
     /// The inner store's: the cache changes nothing that is written.
-    fn capabilities(&self) -> Capabilities<'_> {
-        self.inner.capabilities()
+    fn operation_timeout(&self) -> Option<Duration> {
+        self.inner.operation_timeout()
     }
 
     async fn lookup(&self, key: &RecordKey) -> Result<Option<RecordInfo>, StoreError> {
@@ -361,22 +361,61 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
     }
 
     /// Deleted in the store, and forgotten by this cache: its entry is dropped once the store has
-    /// answered, and a read that began before then (it may carry the deleted record) is not
-    /// cached. Other instances' caches still replay the record until their entry's `max_age`
-    /// ([`DEFAULT_CACHE_MAX_AGE`]) has passed.
+    /// answered, whatever it answered, and a read that began before then (it may carry the
+    /// deleted record) is not cached. Other instances' caches still replay the record until their
+    /// entry's `max_age` (5 minutes by default) has passed.
     async fn delete(&self, key: &RecordKey) -> Result<Deleted, StoreError> {
         let scope = key.digest();
         let deleted = self.inner.delete(key).await;
-        // A record deleted (or, after a failure, maybe deleted) is forgotten; one in progress or
-        // absent was never cached.
-        if matches!(deleted, Ok(Deleted::Deleted) | Err(_)) {
-            self.cache.deleted(&scope);
-        }
+        // Forgotten on every answer: a delete sent again after its first attempt committed (its
+        // answer was lost) answers `NotFound`, and an error may hide a delete that landed. Only
+        // the store's answers that cannot be stale are cached, and this one may be.
+        self.cache.deleted(&scope);
         deleted
     }
 
     async fn list(&self, subject: &str, request: ListRequest) -> Result<RecordPage, StoreError> {
         self.inner.list(subject, request).await
+    }
+}
+
+/// A wrapper of a store with transactions has them too: what is written in a handler's
+/// transaction is the inner store's business (the cache keeps only records it read finished).
+impl<S: TransactionalStore> TransactionalStore for CachedStore<S> {
+    type Transaction = S::Transaction;
+
+    async fn begin(&self, idle: Duration) -> Result<Self::Transaction, StoreError> {
+        self.inner.begin(idle).await
+    }
+
+    async fn complete_in(
+        &self,
+        tx: &mut Self::Transaction,
+        key: &RecordKey,
+        lease: LeaseToken,
+        fingerprint: &Fingerprint,
+        response: Arc<StoredResponse>,
+        retention: Duration,
+    ) -> Result<Fenced, StoreError> {
+        self.inner
+            .complete_in(tx, key, lease, fingerprint, response, retention)
+            .await
+    }
+
+    async fn commit(&self, tx: Self::Transaction) -> Result<(), StoreError> {
+        self.inner.commit(tx).await
+    }
+
+    async fn rollback(&self, tx: Self::Transaction) -> Result<(), StoreError> {
+        self.inner.rollback(tx).await
+    }
+
+    async fn settle_failed_commit(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> Result<FailedCommit, StoreError> {
+        self.inner.settle_failed_commit(key, lease).await
     }
 }
 
@@ -404,7 +443,7 @@ impl<S: IdempotencyStore> CachedStore<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::Finished;
+    use crate::store::Finished;
     use bytes::Bytes;
 
     fn response(body: &'static str, left: Option<Duration>) -> Arc<StoredResponse> {
@@ -471,10 +510,7 @@ mod tests {
             cache.answer(&[1; 32], &fp(1)),
             Some(ClaimOutcome::Finished(r)) if r.body == "a"
         ));
-        assert_eq!(
-            cache.answer(&[1; 32], &fp(2)),
-            Some(ClaimOutcome::FingerprintMismatch)
-        );
+        assert_eq!(cache.answer(&[1; 32], &fp(2)), Some(ClaimOutcome::KeyReuse));
         assert_eq!(cache.answer(&[2; 32], &fp(1)), None);
     }
 

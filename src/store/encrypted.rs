@@ -24,7 +24,7 @@
 //! lacks the fingerprint), so records sealed before an upgrade replay for the rest of their
 //! retention; every record sealed now is format `2`.
 
-use crate::record::Fenced;
+use crate::store::Fenced;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,9 +34,9 @@ use aes_gcm::{Aes256Gcm, Nonce, Tag};
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
 
-use super::{Capabilities, IdempotencyStore, ResponseTransform, StoreError, header_list};
-use crate::Fingerprint;
-use crate::record::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
+use super::{FailedCommit, IdempotencyStore, StoreError, TransactionalStore, header_list};
+use crate::store::Fingerprint;
+use crate::store::{ClaimOutcome, ClaimRequest, Finished, LeaseToken, RecordKey, StoredResponse};
 
 /// The id of an encryption key: a `u32` chosen by the application (a counter, or the date the key
 /// was made as `20260301`). It is stored in clear in every sealed record, in 4 bytes, and names the
@@ -63,7 +63,7 @@ const AAD_LABEL_V2: &[u8] = b"axum-idempotency sealed response v2\0";
 /// Key material never appears in `Debug` output (only the key ids do).
 ///
 /// ```
-/// use axum_idempotency::EncryptionKeys;
+/// use axum_idempotency::store::EncryptionKeys;
 ///
 /// // Key 2 is the newest: it seals new records. Key 1 still opens the records it sealed.
 /// let keys = EncryptionKeys::new([(2, [7u8; 32]), (1, [9u8; 32])]).expect("valid keys");
@@ -171,12 +171,13 @@ impl std::error::Error for EncryptionKeysError {}
 /// or your own).
 ///
 /// ```
-/// use axum_idempotency::{EncryptedStore, EncryptionKeys, IdempotencyLayer, MemoryStore};
+/// use axum_idempotency::{IdempotencyLayer, MemoryStore};
+/// use axum_idempotency::store::{EncryptedStore, EncryptionKeys};
 ///
 /// # let key_material = [0u8; 32];
 /// // Load the key material from your secret store; never hard-code it.
 /// let keys = EncryptionKeys::single(1, key_material);
-/// let layer = IdempotencyLayer::new(EncryptedStore::new(MemoryStore::new(), keys));
+/// let layer = IdempotencyLayer::new(EncryptedStore::new(MemoryStore::new(), keys)).expect("valid settings");
 /// # let _ = layer;
 /// ```
 ///
@@ -201,9 +202,9 @@ impl std::error::Error for EncryptionKeysError {}
 /// written before encryption was turned on are unreadable in the same way: turn it on with a new
 /// table (or key prefix), or accept `503` for those keys until they expire.
 ///
-/// **Transactions** (feature `postgres`). The inner store's capabilities are passed on, so
-/// handlers keep their `IdempotencyTx` over an encrypted Postgres store: the record written in the
-/// handler's transaction is sealed the same way (the sealing is a [`ResponseTransform`]).
+/// **Transactions.** Over a store that has them (the Postgres store), it has them too, so handlers
+/// keep their `IdempotencyTx` over an encrypted Postgres store: the record written in the handler's
+/// transaction is sealed the same way.
 #[derive(Clone)]
 pub struct EncryptedStore<S> {
     inner: S,
@@ -281,7 +282,7 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
     /// The fingerprint the inner store gets for `request`.
     fn keyed(&self, fingerprint: &Fingerprint) -> Option<Fingerprint> {
         let secret = self.fingerprints.as_ref()?;
-        let mac = crate::hmac::hmac_sha256(
+        let mac = crate::util::hmac::hmac_sha256(
             &secret.0,
             &[
                 b"axum-idempotency keyed fingerprint v1\0",
@@ -531,7 +532,7 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
                 };
                 match self.inner.claim(&keyed_request).await? {
                     // A record from before the secret was set has the plain fingerprint.
-                    ClaimOutcome::FingerprintMismatch => self.inner.claim(request).await?,
+                    ClaimOutcome::KeyReuse => self.inner.claim(request).await?,
                     outcome => outcome,
                 }
             }
@@ -596,25 +597,51 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
         self.inner.list(subject, request).await
     }
 
-    /// The inner store's, with this store's sealing as a response transform: a record written in
-    /// a handler's transaction is sealed as `complete` seals it.
-    fn capabilities(&self) -> Capabilities<'_> {
-        self.inner.capabilities().transformed_by(self)
+    fn operation_timeout(&self) -> Option<Duration> {
+        self.inner.operation_timeout()
     }
 }
 
-impl<S: IdempotencyStore> ResponseTransform for EncryptedStore<S> {
-    /// Seals `response` as [`complete`](IdempotencyStore::complete) does; the inner store gets the
-    /// fingerprint `complete` gives it.
-    fn transform(
+/// A wrapper of a store with transactions has them too: the record written in a handler's
+/// transaction is sealed (and its fingerprint keyed) as [`complete`](IdempotencyStore::complete)
+/// seals it.
+impl<S: TransactionalStore> TransactionalStore for EncryptedStore<S> {
+    type Transaction = S::Transaction;
+
+    async fn begin(&self, idle: Duration) -> Result<Self::Transaction, StoreError> {
+        self.inner.begin(idle).await
+    }
+
+    async fn complete_in(
+        &self,
+        tx: &mut Self::Transaction,
+        key: &RecordKey,
+        lease: LeaseToken,
+        fingerprint: &Fingerprint,
+        response: Arc<StoredResponse>,
+        retention: Duration,
+    ) -> Result<Fenced, StoreError> {
+        let sealed = Arc::new(self.seal(key, fingerprint, &response)?);
+        let stored = self.keyed(fingerprint).unwrap_or(*fingerprint);
+        self.inner
+            .complete_in(tx, key, lease, &stored, sealed, retention)
+            .await
+    }
+
+    async fn commit(&self, tx: Self::Transaction) -> Result<(), StoreError> {
+        self.inner.commit(tx).await
+    }
+
+    async fn rollback(&self, tx: Self::Transaction) -> Result<(), StoreError> {
+        self.inner.rollback(tx).await
+    }
+
+    async fn settle_failed_commit(
         &self,
         key: &RecordKey,
-        fingerprint: &mut Fingerprint,
-        response: Arc<StoredResponse>,
-    ) -> Result<Arc<StoredResponse>, StoreError> {
-        let sealed = Arc::new(self.seal(key, fingerprint, &response)?);
-        *fingerprint = self.keyed(fingerprint).unwrap_or(*fingerprint);
-        Ok(sealed)
+        lease: LeaseToken,
+    ) -> Result<FailedCommit, StoreError> {
+        self.inner.settle_failed_commit(key, lease).await
     }
 }
 

@@ -94,10 +94,10 @@ pub enum Deleted {
 }
 
 /// The largest page [`IdempotencyStore::list`] answers.
-pub const MAX_LIST_LIMIT: usize = 100;
+pub(crate) const MAX_LIST_LIMIT: usize = 100;
 
 /// Where a listing stands: records are listed by the time they were created, then by their scope
-/// digest ([`RecordKey::digest`](crate::RecordKey::digest)); a page lists those after its cursor.
+/// digest ([`RecordKey::digest`](crate::store::RecordKey::digest)); a page lists those after its cursor.
 ///
 /// Its text form (`Display`, `FromStr`) is what an API hands to clients as an opaque page token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -148,7 +148,7 @@ pub(crate) fn from_micros(us: i64) -> SystemTime {
 impl fmt::Display for ListCursor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}.", self.created_us)?;
-        crate::hex::write(f, &self.scope)
+        crate::util::hex::write(f, &self.scope)
     }
 }
 
@@ -191,7 +191,7 @@ impl FromStr for ListCursor {
 }
 
 /// One page to list: the records after `after` (from the first when `None`), at most `limit` of
-/// them (at most [`MAX_LIST_LIMIT`]; a larger limit is taken as that).
+/// them (at most 100; a larger limit is taken as that).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ListRequest {
     /// Where the previous page ended.
@@ -206,7 +206,7 @@ impl ListRequest {
         ListRequest { after: None, limit }
     }
 
-    /// The limit a store applies: `limit`, at least 1 and at most [`MAX_LIST_LIMIT`].
+    /// The limit a store applies: `limit`, at least 1 and at most 100.
     pub fn bounded_limit(&self) -> usize {
         self.limit.clamp(1, MAX_LIST_LIMIT)
     }

@@ -1,6 +1,6 @@
 //! The in-memory store: the embedded default, for one process.
 
-use crate::record::Fenced;
+use crate::store::Fenced;
 use std::collections::HashMap;
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
@@ -12,10 +12,8 @@ use super::{
     Deleted, IdempotencyStore, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage,
     RecordState, StoreError,
 };
-use crate::Fingerprint;
-use crate::record::{
-    ClaimOutcome, ClaimRequest, Generation, LeaseToken, RecordKey, StoredResponse,
-};
+use crate::store::Fingerprint;
+use crate::store::{ClaimOutcome, ClaimRequest, Generation, LeaseToken, RecordKey, StoredResponse};
 
 const SHARDS: usize = 16;
 
@@ -27,7 +25,7 @@ const SHARDS: usize = 16;
 /// constant amortised cost per request; [`IdempotencyStore::purge_expired`] sweeps everything at once.
 ///
 /// The store has a capacity in bytes ([`MemoryStore::with_capacity`], default
-/// [`DEFAULT_MEMORY_CAPACITY`]): the records' keys, scopes, recorded headers and bodies, plus a
+/// 256 MiB by default): the records' keys, scopes, recorded headers and bodies, plus a
 /// fixed overhead each. When it is full, a claim of a new key fails (the layer answers `503`) after
 /// expired records were swept; no live or unexpired record is ever evicted to make room, since
 /// that would let its key run again. A completion is never refused for room (its effect happened),
@@ -55,7 +53,7 @@ impl std::fmt::Debug for MemoryStore {
 }
 
 /// The default capacity of a [`MemoryStore`]: 256 MiB.
-pub const DEFAULT_MEMORY_CAPACITY: usize = 256 * 1024 * 1024;
+pub(crate) const DEFAULT_MEMORY_CAPACITY: usize = 256 * 1024 * 1024;
 
 /// What a record costs besides its strings and response, for the capacity.
 const RECORD_OVERHEAD: usize = 160;
@@ -106,7 +104,7 @@ enum State {
 }
 
 impl MemoryStore {
-    /// An empty store with the default capacity ([`DEFAULT_MEMORY_CAPACITY`]).
+    /// An empty store with the default capacity (256 MiB).
     pub fn new() -> Self {
         Self::default()
     }
@@ -147,7 +145,7 @@ impl MemoryStore {
     }
 
     fn shard_at(&self, i: usize) -> MutexGuard<'_, Shard> {
-        crate::lock::lock(&self.inner.shards[i])
+        crate::util::lock::lock(&self.inner.shards[i])
     }
 
     fn shard(&self, key: &RecordKey) -> MutexGuard<'_, Shard> {
@@ -261,7 +259,7 @@ impl MemoryStore {
                 });
             }
             if record.fingerprint != request.fingerprint {
-                return Ok(ClaimOutcome::FingerprintMismatch);
+                return Ok(ClaimOutcome::KeyReuse);
             }
             return Ok(match &record.state {
                 State::Released => ClaimOutcome::InProgress, // handled above
@@ -397,8 +395,8 @@ impl IdempotencyStore for MemoryStore {
         Ok(self.sweep_all(Instant::now()))
     }
 
-    fn capabilities(&self) -> super::Capabilities<'_> {
-        super::Capabilities::none()
+    fn operation_timeout(&self) -> Option<Duration> {
+        None
     }
 
     async fn lookup(&self, key: &RecordKey) -> Result<Option<RecordInfo>, StoreError> {
@@ -475,8 +473,8 @@ fn info(record: &Record, now: Instant, wall: SystemTime) -> Option<RecordInfo> {
         State::InProgress { .. } => (RecordState::InProgress, None),
         State::Finished { response, .. } => (
             match response.outcome {
-                crate::record::Finished::Completed => RecordState::Completed,
-                crate::record::Finished::Failed => RecordState::Failed,
+                crate::store::Finished::Completed => RecordState::Completed,
+                crate::store::Finished::Failed => RecordState::Failed,
             },
             Some(response.status),
         ),

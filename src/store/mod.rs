@@ -1,38 +1,50 @@
-//! Where records live: the [`IdempotencyStore`] trait and its backends.
+//! Where records live: the [`IdempotencyStore`] trait, the vocabulary it speaks, and its backends.
+//!
+//! This module is a leaf: it imports nothing of the layer, the engine or `RunOnce`. A store author
+//! finds everything here: the record's scope ([`RecordKey`]), the claim ([`ClaimRequest`],
+//! [`ClaimOutcome`]), the fencing token ([`LeaseToken`], [`Fenced`]), the recorded answer
+//! ([`StoredResponse`], [`Finished`]), inspection ([`RecordInfo`], [`ListRequest`], ...), errors
+//! ([`StoreError`]), and the capability only some stores have ([`TransactionalStore`]).
 
-use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::Fingerprint;
-use crate::record::{ClaimOutcome, ClaimRequest, Fenced, LeaseToken, RecordKey, StoredResponse};
-
 mod cached;
-mod capabilities;
+mod error;
+mod fingerprint;
 #[cfg(any(feature = "redis", feature = "encryption"))]
 mod header_list;
 mod inspection;
 mod memory;
-pub use cached::{CachedStore, DEFAULT_CACHE_BYTES, DEFAULT_CACHE_MAX_AGE};
-pub use capabilities::{Capabilities, ResponseTransform};
+mod purge;
+mod record;
+#[cfg(test)]
+pub(crate) mod testing;
+mod transactional;
+
+pub use cached::CachedStore;
+pub use error::StoreError;
+pub use fingerprint::Fingerprint;
 #[cfg(any(feature = "postgres", feature = "redis"))]
 pub(crate) use inspection::from_micros;
 pub use inspection::{
-    Deleted, InvalidCursor, ListCursor, ListRequest, ListedRecord, MAX_LIST_LIMIT, RecordInfo,
-    RecordPage, RecordState,
+    Deleted, InvalidCursor, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage,
+    RecordState,
 };
-pub use memory::{DEFAULT_MEMORY_CAPACITY, MemoryStore};
+
+pub use memory::MemoryStore;
+pub use purge::spawn_purge;
+pub use record::{
+    ClaimOutcome, ClaimRequest, Fenced, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
+};
+pub(crate) use record::{FRESH_FRACTION, claim_ids};
+pub use transactional::{FailedCommit, TransactionalStore};
 
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "postgres")]
-pub(crate) use postgres::CompleteInError;
-#[cfg(feature = "postgres")]
-pub use postgres::{
-    DEFAULT_OPERATION_TIMEOUT, MIN_MIGRATE_TIMEOUT, MIN_OPERATION_TIMEOUT, PostgresStore,
-    PostgresStoreError,
-};
+pub use postgres::{PostgresStore, PostgresStoreError};
 
 #[cfg(feature = "encryption")]
 mod encrypted;
@@ -42,89 +54,7 @@ pub use encrypted::{EncryptedStore, EncryptionKeys, EncryptionKeysError, KeyId};
 #[cfg(feature = "redis")]
 mod redis;
 #[cfg(feature = "redis")]
-pub use self::redis::{DEFAULT_REDIS_TIMEOUT, RedisStore};
-
-/// An error from a store: the layer answers `503 idempotency_store_unavailable` (or, when configured
-/// to fail open, runs the handler unguarded).
-#[derive(Debug)]
-pub struct StoreError {
-    message: String,
-    source: Option<Box<dyn std::error::Error + Send + Sync>>,
-    unreadable: bool,
-    refused: bool,
-}
-
-impl StoreError {
-    /// An error with a message and the error that caused it.
-    pub fn new(
-        message: impl Into<String>,
-        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
-    ) -> Self {
-        StoreError {
-            message: message.into(),
-            source: Some(source.into()),
-            unreadable: false,
-            refused: false,
-        }
-    }
-
-    /// An error with only a message.
-    pub fn msg(message: impl Into<String>) -> Self {
-        StoreError {
-            message: message.into(),
-            source: None,
-            unreadable: false,
-            refused: false,
-        }
-    }
-
-    /// A finished record exists but cannot be read (it does not decrypt, say): the operation it
-    /// records has happened, so the layer answers `503 idempotency_store_unavailable` even when
-    /// configured to fail open. Running the handler again would repeat the operation.
-    pub fn unreadable_record(message: impl Into<String>) -> Self {
-        StoreError {
-            unreadable: true,
-            ..StoreError::msg(message)
-        }
-    }
-
-    /// The store refused the claim and wrote nothing (it is full): the layer answers `503`, even
-    /// when configured to fail open (running unguarded would let every retry run again), and
-    /// starts no clean-up of a claim that was never made.
-    pub fn refused_claim(message: impl Into<String>) -> Self {
-        StoreError {
-            refused: true,
-            ..StoreError::msg(message)
-        }
-    }
-
-    /// True for an error made by [`StoreError::refused_claim`].
-    pub fn is_refused_claim(&self) -> bool {
-        self.refused
-    }
-
-    /// True for an error made by [`StoreError::unreadable_record`].
-    pub fn is_unreadable_record(&self) -> bool {
-        self.unreadable
-    }
-}
-
-impl fmt::Display for StoreError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.source {
-            Some(source) => write!(f, "{}: {}", self.message, source),
-            None => f.write_str(&self.message),
-        }
-    }
-}
-
-impl std::error::Error for StoreError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source
-            .as_deref()
-            .map(|e| e as &(dyn std::error::Error + 'static))
-    }
-}
+pub use self::redis::RedisStore;
 
 /// A backend for idempotency records.
 ///
@@ -132,21 +62,20 @@ impl std::error::Error for StoreError {
 /// it returns. The behaviour suite (feature `test-suite`: `axum_idempotency::conformance` and
 /// `store_suite!`) checks an implementation against all of this; every store of the crate runs it.
 ///
-/// A store that wraps another forwards every operation and answers its inner store's
-/// [`capabilities`](Self::capabilities), with what it adds: that one required method is what a
-/// wrapper passes on (the operation timeout, the transactional store and the response
-/// transforms), so that none can be dropped by leaving a default in place. Here, a
-/// wrapper counting claims:
+/// A store that wraps another forwards every operation, and its inner store's
+/// [`operation_timeout`](Self::operation_timeout) (a required method, so that a wrapper cannot
+/// drop it by leaving a default in place). A wrapper of a [`TransactionalStore`] implements that
+/// trait too, to pass the capability on. Here, a wrapper counting claims:
 ///
 /// ```
 /// use std::sync::Arc;
 /// use std::sync::atomic::{AtomicU64, Ordering};
 /// use std::time::Duration;
-/// use axum_idempotency::store::{Capabilities, Deleted, ListRequest, RecordInfo, RecordPage};
-/// use axum_idempotency::{
-///     ClaimOutcome, ClaimRequest, Fenced, Fingerprint, IdempotencyLayer, IdempotencyStore,
-///     LeaseToken, MemoryStore, RecordKey, StoreError, StoredResponse,
+/// use axum_idempotency::store::{
+///     ClaimOutcome, ClaimRequest, Deleted, Fenced, Fingerprint, IdempotencyStore, LeaseToken,
+///     ListRequest, MemoryStore, RecordInfo, RecordKey, RecordPage, StoreError, StoredResponse,
 /// };
+/// use axum_idempotency::IdempotencyLayer;
 ///
 /// #[derive(Clone, Debug)]
 /// struct Counted<S> {
@@ -192,14 +121,13 @@ impl std::error::Error for StoreError {
 ///     async fn list(&self, subject: &str, page: ListRequest) -> Result<RecordPage, StoreError> {
 ///         self.inner.list(subject, page).await
 ///     }
-///     // What the inner store offers, passed on (a counter adds nothing).
-///     fn capabilities(&self) -> Capabilities<'_> {
-///         self.inner.capabilities()
+///     fn operation_timeout(&self) -> Option<Duration> {
+///         self.inner.operation_timeout()
 ///     }
 /// }
 ///
 /// let store = Counted { inner: MemoryStore::new(), claims: Arc::default() };
-/// let layer = IdempotencyLayer::new(store);
+/// let layer = IdempotencyLayer::new(store).expect("valid settings");
 /// # let _ = layer;
 /// ```
 pub trait IdempotencyStore: Clone + Send + Sync + 'static {
@@ -207,7 +135,7 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     ///
     /// - no record, or one whose retention has passed: create it `in_progress` held by
     ///   `request.lease`, committed before this returns, and answer [`ClaimOutcome::Claimed`];
-    /// - a record with another fingerprint: [`ClaimOutcome::FingerprintMismatch`], changing nothing;
+    /// - a record with another fingerprint: [`ClaimOutcome::KeyReuse`], changing nothing;
     /// - a finished record: [`ClaimOutcome::Finished`] with its response;
     /// - an `in_progress` record claimed or renewed less than `in_progress_ttl` ago:
     ///   [`ClaimOutcome::InProgress`];
@@ -291,9 +219,10 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         request: ListRequest,
     ) -> impl Future<Output = Result<RecordPage, StoreError>> + Send;
 
-    /// What the store offers beyond storage ([`Capabilities`]): its operation timeout, the Postgres
-    /// store whose transactions handlers take and the response transforms. A
-    /// store of its own answers [`Capabilities::none`] (with its operation timeout, if it bounds
-    /// its operations); a store wrapping another answers the inner store's, with what it adds.
-    fn capabilities(&self) -> Capabilities<'_>;
+    /// The longest one operation of the store may take before it fails, if the store bounds its
+    /// operations (the Postgres and Redis stores do). The layer refuses an in-progress TTL under
+    /// twice this (a claim answered at the end of its timeout must leave time to prove it holds
+    /// the record), and bounds the heartbeat's renewals by it. A wrapper answers its inner
+    /// store's.
+    fn operation_timeout(&self) -> Option<Duration>;
 }

@@ -12,7 +12,8 @@ use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
-use axum_idempotency::{IdempotencyStore, MemoryStore, PostgresStore};
+use axum_idempotency::MemoryStore;
+use axum_idempotency::store::{IdempotencyStore, PostgresStore};
 use checkout::{Ledger, Settings};
 use common::Answer;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
@@ -61,7 +62,19 @@ fn settings(delay_ms: u64) -> Settings {
 
 /// Serves the example's router on a loopback port of its own.
 async fn serve<S: IdempotencyStore>(store: S, ledger: Ledger, settings: Settings) -> SocketAddr {
-    let router = checkout::app(store, ledger, settings).expect("app");
+    let idempotency = checkout::idempotency(store, &settings)
+        .build()
+        .expect("valid settings");
+    serve_layer(idempotency, ledger, settings).await
+}
+
+/// Serves the example's router behind `idempotency` on a loopback port of its own.
+async fn serve_layer<S: IdempotencyStore>(
+    idempotency: axum_idempotency::IdempotencyLayer<S>,
+    ledger: Ledger,
+    settings: Settings,
+) -> SocketAddr {
+    let router = checkout::app(idempotency, ledger, settings).expect("app");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -79,7 +92,12 @@ async fn serve_postgres(delay_ms: u64) -> SocketAddr {
     let store = PostgresStore::new(pool.clone());
     store.migrate().await.expect("migrate");
     let ledger = Ledger::postgres(pool).await.expect("ledger");
-    serve(store, ledger, settings(delay_ms)).await
+    let settings = settings(delay_ms);
+    let idempotency = checkout::idempotency(store, &settings)
+        .transactions(settings.transactional)
+        .build()
+        .expect("valid settings");
+    serve_layer(idempotency, ledger, settings).await
 }
 
 /// One HTTP/1.1 request on a connection of its own.

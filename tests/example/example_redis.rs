@@ -9,7 +9,7 @@ use crate::common;
 use std::time::Duration;
 
 use axum::http::StatusCode;
-use axum_idempotency::RecordKey;
+use axum_idempotency::store::RecordKey;
 use common::example::{self, database_url};
 use sqlx::PgPool;
 

@@ -11,7 +11,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::http::StatusCode;
-use axum_idempotency::{IdempotencyLayer, Outcome, OutcomeCounters, RedisStore};
+use axum_idempotency::store::RedisStore;
+use axum_idempotency::{IdempotencyLayer, Outcome, OutcomeCounters};
 use common::proxy::{Mode, Proxy};
 use common::{Answer, Counters, app, eventually, post, send};
 

@@ -15,9 +15,10 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use axum_idempotency::store::PostgresStore;
 use axum_idempotency::{
     IdempotencyContext, IdempotencyLayer, IdempotencyTx, MemoryStore, Outcome, OutcomeCounters,
-    PostgresStore, Subject,
+    Subject,
 };
 use http_body_util::BodyExt;
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -63,7 +64,7 @@ async fn charge(
         sqlx::query(sqlx::AssertSqlSafe(effect.as_str()))
             .bind(ctx.derived_key())
             .bind(&note)
-            .execute(&mut *tx)
+            .execute(tx.conn().await.expect("begin"))
             .await
             .expect("the effect is written");
     }
@@ -75,7 +76,9 @@ async fn charge(
         panic!("the handler panicked after its effect");
     }
     if headers.contains_key("x-abort") {
-        let failed = sqlx::query("SELECT 1 / 0").execute(&mut *tx).await;
+        let failed = sqlx::query("SELECT 1 / 0")
+            .execute(tx.conn().await.expect("begun"))
+            .await;
         assert!(failed.is_err());
     }
     if headers.contains_key("x-keep") {
@@ -151,6 +154,7 @@ impl Setup {
         let layer = IdempotencyLayer::builder(self.store.clone())
             .in_progress_ttl(Duration::from_secs(30))
             .on_outcome(self.outcomes.hook())
+            .transactions(true)
             .build()
             .expect("layer");
         self.router_on(layer)
@@ -158,17 +162,19 @@ impl Setup {
 
     /// The same instance behind a `CachedStore`.
     fn cached_router(&self) -> Router {
-        let layer =
-            IdempotencyLayer::builder(axum_idempotency::CachedStore::new(self.store.clone()))
-                .in_progress_ttl(Duration::from_secs(30))
-                .on_outcome(self.outcomes.hook())
-                .build()
-                .expect("layer");
+        let layer = IdempotencyLayer::builder(axum_idempotency::store::CachedStore::new(
+            self.store.clone(),
+        ))
+        .in_progress_ttl(Duration::from_secs(30))
+        .on_outcome(self.outcomes.hook())
+        .transactions(true)
+        .build()
+        .expect("layer");
         self.router_on(layer)
     }
 
     /// An instance of the application behind `layer`.
-    fn router_on<St: axum_idempotency::IdempotencyStore>(
+    fn router_on<St: axum_idempotency::store::IdempotencyStore>(
         &self,
         layer: IdempotencyLayer<St>,
     ) -> Router {
@@ -409,7 +415,7 @@ async fn transaction_on_another_store_is_500_and_runs_nothing() {
     };
     let router = Router::new()
         .route("/charge", post(charge))
-        .route_layer(IdempotencyLayer::new(MemoryStore::new()))
+        .route_layer(IdempotencyLayer::new(MemoryStore::new()).expect("valid settings"))
         .layer(middleware::from_fn(auth))
         .with_state(world.clone());
     let answer = send(&router, "k", &[]).await;
@@ -501,6 +507,7 @@ async fn commit_of_unknown_outcome_does_not_leave_the_key_stuck() {
         .with_timeout(Duration::from_millis(500));
     let layer = IdempotencyLayer::builder(store)
         .in_progress_ttl(Duration::from_secs(30))
+        .transactions(true)
         .build()
         .expect("layer");
     let router = s.router_on(layer);
@@ -554,6 +561,7 @@ async fn a_long_transaction_still_records_a_replayable_answer() {
     let layer = IdempotencyLayer::builder(s.store.clone())
         .in_progress_ttl(Duration::from_secs(30))
         .retention(Duration::from_secs(1))
+        .transactions(true)
         .build()
         .expect("layer");
     let router = s.router_on(layer);

@@ -17,9 +17,8 @@ use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::post;
-use axum_idempotency::{
-    EncryptedStore, EncryptionKeys, IdempotencyLayer, IdempotencyStore, KeyId, MemoryStore, Subject,
-};
+use axum_idempotency::store::{EncryptedStore, EncryptionKeys, IdempotencyStore, KeyId};
+use axum_idempotency::{IdempotencyLayer, MemoryStore, Subject};
 use common::{Answer, send};
 
 /// Key material for an id (tests only; real keys come from a secret store).
@@ -106,11 +105,13 @@ async fn pay_in_transaction(
         world.schema
     )))
     .bind(i64::try_from(run).expect("small"))
-    .execute(&mut *tx)
+    .execute(tx.conn().await.expect("begin"))
     .await
     .expect("the effect is written");
     if headers.contains_key("x-abort") {
-        let failed = sqlx::query("SELECT 1 / 0").execute(&mut *tx).await;
+        let failed = sqlx::query("SELECT 1 / 0")
+            .execute(tx.conn().await.expect("begun"))
+            .await;
         assert!(failed.is_err());
         return receipt_with(StatusCode::PAYMENT_REQUIRED, run, &body);
     }
@@ -134,7 +135,21 @@ fn router<S: IdempotencyStore>(layer: IdempotencyLayer<S>, world: &World) -> Rou
 }
 
 fn layer<S: IdempotencyStore>(store: S) -> IdempotencyLayer<S> {
-    IdempotencyLayer::new(store)
+    IdempotencyLayer::new(store).expect("valid settings")
+}
+
+/// The layer over a store with transactions, offering them to handlers.
+#[cfg(feature = "postgres")]
+fn transactional_layer<S>(store: S) -> IdempotencyLayer<S>
+where
+    S: axum_idempotency::store::TransactionalStore<
+            Transaction = axum_idempotency::sqlx::Transaction<'static, sqlx::Postgres>,
+        >,
+{
+    IdempotencyLayer::builder(store)
+        .transactions(true)
+        .build()
+        .expect("valid settings")
 }
 
 async fn pay_with(router: &Router, path: &str, key: &str, marker: &str) -> Answer {
@@ -207,7 +222,7 @@ mod postgres {
 
     use std::time::Duration;
 
-    use axum_idempotency::{CachedStore, PostgresStore};
+    use axum_idempotency::store::{CachedStore, PostgresStore};
     use sqlx::postgres::{PgPool, PgPoolOptions};
 
     fn database_url() -> String {
@@ -257,9 +272,9 @@ mod postgres {
     /// a record written before the secret was set still replays.
     #[tokio::test]
     async fn keyed_fingerprints_hide_the_body_hash_and_older_records_still_replay() {
-        use axum_idempotency::{
-            ClaimOutcome, ClaimRequest, Fingerprint, Finished, Generation, LeaseToken, RecordKey,
-            StoredResponse,
+        use axum_idempotency::Fingerprint;
+        use axum_idempotency::store::{
+            ClaimOutcome, ClaimRequest, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
         };
         let (plain, _) = plain_store(4).await;
         let request = |key: &str, body: &[u8]| ClaimRequest {
@@ -347,7 +362,7 @@ mod postgres {
                 .claim(&request(key, br#"{"amount":999}"#))
                 .await
                 .expect("claim");
-            assert_eq!(other, ClaimOutcome::FingerprintMismatch, "{key}");
+            assert_eq!(other, ClaimOutcome::KeyReuse, "{key}");
         }
     }
 
@@ -511,15 +526,18 @@ mod postgres {
 
     /// A transactional answer through the store `wrap` makes of the plain one: the effect commits
     /// with a sealed record, and the replay carries the answer.
-    async fn transactional_path_stores_no_plaintext<S: IdempotencyStore>(
-        wrap: impl FnOnce(PostgresStore) -> S,
-    ) {
+    async fn transactional_path_stores_no_plaintext<S>(wrap: impl FnOnce(PostgresStore) -> S)
+    where
+        S: axum_idempotency::store::TransactionalStore<
+                Transaction = axum_idempotency::sqlx::Transaction<'static, sqlx::Postgres>,
+            >,
+    {
         let (plain, schema) = plain_store(8).await;
         let world = World {
             schema: schema.clone(),
             ..World::default()
         };
-        let app = router(layer(wrap(plain.clone())), &world);
+        let app = router(transactional_layer(wrap(plain.clone())), &world);
         let marker = marker();
         assert_carries(&pay_with(&app, "/pay-tx", "k", &marker).await, &marker);
         let (effects,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
@@ -567,7 +585,7 @@ mod postgres {
             ..World::default()
         };
         let app = router(
-            layer(EncryptedStore::new(plain.clone(), keys(&[1]))),
+            transactional_layer(EncryptedStore::new(plain.clone(), keys(&[1]))),
             &world,
         );
         let marker = marker();
@@ -646,7 +664,7 @@ mod postgres {
             ..World::default()
         };
         let app = router(
-            layer(EncryptedStore::new(plain.clone(), keys(&[1]))),
+            transactional_layer(EncryptedStore::new(plain.clone(), keys(&[1]))),
             &world,
         );
         let markers: Vec<String> = (0..4).map(|_| marker()).collect();
@@ -742,7 +760,7 @@ mod postgres {
 mod redis_store {
     use super::*;
 
-    use axum_idempotency::RedisStore;
+    use axum_idempotency::store::RedisStore;
 
     fn client() -> redis::Client {
         let url = crate::common::servers::redis_url();

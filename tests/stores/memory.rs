@@ -8,10 +8,10 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::StatusCode;
-use axum_idempotency::{
-    ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyLayer, IdempotencyStore, LeaseToken,
-    MemoryStore, RecordKey, StoreError, StoredResponse,
+use axum_idempotency::store::{
+    ClaimOutcome, ClaimRequest, IdempotencyStore, LeaseToken, RecordKey, StoreError, StoredResponse,
 };
+use axum_idempotency::{Fingerprint, IdempotencyLayer, MemoryStore};
 use common::{app, post, send};
 
 store_suite!(async { MemoryStore::new() });
@@ -21,8 +21,8 @@ store_suite!(async { MemoryStore::new() });
 #[tokio::test]
 async fn memory_records_say_their_time_left_and_are_cached() {
     let store = MemoryStore::new();
-    let cached = axum_idempotency::CachedStore::new(store.clone());
-    let (router, _) = app(IdempotencyLayer::new(cached.clone()));
+    let cached = axum_idempotency::store::CachedStore::new(store.clone());
+    let (router, _) = app(IdempotencyLayer::new(cached.clone()).expect("valid settings"));
     let req = || post("/pay").key("k").user("alice").json("{}");
     assert!(!send(&router, req()).await.replayed());
     for _ in 0..3 {
@@ -32,7 +32,7 @@ async fn memory_records_say_their_time_left_and_are_cached() {
 }
 
 fn layer() -> IdempotencyLayer<MemoryStore> {
-    IdempotencyLayer::new(MemoryStore::new())
+    IdempotencyLayer::new(MemoryStore::new()).expect("valid settings")
 }
 
 #[tokio::test]
@@ -225,7 +225,7 @@ impl IdempotencyStore for DownStore {
         _: &axum_idempotency::Fingerprint,
         _: std::sync::Arc<StoredResponse>,
         _: Duration,
-    ) -> Result<axum_idempotency::Fenced, StoreError> {
+    ) -> Result<axum_idempotency::store::Fenced, StoreError> {
         Err(StoreError::msg("connection refused"))
     }
     async fn renew(
@@ -233,21 +233,21 @@ impl IdempotencyStore for DownStore {
         _: &RecordKey,
         _: LeaseToken,
         _: Duration,
-    ) -> Result<axum_idempotency::Fenced, StoreError> {
+    ) -> Result<axum_idempotency::store::Fenced, StoreError> {
         Err(StoreError::msg("connection refused"))
     }
     async fn release(
         &self,
         _: &RecordKey,
         _: LeaseToken,
-    ) -> Result<axum_idempotency::Fenced, StoreError> {
+    ) -> Result<axum_idempotency::store::Fenced, StoreError> {
         Err(StoreError::msg("connection refused"))
     }
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         Err(StoreError::msg("connection refused"))
     }
-    fn capabilities(&self) -> axum_idempotency::store::Capabilities<'_> {
-        axum_idempotency::store::Capabilities::none()
+    fn operation_timeout(&self) -> Option<Duration> {
+        None
     }
     async fn lookup(
         &self,
@@ -269,7 +269,7 @@ impl IdempotencyStore for DownStore {
 
 #[tokio::test]
 async fn store_failure_is_503_and_runs_nothing() {
-    let (router, counters) = app(IdempotencyLayer::new(DownStore));
+    let (router, counters) = app(IdempotencyLayer::new(DownStore).expect("valid settings"));
     let answer = send(&router, post("/pay").key("k").user("alice")).await;
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(answer.problem(), "idempotency_store_unavailable");
@@ -300,7 +300,7 @@ async fn memory_is_bounded_by_retention() {
         },
         fingerprint: Fingerprint::of(None, b"{}"),
         lease: LeaseToken::generate(),
-        generation: axum_idempotency::Generation::generate(),
+        generation: axum_idempotency::store::Generation::generate(),
         in_progress_ttl: Duration::from_millis(10),
         retention,
     };
@@ -565,7 +565,7 @@ async fn detached_requests_are_bounded() {
 #[tokio::test]
 async fn a_full_memory_store_refuses_new_keys_and_keeps_the_old() {
     let store = MemoryStore::with_capacity(4 * 1024);
-    let (router, counters) = app(IdempotencyLayer::new(store.clone()));
+    let (router, counters) = app(IdempotencyLayer::new(store.clone()).expect("valid settings"));
     let mut stored = Vec::new();
     let refused = loop {
         let key = format!("key-{}", stored.len());
@@ -620,7 +620,8 @@ async fn a_ttl_below_twice_the_store_timeout_is_refused() {
     let pool = sqlx::postgres::PgPoolOptions::new()
         .connect_lazy("postgres://localhost/none")
         .expect("lazy pool");
-    let store = axum_idempotency::PostgresStore::new(pool).with_timeout(Duration::from_secs(5));
+    let store =
+        axum_idempotency::store::PostgresStore::new(pool).with_timeout(Duration::from_secs(5));
     let refused = IdempotencyLayer::builder(store.clone())
         .in_progress_ttl(Duration::from_secs(9))
         .build()
@@ -660,7 +661,7 @@ async fn fresh_answers_never_carry_a_replay_marker_and_hop_headers_are_not_store
             "{hop}: {refused}"
         );
     }
-    let layer = IdempotencyLayer::new(MemoryStore::new());
+    let layer = IdempotencyLayer::new(MemoryStore::new()).expect("valid settings");
     let router = axum::Router::new()
         .route(
             "/pay",
@@ -828,7 +829,7 @@ async fn two_routes_keep_their_own_layers_settings() {
     use axum::handler::Handler;
     use axum::routing::post as route_post;
     let store = MemoryStore::new();
-    let strict = IdempotencyLayer::new(store.clone());
+    let strict = IdempotencyLayer::new(store.clone()).expect("valid settings");
     let lenient = IdempotencyLayer::builder(store)
         .fingerprint_ignore(["/ts"])
         .build()
@@ -995,7 +996,7 @@ async fn errors_are_rendered_by_the_application() {
 #[test]
 fn wait_settings_are_checked() {
     let too_long = IdempotencyLayer::builder(MemoryStore::new())
-        .wait(axum_idempotency::MAX_WAIT + Duration::from_millis(1))
+        .wait(Duration::from_secs(5) + Duration::from_millis(1))
         .build();
     assert!(too_long.is_err());
     let nobody = IdempotencyLayer::builder(MemoryStore::new())
@@ -1005,7 +1006,7 @@ fn wait_settings_are_checked() {
     assert!(nobody.is_err());
     assert!(
         IdempotencyLayer::builder(MemoryStore::new())
-            .wait(axum_idempotency::MAX_WAIT)
+            .wait(Duration::from_secs(5))
             .build()
             .is_ok()
     );

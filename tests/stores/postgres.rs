@@ -11,10 +11,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::http::StatusCode;
-use axum_idempotency::{
-    ClaimOutcome, ClaimRequest, Fingerprint, Finished, IdempotencyLayer, IdempotencyStore,
-    LeaseToken, PostgresStore, RecordKey,
+use axum_idempotency::store::{
+    ClaimOutcome, ClaimRequest, Finished, IdempotencyStore, LeaseToken, PostgresStore, RecordKey,
 };
+use axum_idempotency::{Fingerprint, IdempotencyLayer};
 use common::{app, post, send};
 use sqlx::Connection;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
@@ -143,7 +143,8 @@ async fn unreachable_database_is_503_and_runs_nothing() {
         .acquire_timeout(Duration::from_secs(2))
         .connect_lazy("postgres://postgres@127.0.0.1:1/test")
         .expect("lazy pool");
-    let (router, counters) = app(IdempotencyLayer::new(PostgresStore::new(pool)));
+    let (router, counters) =
+        app(IdempotencyLayer::new(PostgresStore::new(pool)).expect("valid settings"));
     let answer = send(&router, post("/pay").key("k").user("alice").json("{}")).await;
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(answer.problem(), "idempotency_store_unavailable");
@@ -157,7 +158,7 @@ async fn a_missing_table_is_503_not_a_panic() {
     let schema = fresh_schema(&pool).await;
     let store =
         PostgresStore::with_table(pool, &format!("{schema}.never_migrated")).expect("table");
-    let (router, counters) = app(IdempotencyLayer::new(store.clone()));
+    let (router, counters) = app(IdempotencyLayer::new(store.clone()).expect("valid settings"));
     let answer = send(&router, post("/pay").key("k").user("alice")).await;
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(counters.started(), 0);
@@ -168,7 +169,7 @@ async fn a_missing_table_is_503_not_a_panic() {
 async fn records_are_committed_before_the_handler_runs() {
     // While the handler runs, another connection already sees the claim as in progress.
     let store = store().await;
-    let (router, counters) = app(IdempotencyLayer::new(store.clone()));
+    let (router, counters) = app(IdempotencyLayer::new(store.clone()).expect("valid settings"));
     let slow = tokio::spawn({
         let router = router.clone();
         async move {
@@ -230,7 +231,7 @@ async fn hostile_keys_and_subjects_are_plain_data() {
     .execute(&admin)
     .await
     .expect("canary");
-    let (router, counters) = app(IdempotencyLayer::new(store.clone()));
+    let (router, counters) = app(IdempotencyLayer::new(store.clone()).expect("valid settings"));
     let key = "'; DROP TABLE idempotency_records; DROP TABLE canary; --";
     let user = "alice' OR '1'='1'; DROP TABLE canary; --";
     let first = send(&router, post("/pay").key(key).user(user).json("{}")).await;
@@ -316,7 +317,7 @@ async fn a_shadowing_table_in_an_earlier_schema_changes_nothing() {
     };
     assert!(fixed(&settings(admin.clone(), function.clone()).await));
 
-    let (router, counters) = app(IdempotencyLayer::new(store.clone()));
+    let (router, counters) = app(IdempotencyLayer::new(store.clone()).expect("valid settings"));
     for key in ["a", "b", "c"] {
         let first = send(&router, post("/pay").key(key).user("alice").json("{}")).await;
         assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
@@ -414,7 +415,7 @@ async fn migrate_without_the_privilege_for_the_claim_function_warns_and_claims_s
         .await
         .expect("drop the function");
     writer.migrate().await.expect("migrate without CREATE");
-    let (router, counters) = app(IdempotencyLayer::new(writer));
+    let (router, counters) = app(IdempotencyLayer::new(writer).expect("valid settings"));
     let first = send(&router, post("/pay").key("k").user("alice").json("{}")).await;
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
     let replay = send(&router, post("/pay").key("k").user("alice").json("{}")).await;
@@ -448,7 +449,7 @@ fn claim_request(key: &str, body: &[u8]) -> ClaimRequest {
         },
         fingerprint: Fingerprint::of(None, body),
         lease: LeaseToken::generate(),
-        generation: axum_idempotency::Generation::generate(),
+        generation: axum_idempotency::store::Generation::generate(),
         in_progress_ttl: Duration::from_secs(60),
         retention: Duration::from_secs(3600),
     }
@@ -573,7 +574,7 @@ async fn a_claim_that_loses_the_race_to_a_claim_in_progress_is_in_progress() {
 async fn a_claim_that_loses_the_race_to_another_fingerprint_is_a_mismatch() {
     let outcome =
         claim_racing_an_uncommitted_insert(b"{\"amount\":2}", Some((201, b"charged"))).await;
-    assert_eq!(outcome, ClaimOutcome::FingerprintMismatch);
+    assert_eq!(outcome, ClaimOutcome::KeyReuse);
 }
 
 /// Once the table and its index exist, `migrate()` takes no lock on the table: an instance that
@@ -692,7 +693,7 @@ async fn claims_work_without_the_claim_function_until_migrate_adds_it() {
         .execute(store.pool())
         .await
         .expect("drop");
-    let (router, counters) = app(IdempotencyLayer::new(store.clone()));
+    let (router, counters) = app(IdempotencyLayer::new(store.clone()).expect("valid settings"));
     let req = || post("/pay").key("k").user("alice").json("{}");
     assert_eq!(send(&router, req()).await.status, StatusCode::CREATED);
     assert!(send(&router, req()).await.replayed());
@@ -1024,7 +1025,7 @@ async fn a_kept_connection_ended_by_the_server_is_replaced() {
         .execute(&admin)
         .await
         .expect("terminate");
-        let response = std::sync::Arc::new(axum_idempotency::StoredResponse {
+        let response = std::sync::Arc::new(axum_idempotency::store::StoredResponse {
             outcome: Finished::Completed,
             status: 201,
             headers: Vec::new(),
@@ -1065,7 +1066,7 @@ async fn without_scope_columns_lists_nothing_but_looks_up_and_deletes() {
         ..claim_request("hidden", b"{}")
     };
     store.claim(&anonymous).await.expect("claim");
-    let response = std::sync::Arc::new(axum_idempotency::StoredResponse {
+    let response = std::sync::Arc::new(axum_idempotency::store::StoredResponse {
         outcome: Finished::Completed,
         status: 201,
         headers: Vec::new(),

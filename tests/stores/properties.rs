@@ -7,7 +7,9 @@
 //! by a seed; each writing must canonicalise to the reference canonical form of the tree, which this
 //! file computes on its own, without the crate.
 
-use axum_idempotency::{Fingerprint, canonicalize, key};
+use axum_idempotency::Fingerprint;
+use axum_idempotency::fingerprint::canonicalize;
+use axum_idempotency::layer::key;
 use proptest::prelude::*;
 
 /// A JSON value. Object keys are unique (they come from a map); members keep an arbitrary order.

@@ -13,7 +13,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
-use axum_idempotency::{IdempotencyLayer, IdempotencyStore, RedisStore};
+use axum_idempotency::IdempotencyLayer;
+use axum_idempotency::store::{IdempotencyStore, RedisStore};
 use common::proxy::{Mode, Proxy};
 use common::{app, post, send};
 use redis::aio::MultiplexedConnection;
@@ -148,7 +149,7 @@ async fn records_spread_over_more_than_one_master() {
     let store = RedisStore::cluster(client())
         .expect("store")
         .with_prefix(&prefix);
-    let (router, counters) = app(IdempotencyLayer::new(store));
+    let (router, counters) = app(IdempotencyLayer::new(store).expect("valid settings"));
     // Different keys, subjects and routes: 48 records, each under a digest of its own scope.
     const RECORDS: usize = 48;
     for i in 0..RECORDS {
@@ -212,7 +213,7 @@ async fn scripts_flushed_from_every_master_are_sent_again() {
     let store = RedisStore::cluster(client())
         .expect("store")
         .with_prefix(&prefix);
-    let (router, counters) = app(IdempotencyLayer::new(store));
+    let (router, counters) = app(IdempotencyLayer::new(store).expect("valid settings"));
     // The scripts are cached on the nodes by a first use.
     let answer = send(
         &router,
@@ -273,7 +274,7 @@ async fn unreachable_cluster_is_503_and_runs_nothing() {
     let store = RedisStore::cluster(client)
         .expect("a lazy store")
         .with_timeout(Duration::from_secs(1));
-    let (router, counters) = app(IdempotencyLayer::new(store.clone()));
+    let (router, counters) = app(IdempotencyLayer::new(store.clone()).expect("valid settings"));
     let started = Instant::now();
     let answer = send(&router, post("/pay").key("k").user("alice").json("{}")).await;
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
@@ -310,7 +311,7 @@ async fn a_stalled_cluster_is_503_within_the_timeout() {
         .expect("a lazy store")
         .with_prefix(&prefix())
         .with_timeout(Duration::from_millis(200));
-    let (router, counters) = app(IdempotencyLayer::new(store));
+    let (router, counters) = app(IdempotencyLayer::new(store).expect("valid settings"));
     for _ in 0..3 {
         let started = Instant::now();
         let answer = send(&router, post("/pay").key("k").user("alice").json("{}")).await;
@@ -333,7 +334,7 @@ async fn a_cluster_unreachable_at_start_is_used_once_it_answers() {
         .expect("a lazy store")
         .with_prefix(&prefix())
         .with_timeout(Duration::from_secs(1));
-    let (router, counters) = app(IdempotencyLayer::new(store));
+    let (router, counters) = app(IdempotencyLayer::new(store).expect("valid settings"));
     let request = || post("/pay").key("late").user("alice").json("{}");
     let answer = send(&router, request()).await;
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE, "{answer:?}");

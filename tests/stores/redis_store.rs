@@ -11,10 +11,11 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use axum_idempotency::store::ListRequest;
-use axum_idempotency::{
-    ClaimOutcome, ClaimRequest, Fenced, Fingerprint, Generation, IdempotencyLayer,
-    IdempotencyStore, LeaseToken, RecordKey, RedisStore,
+use axum_idempotency::store::{
+    ClaimOutcome, ClaimRequest, Fenced, Generation, IdempotencyStore, LeaseToken, RecordKey,
+    RedisStore,
 };
+use axum_idempotency::{Fingerprint, IdempotencyLayer};
 use common::{app, post, send};
 use redis::aio::MultiplexedConnection;
 
@@ -57,7 +58,7 @@ async fn unreachable_redis_is_503_and_runs_nothing() {
     let store = RedisStore::new(client)
         .expect("a lazy store")
         .with_timeout(Duration::from_secs(2));
-    let (router, counters) = app(IdempotencyLayer::new(store.clone()));
+    let (router, counters) = app(IdempotencyLayer::new(store.clone()).expect("valid settings"));
     let answer = send(&router, post("/pay").key("k").user("alice").json("{}")).await;
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(answer.problem(), "idempotency_store_unavailable");
@@ -394,7 +395,7 @@ async fn a_listing_reads_a_bounded_number_of_entries_and_continues() {
 async fn without_scope_fields_nothing_is_in_clear_and_nothing_is_listed() {
     let (store, prefix) = store_and_prefix();
     let store = store.without_scope_fields();
-    let (router, _) = app(IdempotencyLayer::new(store.clone()));
+    let (router, _) = app(IdempotencyLayer::new(store.clone()).expect("valid settings"));
     let answer = send(
         &router,
         post("/pay")
@@ -437,6 +438,6 @@ async fn without_scope_fields_nothing_is_in_clear_and_nothing_is_listed() {
     assert!(page.records.is_empty(), "{page:?}");
     assert_eq!(
         store.delete(&key).await.expect("delete"),
-        axum_idempotency::Deleted::Deleted
+        axum_idempotency::store::Deleted::Deleted
     );
 }

@@ -9,9 +9,9 @@ use sqlx::Row;
 use sqlx::postgres::PgRow;
 
 use super::{PostgresStore, RELEASED, db, micros, on_connection, parse_headers};
-use crate::lock::lock;
-use crate::record::{ClaimOutcome, ClaimRequest, Finished, Generation, StoredResponse};
 use crate::store::StoreError;
+use crate::store::{ClaimOutcome, ClaimRequest, Finished, Generation, StoredResponse};
+use crate::util::lock::lock;
 
 /// How long a store that found the claim function missing waits before looking for it again.
 const FUNCTION_PROBE: Duration = Duration::from_secs(60);
@@ -111,7 +111,7 @@ impl PostgresStore {
             );
         }
         if !same_fp {
-            return Ok(ClaimOutcome::FingerprintMismatch);
+            return Ok(ClaimOutcome::KeyReuse);
         }
         let outcome = match status.as_str() {
             "completed" => Finished::Completed,

@@ -6,7 +6,7 @@
 
 use super::statements::{LOCK_BOUND, lock_bound_cte};
 use super::{PostgresStore, RELEASED, db, on_connection, printable};
-use crate::record::RecordKey;
+use crate::store::RecordKey;
 use crate::store::{
     Deleted, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage, RecordState,
     StoreError, from_micros,

@@ -4,8 +4,8 @@
 
 use super::statements::{Statements, quote_ident};
 use super::{MIN_MIGRATE_TIMEOUT, PostgresStore, db};
-use crate::lock::lock;
 use crate::store::StoreError;
+use crate::util::lock::lock;
 
 /// The migration, with `idempotency_records` as the table name.
 const MIGRATION: &str = include_str!("../../../migrations/0001_idempotency_records.sql");
@@ -40,7 +40,7 @@ impl PostgresStore {
     /// Safe to call from many instances at once: an advisory lock serialises them. It touches no
     /// migration bookkeeping of the application's (no `_sqlx_migrations` rows). It fails, rather
     /// than waiting forever, after
-    /// the operation timeout or [`MIN_MIGRATE_TIMEOUT`], whichever is longer; and it fails with a
+    /// the operation timeout or 30 s, whichever is longer; and it fails with a
     /// clear error when the table exists in a shape this version cannot use.
     ///
     /// Call it on the `PostgresStore` itself, before wrapping it in a `CachedStore` or an

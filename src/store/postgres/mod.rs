@@ -1,6 +1,6 @@
 //! The PostgreSQL store: one table shared by every instance of an application.
 
-use crate::record::Fenced;
+use crate::store::Fenced;
 use std::borrow::Cow;
 use std::fmt;
 use std::future::Future;
@@ -18,18 +18,19 @@ mod inspect;
 mod migrate;
 mod parking;
 mod statements;
+mod transactional;
 
 use migrate::DEFAULT_TABLE;
 use statements::{PURGE_BATCH, Statements};
 
 use parking::lost_connection;
 
-use super::{Capabilities, IdempotencyStore, StoreError};
-use crate::Fingerprint;
-use crate::record::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
+use super::{IdempotencyStore, StoreError};
+use crate::store::Fingerprint;
+use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
 
 /// The shortest time `migrate()` may take (it may wait for another instance's migration).
-pub const MIN_MIGRATE_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const MIN_MIGRATE_TIMEOUT: Duration = Duration::from_secs(30);
 /// The lease token of a released record: no claim holds it (`LeaseToken::generate` never gives 0).
 const RELEASED: i64 = 0;
 
@@ -97,10 +98,10 @@ impl fmt::Debug for PostgresStore {
 }
 
 /// How long one store operation may take before it counts as failed (`503`), by default.
-pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
 /// The shortest operation timeout [`PostgresStore::with_timeout`] sets: shorter ones are raised to
 /// it (no database answers faster, and every statement would fail).
-pub const MIN_OPERATION_TIMEOUT: Duration = Duration::from_millis(10);
+pub(crate) const MIN_OPERATION_TIMEOUT: Duration = Duration::from_millis(10);
 
 /// An invalid table name given to [`PostgresStore::with_table`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -163,7 +164,7 @@ impl PostgresStore {
     /// How long the wait for a connection, and then one claim, complete, release or purge
     /// statement, may each take
     /// before it fails. Without it, a database that stops answering (a stalled network) would hold
-    /// requests forever. Default: [`DEFAULT_OPERATION_TIMEOUT`].
+    /// requests forever. Default: 5 s (at least 10 ms).
     ///
     /// A claim that times out may still have committed; its record then stays `in_progress` with no
     /// worker and is retaken after the in-progress TTL: the handler still runs at most once.
@@ -262,9 +263,11 @@ impl PostgresStore {
         self.pinned.get().unwrap_or(&self.configured)
     }
 
-    /// The completion statement, bound: see [`IdempotencyStore::complete`].
+    /// The completion statement `sql` (`complete` or `complete_in`), bound: see
+    /// [`IdempotencyStore::complete`].
     fn completion<'q>(
         &'q self,
+        sql: &'q str,
         scope: &'q [u8; 32],
         lease: LeaseToken,
         response: &'q StoredResponse,
@@ -276,7 +279,7 @@ impl PostgresStore {
             .map(|(n, v)| (n.as_str(), v.as_bytes()))
             .unzip();
         let body = (!response.body_omitted).then_some(&response.body[..]);
-        sqlx::query_as(sqlx::AssertSqlSafe(self.sql().complete.as_str()))
+        sqlx::query_as(sqlx::AssertSqlSafe(sql))
             .bind(&scope[..])
             .bind(lease.0)
             .bind(response.outcome.as_str())
@@ -286,82 +289,6 @@ impl PostgresStore {
             .bind(body)
             .bind(micros(retention))
             .bind(&*self.lock_timeout)
-    }
-
-    /// Begins a transaction for a handler, within the operation timeout.
-    /// Begins a transaction for a handler, at READ COMMITTED whatever the database's default (the
-    /// completion must see the newest version of its record, which a heartbeat keeps updating).
-    ///
-    /// A `BEGIN` cut short by a timeout would leave its connection in the pool inside an open
-    /// transaction, so it is never cut short: it runs on a task of its own, and if it outlives the
-    /// timeout, the transaction it opens is dropped there, which rolls it back.
-    ///
-    /// The transaction may not stay idle longer than `idle` (the in-progress TTL): a connection
-    /// that dies quietly between the completion and the commit holds the record's row lock, and
-    /// the server ends its session after that long, so the key is stuck for at most about a TTL.
-    pub(crate) async fn begin(
-        &self,
-        idle: Duration,
-    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, StoreError> {
-        let pool = self.transactions.as_ref().unwrap_or(&self.pool).clone();
-        let statement = format!(
-            "BEGIN ISOLATION LEVEL READ COMMITTED; \
-             SET LOCAL idle_in_transaction_session_timeout = '{}ms'",
-            pg_millis(idle)
-        );
-        let mut begun =
-            tokio::spawn(async move { pool.begin_with(sqlx::AssertSqlSafe(statement)).await });
-        match tokio::time::timeout(self.timeout, &mut begun).await {
-            Ok(Ok(result)) => result.map_err(db("begin")),
-            Ok(Err(e)) => Err(StoreError::new("postgres begin: the task failed", e)),
-            Err(_) => Err(StoreError::msg(format!(
-                "postgres begin: no answer within {:?}",
-                self.timeout
-            ))),
-        }
-    }
-
-    /// Completes a record inside the handler's transaction (not committed here).
-    pub(crate) async fn complete_in(
-        &self,
-        tx: &mut sqlx::PgConnection,
-        key: &RecordKey,
-        lease: LeaseToken,
-        response: &StoredResponse,
-        retention: Duration,
-    ) -> Result<bool, CompleteInError> {
-        let scope = key.digest();
-        let completion = self.completion(&scope, lease, response, retention);
-        match tokio::time::timeout(self.timeout, completion.fetch_one(tx)).await {
-            Ok(Ok((held,))) => Ok(held),
-            Ok(Err(e)) => Err(CompleteInError {
-                aborted_transaction: e
-                    .as_database_error()
-                    .and_then(|d| d.code())
-                    .is_some_and(|code| code == "25P02"),
-                error: StoreError::new("postgres complete in transaction", e),
-            }),
-            Err(_) => Err(CompleteInError {
-                aborted_transaction: false,
-                error: StoreError::msg(format!(
-                    "postgres complete in transaction: no answer within {:?}",
-                    self.timeout
-                )),
-            }),
-        }
-    }
-
-    /// After a commit of the handler's transaction failed: releases the record if the commit did
-    /// not happen (`Ok(false)`), or finds it finished by `lease` if it did (`Ok(true)`).
-    pub(crate) async fn settle_failed_commit(
-        &self,
-        key: &RecordKey,
-        lease: LeaseToken,
-    ) -> Result<bool, StoreError> {
-        if self.release(key, lease).await?.is_done() {
-            return Ok(false);
-        }
-        self.finished_by(&key.digest(), lease).await
     }
 
     /// Whether `lease` finished the record (see `Statements::finished_by`).
@@ -374,20 +301,6 @@ impl PostgresStore {
         })?
         .map_err(db("complete"))?;
         Ok(finished)
-    }
-
-    pub(crate) async fn commit(
-        &self,
-        tx: sqlx::Transaction<'static, sqlx::Postgres>,
-    ) -> Result<(), StoreError> {
-        self.timed("commit", tx.commit()).await
-    }
-
-    pub(crate) async fn rollback(
-        &self,
-        tx: sqlx::Transaction<'static, sqlx::Postgres>,
-    ) -> Result<(), StoreError> {
-        self.timed("rollback", tx.rollback()).await
     }
 
     /// A subject or endpoint as its column keeps it: printable, or empty without scope columns.
@@ -431,7 +344,7 @@ impl IdempotencyStore for PostgresStore {
     ) -> Result<Fenced, StoreError> {
         let scope = key.digest();
         let (held,): (bool,) = on_connection!(self, "complete", conn => {
-            self.completion(&scope, lease, &response, retention)
+            self.completion(&self.sql().complete, &scope, lease, &response, retention)
                 .fetch_one(&mut *conn)
         })?
         .map_err(db("complete"))?;
@@ -457,10 +370,8 @@ impl IdempotencyStore for PostgresStore {
         self.list_records(subject, request).await
     }
 
-    fn capabilities(&self) -> Capabilities<'_> {
-        Capabilities::none()
-            .with_operation_timeout(self.timeout)
-            .with_postgres(self)
+    fn operation_timeout(&self) -> Option<Duration> {
+        Some(self.timeout)
     }
 
     async fn renew(
@@ -516,14 +427,6 @@ fn printable(s: &str) -> Cow<'_, str> {
     } else {
         Cow::Borrowed(s)
     }
-}
-
-/// Why a completion inside the handler's transaction failed.
-pub(crate) struct CompleteInError {
-    pub(crate) error: StoreError,
-    /// The handler's own statements had already failed (SQLSTATE 25P02): nothing in the
-    /// transaction can commit.
-    pub(crate) aborted_transaction: bool,
 }
 
 /// Stored headers back into HTTP types. The table may have been written by anyone: a name or value

@@ -23,7 +23,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::postgres::Postgres;
 use tokio::time::Instant;
 
-use crate::lock::lock;
+use crate::util::lock::lock;
 
 /// How long a connection is kept without being used before it goes back to the pool (checked this
 /// often, so up to twice this).

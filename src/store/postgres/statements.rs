@@ -22,6 +22,16 @@ pub(super) fn lock_bound_cte(n: u8) -> String {
     )
 }
 
+/// [`lock_bound_cte`], which also bounds how long the statement's transaction may then stay idle,
+/// from the text parameter `$idle`: for the completion written in a handler's transaction, after
+/// which the record's row is held by that transaction until its commit.
+pub(super) fn lock_and_idle_bound_cte(n: u8, idle: u8) -> String {
+    format!(
+        "WITH lock_bound AS MATERIALIZED (SELECT set_config('lock_timeout', ${n}, true) AS bound, \
+           set_config('idle_in_transaction_session_timeout', ${idle}, true) AS idle)"
+    )
+}
+
 /// Rows removed per statement by `purge_expired`, so no single statement holds locks for long.
 pub(super) const PURGE_BATCH: i64 = 10_000;
 
@@ -56,6 +66,9 @@ pub(super) struct Statements {
     pub(super) retake: String,
     pub(super) renew: String,
     pub(super) complete: String,
+    /// The completion in a handler's transaction: `complete`, bounding the transaction's idle
+    /// time from then on by `$10`.
+    pub(super) complete_in: String,
     pub(super) finished_by: String,
     pub(super) release: String,
     pub(super) purge: String,
@@ -177,19 +190,8 @@ impl Statements {
             // $1 scope, $2 lease, $3 status, $4 response status, $5 names, $6 values, $7 body,
             // $8 retention (µs), $9 lock timeout. The statement's own clock, not `now()`: inside
             // a handler's transaction `now()` is when the transaction began, which may be long ago.
-            complete: format!(
-                "{}, done AS ( \
-                   UPDATE {t} SET status = $3, response_status = $4, header_names = $5, \
-                     header_values = $6, response_body = $7, updated_at = clock_timestamp(), \
-                     expires_at = clock_timestamp() + $8::float8 * interval '1 microsecond' \
-                   WHERE scope = $1 AND lease_token = $2 AND lease_token <> {RELEASED} \
-                     AND status = 'in_progress' AND {LOCK_BOUND} \
-                   RETURNING 1) \
-                 SELECT EXISTS (SELECT 1 FROM done) \
-                     OR EXISTS (SELECT 1 FROM {t} WHERE scope = $1 AND lease_token = $2 \
-                                AND status <> 'in_progress') AS held",
-                lock_bound_cte(9)
-            ),
+            complete: completion(t, &lock_bound_cte(9)),
+            complete_in: completion(t, &lock_and_idle_bound_cte(9, 10)),
             // Whether `lease` finished the record: asked again, in a statement of its own, when a
             // completion matched nothing (a concurrent attempt by the same lease may have finished
             // it after the completion's snapshot was taken). $1 scope, $2 lease.
@@ -219,6 +221,26 @@ impl Statements {
             quoted,
         }
     }
+}
+
+/// Finish the record if the lease holds it in progress; a record this lease already finished (an
+/// earlier attempt committed but its answer was lost) also counts as done. $1 scope, $2 lease, $3
+/// status, $4 response status, $5 names, $6 values, $7 body, $8 retention (µs), $9 lock timeout
+/// (and $10 for `complete_in`). The statement's own clock, not `now()`: inside a handler's
+/// transaction `now()` is when the transaction began, which may be long ago.
+fn completion(t: &str, cte: &str) -> String {
+    format!(
+        "{cte}, done AS ( \
+           UPDATE {t} SET status = $3, response_status = $4, header_names = $5, \
+             header_values = $6, response_body = $7, updated_at = clock_timestamp(), \
+             expires_at = clock_timestamp() + $8::float8 * interval '1 microsecond' \
+           WHERE scope = $1 AND lease_token = $2 AND lease_token <> {RELEASED} \
+             AND status = 'in_progress' AND {LOCK_BOUND} \
+           RETURNING 1) \
+         SELECT EXISTS (SELECT 1 FROM done) \
+             OR EXISTS (SELECT 1 FROM {t} WHERE scope = $1 AND lease_token = $2 \
+                        AND status <> 'in_progress') AS held"
+    )
 }
 
 /// `ident` as a quoted SQL identifier (a `"` inside doubled).

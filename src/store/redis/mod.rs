@@ -1,7 +1,7 @@
 //! The Redis store: records as Redis hashes, changed only by Lua scripts, expired by Redis itself;
 //! on one server or on a Redis Cluster.
 
-use crate::record::Fenced;
+use crate::store::Fenced;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,16 +16,16 @@ use redis::{Cmd, ErrorKind, FromRedisValue, RedisFuture, Script, ServerErrorKind
 use sha2::{Digest, Sha256};
 
 use super::{
-    Capabilities, Deleted, IdempotencyStore, ListCursor, ListRequest, ListedRecord, RecordInfo,
-    RecordPage, RecordState, StoreError, from_micros, header_list,
+    Deleted, IdempotencyStore, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage,
+    RecordState, StoreError, from_micros, header_list,
 };
-use crate::Fingerprint;
-use crate::record::{
+use crate::store::Fingerprint;
+use crate::store::{
     ClaimOutcome, ClaimRequest, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
 };
 
 /// How long one store operation may take before it counts as failed (`503`), by default.
-pub const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Claim, atomically: insert; or answer mismatch, finished (with the response), in progress; or
 /// retake a record whose claim (or last renewal) is older than the in-progress TTL. A record in
@@ -273,7 +273,8 @@ impl RedisStore {
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    /// use axum_idempotency::{IdempotencyLayer, RedisStore};
+    /// use axum_idempotency::IdempotencyLayer;
+    /// use axum_idempotency::store::RedisStore;
     ///
     /// let client = redis::cluster::ClusterClient::new(vec![
     ///     "redis://127.0.0.1:7000",
@@ -281,7 +282,7 @@ impl RedisStore {
     ///     "redis://127.0.0.1:7002",
     /// ])?;
     /// let store = RedisStore::cluster(client)?.with_prefix("shop:idem:");
-    /// let layer = IdempotencyLayer::new(store);
+    /// let layer = IdempotencyLayer::new(store).expect("valid settings");
     /// # Ok(()) }
     /// ```
     ///
@@ -340,7 +341,7 @@ impl RedisStore {
         self
     }
 
-    /// How long one operation may take before it fails. Default: [`DEFAULT_REDIS_TIMEOUT`].
+    /// How long one operation may take before it fails. Default: 2 s.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         // No server answers in less; a shorter timeout would fail every operation.
         self.timeout = timeout.max(Duration::from_millis(10));
@@ -351,7 +352,7 @@ impl RedisStore {
         let digest = key.digest();
         let mut name = String::with_capacity(self.prefix.len() + 64);
         name.push_str(&self.prefix);
-        crate::hex::push(&mut name, &digest);
+        crate::util::hex::push(&mut name, &digest);
         name
     }
 
@@ -361,7 +362,7 @@ impl RedisStore {
         let mut name = String::with_capacity(self.prefix.len() + 8 + 64);
         name.push_str(&self.prefix);
         name.push_str("subject:");
-        crate::hex::push(&mut name, &digest);
+        crate::util::hex::push(&mut name, &digest);
         name
     }
 
@@ -419,7 +420,7 @@ impl RedisStore {
         lifetime: Duration,
         limit: Duration,
     ) -> Result<(), StoreError> {
-        let member = crate::hex::encode(digest);
+        let member = crate::util::hex::encode(digest);
         let _: i64 = self
             .eval_on(
                 "index",
@@ -720,7 +721,7 @@ impl IdempotencyStore for RedisStore {
                 retaken: true,
                 generation,
             },
-            b"mismatch" => ClaimOutcome::FingerprintMismatch,
+            b"mismatch" => ClaimOutcome::KeyReuse,
             b"in_progress" => ClaimOutcome::InProgress,
             b"finished" => match reply.get(1) {
                 Some(Value::BulkString(blob)) => {
@@ -809,7 +810,7 @@ impl IdempotencyStore for RedisStore {
             Some(Value::Int(2)) => {
                 // The record is gone; its index entry too, unless a new claim filed it again.
                 if let Some(created_ms) = reply.get(1).and_then(integer) {
-                    let member = crate::hex::encode(&key.digest());
+                    let member = crate::util::hex::encode(&key.digest());
                     self.unindex(&self.index_key(&key.subject), &member, created_ms)
                         .await;
                 }
@@ -927,8 +928,8 @@ impl IdempotencyStore for RedisStore {
         Ok(RecordPage::new(records, limit))
     }
 
-    fn capabilities(&self) -> Capabilities<'_> {
-        Capabilities::none().with_operation_timeout(self.timeout)
+    fn operation_timeout(&self) -> Option<Duration> {
+        Some(self.timeout)
     }
 }
 
@@ -1015,7 +1016,7 @@ mod tests {
     #[test]
     fn index_entries_name_digests_in_lower_case_hex_only() {
         let digest: [u8; 32] = std::array::from_fn(|i| (i * 37) as u8);
-        let hex = crate::hex::encode(&digest);
+        let hex = crate::util::hex::encode(&digest);
         assert_eq!(parse_digest(&hex), Some(digest));
         assert_eq!(parse_digest(&hex.to_uppercase()), None);
         assert_eq!(parse_digest(&hex[1..]), None);

@@ -1,0 +1,265 @@
+//! The claim: one operation's key asked of the store (through this process's own claims first),
+//! and what its answer means for the door that asked: run the work under a lease, or answer.
+//! Written once, for the HTTP layer and `RunOnce` alike.
+
+use std::fmt;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use futures_util::FutureExt;
+use tokio::time::Instant;
+
+use super::context::IdempotencyContext;
+use super::lease::Lease;
+use super::outcome::Outcome;
+use super::wait::Stage;
+use super::{Engine, Settings};
+use crate::store::{
+    ClaimOutcome, ClaimRequest, FRESH_FRACTION, Fenced, Fingerprint, IdempotencyStore, RecordKey,
+    StoreError, StoredResponse, claim_ids,
+};
+use crate::util::metrics::Label;
+
+/// What the store's answer to a claim means for the door that asked.
+pub(crate) enum Claim<St: IdempotencyStore> {
+    /// The claim is held, and proven fresh: run the work under the lease, with this context.
+    Held(Lease<St>, IdempotencyContext),
+    /// The operation finished: its recorded answer, and when the claim was sent (the store
+    /// counted the record's time left from a moment after it).
+    Finished(Arc<StoredResponse>, Instant),
+    /// Another holder runs it now (or waiting for its answer ran out).
+    InProgress,
+    /// The key was used for another request within the retention.
+    KeyReuse,
+    /// The store failed, and the settings say to run the work unguarded (`fail_open`).
+    Unguarded,
+    /// The store failed (or answered the claim too late to be trusted): nothing runs.
+    Unavailable(Unavailable),
+}
+
+/// Why a claim could not be made.
+pub(crate) enum Unavailable {
+    /// The store failed.
+    Store(StoreError),
+    /// The store granted the claim too late to trust it, and it could not be proven held.
+    TooLate,
+}
+
+impl fmt::Display for Unavailable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Unavailable::Store(e) => e.fmt(f),
+            Unavailable::TooLate => {
+                f.write_str("the idempotency store answered the claim too late to be trusted")
+            }
+        }
+    }
+}
+
+impl<St: IdempotencyStore> Engine<St> {
+    /// Claims `key` for an operation with `fingerprint`, its outcomes counted under `label`.
+    ///
+    /// A duplicate of work in progress waits for its answer when the settings say so; `waiting`,
+    /// when given, tells its door's future when nothing but look-ups are under way (see
+    /// [`Stage`]).
+    pub(crate) async fn claim(
+        &self,
+        label: Label,
+        key: RecordKey,
+        fingerprint: Fingerprint,
+        waiting: Option<&Stage>,
+    ) -> Claim<St> {
+        let settings = self.settings();
+        let (lease, generation) = claim_ids();
+        let request = ClaimRequest {
+            key,
+            fingerprint,
+            lease,
+            generation,
+            in_progress_ttl: settings.in_progress_ttl,
+            retention: settings.retention,
+        };
+        let sent = Instant::now();
+        let outcome = self.store_claim(&request).await;
+        match outcome {
+            Ok(ClaimOutcome::Claimed {
+                lease,
+                retaken,
+                generation,
+            }) => {
+                let request = ClaimRequest { lease, ..request };
+                let Some(held_since) = self.fresh(&request, sent).await else {
+                    self.abandon(request.key, request.lease);
+                    self.report(&label, Outcome::StoreUnavailable);
+                    tracing::warn!(
+                        "the claim was answered too late to be trusted and could not be proven \
+                         held; released, nothing ran"
+                    );
+                    return Claim::Unavailable(Unavailable::TooLate);
+                };
+                if retaken {
+                    self.report(&label, Outcome::Retaken);
+                    tracing::info!("retook a claim whose holder stopped renewing it");
+                } else {
+                    self.report(&label, Outcome::Claimed);
+                    tracing::debug!("claimed; running");
+                }
+                let key = Arc::new(request.key);
+                let context = IdempotencyContext::new(
+                    key.clone(),
+                    request.fingerprint,
+                    retaken,
+                    generation,
+                    settings.derived_key_secret.clone(),
+                );
+                // Its heartbeat runs before the work does (see `Lease::started`).
+                let lease = Lease::started(
+                    self.clone(),
+                    label,
+                    key,
+                    request.fingerprint,
+                    request.lease,
+                    held_since,
+                )
+                .await;
+                Claim::Held(lease, context)
+            }
+            // A duplicate of work in progress waits for its answer, when the settings say so.
+            Ok(ClaimOutcome::InProgress) if !settings.wait.is_zero() => {
+                let waited = self.wait_for_answer(&request, waiting).await;
+                self.answer(&label, waited, sent)
+            }
+            Ok(answered) => self.answer(&label, answered, sent),
+            Err(e) => {
+                // A claim whose answer was lost may have been made, and is released by its
+                // token; an unreadable record or a refused claim made none.
+                if e.may_have_claimed() {
+                    self.abandon(request.key, request.lease);
+                }
+                // An unreadable record records an operation that happened, and a refused claim
+                // a store that is full: running unguarded would repeat it, or run every retry.
+                if settings.fail_open && e.may_have_claimed() {
+                    self.report(&label, Outcome::FailedOpen);
+                    tracing::warn!(error = %e, "idempotency store failed; running unguarded");
+                    return Claim::Unguarded;
+                }
+                self.report(&label, Outcome::StoreUnavailable);
+                tracing::error!(error = %e, "idempotency store failed; refusing the request");
+                Claim::Unavailable(Unavailable::Store(e))
+            }
+        }
+    }
+
+    /// The claim's answer when it lost to a record: reported, and passed on.
+    fn answer(&self, label: &Label, outcome: ClaimOutcome, sent: Instant) -> Claim<St> {
+        match outcome {
+            ClaimOutcome::KeyReuse => {
+                self.report(label, Outcome::KeyReuse);
+                tracing::debug!("key reused for a different request");
+                Claim::KeyReuse
+            }
+            ClaimOutcome::Finished(stored) => {
+                self.report(label, Outcome::Replayed);
+                tracing::debug!(status = stored.status, "replayed");
+                Claim::Finished(stored, sent)
+            }
+            // In progress (and, never reached, a grant: `claim` handles it).
+            ClaimOutcome::InProgress | ClaimOutcome::Claimed { .. } => {
+                self.report(label, Outcome::InProgress);
+                tracing::debug!("duplicate while in progress");
+                Claim::InProgress
+            }
+        }
+    }
+
+    /// Whether the claim sent at `sent` can be trusted as held now: at once when its answer came
+    /// within a tenth of the in-progress TTL, otherwise after a guarded renewal (a late answer,
+    /// from a slow commit, a lost packet or a throttled process, may describe a claim that another
+    /// instance has retaken meanwhile). Gives when the lease was last proven held, or `None` to
+    /// give it up.
+    pub(crate) async fn fresh(&self, claim: &ClaimRequest, sent: Instant) -> Option<Instant> {
+        let ttl = self.settings().in_progress_ttl;
+        if sent.elapsed() <= ttl / FRESH_FRACTION {
+            return Some(sent);
+        }
+        let renewing = Instant::now();
+        // A store that panics has not confirmed the claim: given up (released by its token), as
+        // after an error.
+        let renewal = AssertUnwindSafe(self.store_renew(&claim.key, claim.lease))
+            .catch_unwind()
+            .map(|renewed| {
+                renewed.unwrap_or_else(|_| Err(StoreError::msg("the store's renewal panicked")))
+            });
+        match tokio::time::timeout(self.renewal_bound(), renewal).await {
+            // A renewal answered late is no better than the claim: give up rather than trust it.
+            Ok(Ok(Fenced::Done)) if renewing.elapsed() <= ttl / FRESH_FRACTION => Some(renewing),
+            Ok(Ok(Fenced::Done)) => {
+                tracing::warn!("a late claim answer was confirmed too late to be trusted");
+                None
+            }
+            Ok(Ok(Fenced::LeaseLost)) => {
+                tracing::warn!("a late claim answer: the record was retaken meanwhile");
+                None
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "a late claim answer could not be confirmed");
+                None
+            }
+            Err(_) => None,
+        }
+    }
+}
+
+/// The span of one operation. Subjects and endpoints are personal data, and a forged one could
+/// fake log lines: only their hashes are logged, unless the application opts in (`log_scope`).
+pub(crate) fn span(settings: &Settings, key: &RecordKey) -> tracing::Span {
+    if settings.log_scope {
+        tracing::info_span!(
+            "idempotency",
+            key_hash = %LogHash(&key.key),
+            subject = ?key.subject,
+            endpoint = ?key.endpoint,
+        )
+    } else {
+        tracing::info_span!(
+            "idempotency",
+            key_hash = %LogHash(&key.key),
+            subject_hash = %LogHash(&key.subject),
+            endpoint_hash = %LogHash(&key.endpoint),
+        )
+    }
+}
+
+/// The first 8 bytes of a value's SHA-256 in hex, computed only if a subscriber records the span.
+struct LogHash<'a>(&'a str);
+
+impl fmt::Display for LogHash<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use sha2::{Digest, Sha256};
+        crate::util::hex::write(f, &Sha256::digest(self.0.as_bytes())[..8])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::lease::tests::{engine, request};
+
+    #[tokio::test(start_paused = true)]
+    async fn a_late_claim_whose_confirming_renewal_panics_is_given_up() {
+        let (engine, store) = engine();
+        let claim = request("late");
+        assert!(matches!(
+            store.claim(&claim).await.expect("claim"),
+            ClaimOutcome::Claimed { .. }
+        ));
+        let sent = Instant::now();
+        // Answered later than a tenth of the TTL: it must be confirmed by a renewal first.
+        tokio::time::sleep(engine.settings().in_progress_ttl / 5).await;
+        store.panic_next_renewal();
+        assert_eq!(engine.fresh(&claim, sent).await, None);
+        // The same, with a renewal that gets through: held since the renewal.
+        let confirmed = engine.fresh(&claim, sent).await;
+        assert_eq!(confirmed, Some(Instant::now()));
+    }
+}

@@ -1,0 +1,179 @@
+//! [`IdempotencyContext`]: what the work under a claim (a handler, a `RunOnce` closure) knows about
+//! the operation it runs.
+
+use std::fmt;
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+
+use crate::store::{Fingerprint, Generation, RecordKey};
+use crate::util::hmac::hmac_sha256;
+
+/// The idempotent operation a guarded handler is running, in its request extensions whenever the
+/// layer claimed a record for the request.
+///
+/// Take it as an extractor (`ctx: IdempotencyContext`, or `Option<IdempotencyContext>` on routes
+/// where a key is optional) or read it with `Extension<IdempotencyContext>`.
+///
+/// Forward [`derived_key`](Self::derived_key) to the providers your handler calls (a payment
+/// provider's own `Idempotency-Key`, say): when the handler runs again after its process died (a
+/// retake, [`is_retake`](Self::is_retake)), the provider sees the same key and does not charge twice.
+#[derive(Clone)]
+pub struct IdempotencyContext {
+    scope: Arc<RecordKey>,
+    fingerprint: Fingerprint,
+    retake: bool,
+    generation: Option<Generation>,
+    secret: Option<Arc<crate::util::secret::Secret>>,
+}
+
+impl IdempotencyContext {
+    pub(crate) fn new(
+        scope: Arc<RecordKey>,
+        fingerprint: Fingerprint,
+        retake: bool,
+        generation: Option<Generation>,
+        secret: Option<Arc<crate::util::secret::Secret>>,
+    ) -> Self {
+        IdempotencyContext {
+            scope,
+            fingerprint,
+            retake,
+            generation,
+            secret,
+        }
+    }
+
+    /// The record's generation (see [`Generation`]); `None` for a record written before
+    /// generations were kept.
+    pub fn generation(&self) -> Option<Generation> {
+        self.generation
+    }
+
+    /// The `Idempotency-Key` of the request, as validated (trimmed, unquoted).
+    pub fn key(&self) -> &str {
+        &self.scope.key
+    }
+
+    /// The authenticated subject; empty in the shared anonymous scope.
+    pub fn subject(&self) -> &str {
+        &self.scope.subject
+    }
+
+    /// The endpoint part of the scope, e.g. `POST /checkout`.
+    pub fn endpoint(&self) -> &str {
+        &self.scope.endpoint
+    }
+
+    /// True when this run retook a record whose previous holder stopped renewing it (its process
+    /// presumably died): the effect may have been started before. Use
+    /// [`derived_key`](Self::derived_key) downstream so it is not repeated.
+    pub fn is_retake(&self) -> bool {
+        self.retake
+    }
+
+    /// A key for downstream providers (a payment provider's own `Idempotency-Key`, say): 64
+    /// lower-case hex characters naming this one operation.
+    ///
+    /// **Stable across** every run of this operation: retakes after its process died (the same
+    /// record, so the same [`Generation`]), every instance, restarts. So a provider that
+    /// deduplicates by it does not repeat an effect a dead run started.
+    ///
+    /// **Different** whenever any of these differs: the key, the subject, the endpoint, the request
+    /// fingerprint, the record's generation (a key claimed again after its retention, or after its
+    /// record was deleted, is a new operation, even with the same body, so a provider that
+    /// remembers keys longer than this layer does not answer it with the old charge), and the
+    /// deployment secret ([`derived_key_secret`](crate::IdempotencyLayerBuilder::derived_key_secret):
+    /// two deployments sharing a provider account do not collide).
+    ///
+    /// It is SHA-256 (HMAC-SHA-256 under the deployment secret, when one is set) of the scope's
+    /// digest, the fingerprint and the generation under a fixed label: whoever receives it learns
+    /// nothing of them. A record written before generations were kept (an older version of this
+    /// crate, retaken after the upgrade) has no generation and keeps the key it had then, so its
+    /// retake still matches its first run at the provider.
+    pub fn derived_key(&self) -> String {
+        let scope = self.scope.digest();
+        let (label, generation): (&[u8], &[u8]) = match &self.generation {
+            Some(generation) => (b"axum-idempotency derived key v2\0", &generation.0),
+            None => (b"axum-idempotency derived key v1\0", &[]),
+        };
+        let parts: [&[u8]; 4] = [label, &scope, self.fingerprint.as_bytes(), generation];
+        // A record without generation was written by an earlier version, which knew no secret:
+        // its retake keeps the key that version gave it, whatever the secret now.
+        let digest = match &self.secret {
+            Some(secret) if self.generation.is_some() => hmac_sha256(secret.bytes(), &parts),
+            _ => {
+                let mut hasher = Sha256::new();
+                for part in parts {
+                    hasher.update(part);
+                }
+                hasher.finalize().into()
+            }
+        };
+        crate::util::hex::encode(&digest)
+    }
+}
+
+impl fmt::Debug for IdempotencyContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The key is a client secret of sorts, and the subject and the endpoint personal data:
+        // none of them goes to logs through this.
+        f.debug_struct("IdempotencyContext")
+            .field("retake", &self.retake)
+            .field("generation", &self.generation)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn context(generation: Option<Generation>, secret: Option<&[u8]>) -> IdempotencyContext {
+        IdempotencyContext::new(
+            Arc::new(RecordKey {
+                key: "order-1".into(),
+                subject: "alice".into(),
+                endpoint: "POST /checkout".into(),
+            }),
+            Fingerprint::of(None, br#"{"amount":100}"#),
+            false,
+            generation,
+            secret.map(|s| Arc::new(crate::util::secret::Secret::new(s))),
+        )
+    }
+
+    #[test]
+    fn derived_keys_name_one_operation() {
+        let (g1, g2) = (Generation([1; 16]), Generation([2; 16]));
+        let key = context(Some(g1), None).derived_key();
+        assert_eq!(key.len(), 64);
+        assert_eq!(key, context(Some(g1), None).derived_key(), "stable");
+        assert_ne!(
+            key,
+            context(Some(g2), None).derived_key(),
+            "another generation"
+        );
+        assert_ne!(key, context(None, None).derived_key());
+        let a = context(Some(g1), Some(b"production-secret-0001")).derived_key();
+        let b = context(Some(g1), Some(b"staging-secret-00000001")).derived_key();
+        assert_ne!(a, b, "another deployment secret");
+        assert_ne!(a, key);
+    }
+
+    #[test]
+    fn a_record_without_generation_keeps_the_key_of_earlier_versions() {
+        // The formula of version 0.1 (label v1, scope digest, fingerprint), pinned.
+        let ctx = context(None, None);
+        let mut hasher = Sha256::new();
+        hasher.update(b"axum-idempotency derived key v1\0");
+        hasher.update(ctx.scope.digest());
+        hasher.update(ctx.fingerprint.as_bytes());
+        let expected: String = hasher
+            .finalize()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(ctx.derived_key(), expected);
+    }
+}

@@ -1,0 +1,592 @@
+//! The life of a held claim: its heartbeat while the work runs and while its answer is recorded,
+//! then exactly one of complete or release, retried until the store answers.
+//!
+//! - **Heartbeat** (see `heartbeat.rs`): while a [`Lease`] exists (the work, the body, every
+//!   completion attempt), a task of its own renews the record, and is aborted when the lease is
+//!   dropped.
+//! - **Complete.** Once the work has answered with a result to record, the effect has happened and
+//!   the record is never released. When the store fails, the completion is retried in the
+//!   background, heartbeat running, until it succeeds or the lease is lost; never given up on a
+//!   timer. After three attempts that failed while the store took renewals between them (it is
+//!   reachable; the completion itself fails), the body is left out of the record: a body too large
+//!   for the store, or for its timeout, must not keep the key in progress for ever.
+//! - **Release.** Retried in the background until the store answers, for at most the in-progress
+//!   TTL (after which the record is retakeable anyway).
+//! - **Background work** (retried completions and releases, clean-ups) is spawned through the
+//!   engine's [`Drain`](super::Drain), so a graceful shutdown waits for it.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::Engine;
+use super::heartbeat::heartbeat;
+use super::outcome::Outcome;
+use crate::store::{
+    Fenced, Fingerprint, IdempotencyStore, LeaseToken, RecordKey, StoreError, StoredResponse,
+};
+use crate::util::metrics::Label;
+
+/// A held claim: completed or released exactly once. Dropped before either (a panic while the
+/// answer was being read, say), it releases the record if the work had not answered, and records
+/// the answer without its body if it had ([`Lease::answered`]): an effect that happened is never
+/// released.
+pub(crate) struct Lease<St: IdempotencyStore> {
+    held: Arc<Held<St>>,
+    /// The endpoint label of the outcomes this lease reports.
+    label: Label,
+    done: bool,
+    /// The answer's status and headers, once the work answered with a result to record.
+    answered: Option<StoredResponse>,
+    /// The heartbeat's task, aborted when the lease is dropped.
+    heartbeat: Option<AbortHandle>,
+    /// When the work and its body must be done: the claim plus the maximum hold.
+    deadline: Instant,
+}
+
+/// What [`Lease::complete`] did with its first attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Completed {
+    /// The answer is recorded.
+    Recorded,
+    /// The lease was lost (the record was retaken): this answer is not the record's.
+    Lost,
+    /// The store failed; the completion goes on in the background.
+    Retrying,
+}
+
+/// How a record was settled outside its lease (see [`Lease::settled_outside`]).
+pub(crate) enum Settled {
+    /// Completed in the work's transaction, which committed.
+    Recorded {
+        /// The recorded status.
+        status: u16,
+    },
+    /// Released by the store's own statement (after a failed commit).
+    Released,
+    /// The lease turned out to be lost: nothing of this run is recorded, nothing is released.
+    Lost,
+    /// Whether the work's transaction committed is unknown (the store could not be asked).
+    Unknown,
+}
+
+/// What the lease and its heartbeat task share.
+pub(super) struct Held<St> {
+    pub(super) engine: Engine<St>,
+    /// Shared with the work's `IdempotencyContext` rather than copied for it.
+    pub(super) key: Arc<RecordKey>,
+    /// The claim's fingerprint, which the completion passes on to the store.
+    pub(super) fingerprint: Fingerprint,
+    pub(super) token: LeaseToken,
+    /// Renewals that got through.
+    pub(super) renewals: AtomicU64,
+    /// When the lease was last proven held (the claim, or the last renewal that got through, as
+    /// sent): a lease made anew for the same claim (on the drop path) starts its schedule there.
+    pub(super) held_since: std::sync::Mutex<Instant>,
+}
+
+impl<St: IdempotencyStore> Lease<St> {
+    /// The lease of a claim sent (or last proven held) at `held_since`, with its heartbeat started.
+    pub(crate) fn new(
+        engine: Engine<St>,
+        label: Label,
+        key: Arc<RecordKey>,
+        fingerprint: Fingerprint,
+        token: LeaseToken,
+        held_since: Instant,
+    ) -> Self {
+        let deadline = held_since + engine.settings().max_hold();
+        let held = Arc::new(Held {
+            engine,
+            key,
+            fingerprint,
+            token,
+            renewals: AtomicU64::new(0),
+            held_since: std::sync::Mutex::new(held_since),
+        });
+        let heartbeat = tokio::runtime::Handle::try_current().ok().map(|runtime| {
+            runtime
+                .spawn(heartbeat(held.clone(), held_since).in_current_span())
+                .abort_handle()
+        });
+        Lease {
+            held,
+            label,
+            done: false,
+            answered: None,
+            heartbeat,
+            deadline,
+        }
+    }
+
+    /// The lease of a claim held since `held_since`, once its heartbeat has started: for work
+    /// about to run under it.
+    ///
+    /// The heartbeat's task was just spawned into this worker's LIFO slot, which other workers
+    /// cannot steal from: were the work to block this thread at its first poll, the heartbeat
+    /// would never start. Yielding once lets it run (and arm its timer) first; its later wake-ups
+    /// come from the timer and the store's sockets, on whichever worker drives them.
+    pub(crate) async fn started(
+        engine: Engine<St>,
+        label: Label,
+        key: Arc<RecordKey>,
+        fingerprint: Fingerprint,
+        token: LeaseToken,
+        held_since: Instant,
+    ) -> Self {
+        let lease = Lease::new(engine, label, key, fingerprint, token, held_since);
+        tokio::task::yield_now().await;
+        lease
+    }
+
+    /// When the work and its body must be done (the maximum hold).
+    pub(crate) fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// The engine the lease is held in.
+    pub(crate) fn engine(&self) -> &Engine<St> {
+        &self.held.engine
+    }
+
+    /// The record's scope.
+    pub(crate) fn key(&self) -> &RecordKey {
+        &self.held.key
+    }
+
+    /// The claim's fingerprint.
+    pub(crate) fn fingerprint(&self) -> &Fingerprint {
+        &self.held.fingerprint
+    }
+
+    /// The lease token.
+    pub(crate) fn token(&self) -> LeaseToken {
+        self.held.token
+    }
+
+    /// The endpoint label of the outcomes this lease reports.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn label(&self) -> &Label {
+        &self.label
+    }
+
+    /// Reports `outcome` under this lease's label.
+    pub(crate) fn report(&self, outcome: Outcome) {
+        self.held.engine.report(&self.label, outcome);
+    }
+
+    /// The work answered with a result to record (`head`: its status and headers, body omitted):
+    /// from now on the record is never released.
+    pub(crate) fn answered(&mut self, head: &StoredResponse) {
+        self.answered = Some(StoredResponse {
+            body: bytes::Bytes::new(),
+            body_omitted: true,
+            ..head.clone()
+        });
+    }
+
+    /// The work or its body ran past the maximum hold.
+    pub(crate) fn timed_out(&self) {
+        self.report(Outcome::TimedOut);
+    }
+
+    /// The record was settled outside the lease, by a statement of the work's transaction or of
+    /// the store's own: nothing is left to complete or release, except for [`Settled::Unknown`],
+    /// which is released by its token in the background.
+    pub(crate) fn settled_outside(mut self, how: Settled) {
+        self.done = true;
+        let held = &self.held;
+        held.engine.let_go(&held.key, held.token);
+        match how {
+            Settled::Recorded { status } => {
+                self.report(Outcome::Recorded);
+                tracing::debug!(status, "recorded in the work's transaction");
+            }
+            Settled::Released => self.report(Outcome::Released),
+            Settled::Lost => self.report(Outcome::LeaseLost),
+            // A release only deletes a record still in progress under this lease, so a landed
+            // commit stays (the retry gets its replay) and one that did not land lets the retry
+            // run, rather than wait for the TTL.
+            Settled::Unknown => held.engine.abandon(RecordKey::clone(&held.key), held.token),
+        }
+    }
+
+    /// Records the answer. When the store fails, the record is not released (the effect has
+    /// happened): the completion is retried in the background, heartbeat running, until it
+    /// succeeds or the lease is lost. Returns after the first attempt, with what it did.
+    pub(crate) async fn complete(mut self, stored: Arc<StoredResponse>) -> Completed {
+        self.done = true;
+        let first = self.attempt(stored.clone()).await;
+        if let Some(completed) = self.settled(first, stored.status) {
+            return completed;
+        }
+        self.report(Outcome::RecordDeferred);
+        let drain = self.held.engine.drain().clone();
+        drain.spawn(async move { self.keep_completing(stored).await });
+        Completed::Retrying
+    }
+
+    async fn keep_completing(self, mut stored: Arc<StoredResponse>) {
+        let held = &self.held;
+        let mut pause = Duration::from_millis(50);
+        // Failed attempts with a renewal that got through since the previous failure: the store
+        // is reachable and takes renewals but refuses this completion, so the body is the trouble
+        // (too large for the store or its timeout), not an outage.
+        let mut refused = 0;
+        let mut renewals_seen = held.renewals.load(Ordering::Relaxed);
+        loop {
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(self.longest_pause());
+            if refused >= OMIT_BODY_AFTER && !stored.body_omitted {
+                tracing::warn!(
+                    "the store takes renewals but not this answer; recording it without its body"
+                );
+                stored = Arc::new(StoredResponse {
+                    body: bytes::Bytes::new(),
+                    body_omitted: true,
+                    ..(*stored).clone()
+                });
+            }
+            let attempt = self.attempt(stored.clone()).await;
+            if attempt.is_err() {
+                let renewals = held.renewals.load(Ordering::Relaxed);
+                if renewals > renewals_seen {
+                    refused += 1;
+                }
+                renewals_seen = renewals;
+            }
+            if self.settled(attempt, stored.status).is_some() {
+                return;
+            }
+        }
+    }
+
+    /// One completion attempt. A store that panics has failed this attempt, like one that answered
+    /// an error: the panic must not end the request's task with the record left in progress, to be
+    /// retaken (and the work run again) after the TTL.
+    async fn attempt(&self, stored: Arc<StoredResponse>) -> Result<Fenced, StoreError> {
+        let held = &self.held;
+        let completion =
+            held.engine
+                .store_complete(&held.key, held.token, &held.fingerprint, stored);
+        AssertUnwindSafe(completion)
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|_| Err(StoreError::msg("the store's completion panicked")))
+    }
+
+    /// The longest pause between retries: a quarter of the in-progress TTL, at most a second.
+    fn longest_pause(&self) -> Duration {
+        (self.held.engine.settings().in_progress_ttl / 4).min(Duration::from_secs(1))
+    }
+
+    /// Reports what a completion attempt did; `None` when the store failed.
+    fn settled(&self, attempt: Result<Fenced, StoreError>, status: u16) -> Option<Completed> {
+        match attempt {
+            Ok(Fenced::Done) => {
+                self.report(Outcome::Recorded);
+                tracing::debug!(status, "recorded");
+                Some(Completed::Recorded)
+            }
+            Ok(Fenced::LeaseLost) => {
+                self.report(Outcome::LeaseLost);
+                tracing::warn!(
+                    "the lease was lost (the record was retaken after a TTL without heartbeat); \
+                     this late result was not recorded"
+                );
+                Some(Completed::Lost)
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "the answer could not be recorded yet; retrying");
+                None
+            }
+        }
+    }
+
+    /// Releases the record (see `IdempotencyStore::release`) so that a retry runs again. When the
+    /// store fails, the release is retried in the background for up to the in-progress TTL.
+    pub(crate) async fn release(mut self, why: &str) {
+        self.done = true;
+        let held = &self.held;
+        self.report(Outcome::Released);
+        tracing::debug!(reason = why, "releasing the record");
+        match held.engine.release_once(&held.key, held.token).await {
+            Ok(Fenced::Done) => {}
+            Ok(Fenced::LeaseLost) => {
+                tracing::warn!("the lease was lost before the release; nothing changed")
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "the record could not be released yet; retrying");
+                let (engine, key, token) =
+                    (held.engine.clone(), RecordKey::clone(&held.key), held.token);
+                held.engine
+                    .drain()
+                    .spawn(async move { engine.keep_releasing(key, token, 1).await });
+            }
+        }
+    }
+}
+
+impl<St: IdempotencyStore> Drop for Lease<St> {
+    fn drop(&mut self) {
+        if let Some(heartbeat) = self.heartbeat.take() {
+            heartbeat.abort();
+        }
+        if self.done {
+            return;
+        }
+        let held = &self.held;
+        let (engine, label, key, fingerprint, token) = (
+            held.engine.clone(),
+            self.label.clone(),
+            held.key.clone(),
+            held.fingerprint,
+            held.token,
+        );
+        let answered = self.answered.take();
+        let held_since = *crate::util::lock::lock(&held.held_since);
+        // The new lease is made inside the task: a task the runtime drops unpolled (it is shutting
+        // down) then owns no lease whose drop would spawn again.
+        let drain = engine.drain().clone();
+        drain.spawn(async move {
+            let lease = Lease::new(engine, label, key, fingerprint, token, held_since);
+            match answered {
+                Some(head) => {
+                    tracing::error!(
+                        "the answer could not be read to the end; recording it without body"
+                    );
+                    lease.complete(Arc::new(head)).await;
+                }
+                None => lease.release("the work was dropped").await,
+            }
+        });
+    }
+}
+
+/// Completion attempts refused while the store took renewals, after which the body is left out of
+/// the record.
+const OMIT_BODY_AFTER: u32 = 3;
+
+#[cfg(test)]
+pub(crate) mod tests {
+    //! The lease's schedule under a paused clock, over the memory store.
+
+    use super::*;
+    use crate::engine::{Drain, Settings};
+    use crate::store::testing::Faulty;
+    use crate::store::{ClaimOutcome, ClaimRequest, Finished, Generation};
+
+    const TTL: Duration = Duration::from_millis(900);
+
+    /// An engine over the test store with a TTL of 900 ms, and the store.
+    pub(crate) fn engine() -> (Engine<Faulty>, Faulty) {
+        engine_with(Settings {
+            in_progress_ttl: TTL,
+            ..Settings::default()
+        })
+    }
+
+    /// An engine over the test store with `settings`, and the store.
+    pub(crate) fn engine_with(settings: Settings) -> (Engine<Faulty>, Faulty) {
+        let store = Faulty::default();
+        let engine = Engine::new(store.clone(), settings, Drain::new()).expect("valid settings");
+        (engine, store)
+    }
+
+    pub(crate) fn request(key: &str) -> ClaimRequest {
+        ClaimRequest {
+            key: RecordKey {
+                key: key.into(),
+                subject: "alice".into(),
+                endpoint: "POST /pay".into(),
+            },
+            fingerprint: Fingerprint::of(None, b"{}"),
+            lease: LeaseToken::generate(),
+            generation: Generation::generate(),
+            in_progress_ttl: TTL,
+            retention: Duration::from_secs(60),
+        }
+    }
+
+    /// A claimed record and its lease, made as the engine makes them.
+    pub(crate) async fn claimed<St: IdempotencyStore>(
+        engine: &Engine<St>,
+        key: &str,
+    ) -> (ClaimRequest, Lease<St>) {
+        let request = request(key);
+        assert!(matches!(
+            engine.store().claim(&request).await.expect("claim"),
+            ClaimOutcome::Claimed { .. }
+        ));
+        let lease = Lease::new(
+            engine.clone(),
+            Label::named("test"),
+            Arc::new(request.key.clone()),
+            request.fingerprint,
+            request.lease,
+            Instant::now(),
+        );
+        (request, lease)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_heartbeat_renews_every_third_of_the_ttl_from_the_claim() {
+        let (engine, store) = engine();
+        let start = Instant::now();
+        let (_request, lease) = claimed(&engine, "k").await;
+        tokio::time::sleep(TTL * 3 + TTL / 6).await;
+        let renewals = store.renewals();
+        let offsets: Vec<Duration> = renewals.iter().map(|at| *at - start).collect();
+        let expected: Vec<Duration> = (1..=9).map(|n| TTL / 3 * n).collect();
+        assert_eq!(offsets, expected);
+        assert_eq!(lease.held.renewals.load(Ordering::Relaxed), 9);
+        drop(lease);
+        // The heartbeat stops with its lease.
+        tokio::time::sleep(TTL * 2).await;
+        assert_eq!(store.renewals().len(), 9);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_heartbeat_stops_once_the_lease_is_lost() {
+        let (engine, store) = engine();
+        let (request, lease) = claimed(&engine, "k").await;
+        tokio::time::sleep(TTL / 3 + TTL / 6).await;
+        assert_eq!(store.renewals().len(), 1);
+        // Another process retakes the record (here: its lease is released under it).
+        assert!(
+            store
+                .inner
+                .release(&request.key, request.lease)
+                .await
+                .expect("release")
+                .is_done()
+        );
+        tokio::time::sleep(TTL * 3).await;
+        assert_eq!(
+            store.renewals().len(),
+            2,
+            "one renewal finds the lease lost, then none"
+        );
+        lease.complete(Arc::new(head(201))).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_renewal_that_panics_is_retried_and_the_heartbeat_goes_on() {
+        let (engine, store) = engine();
+        store.panic_next_renewal();
+        let start = Instant::now();
+        let (_request, lease) = claimed(&engine, "k").await;
+        tokio::time::sleep(TTL + TTL / 6).await;
+        let renewals = store.renewals();
+        let offsets: Vec<Duration> = renewals.iter().map(|at| *at - start).collect();
+        // The first panicked; the retry a twentieth of the TTL later got through, and the
+        // schedule goes on from it.
+        let retried = TTL / 3 + TTL / 20;
+        assert_eq!(
+            offsets,
+            vec![TTL / 3, retried, retried + TTL / 3, retried + TTL / 3 * 2]
+        );
+        assert_eq!(lease.held.renewals.load(Ordering::Relaxed), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_completion_that_panics_is_retried_and_the_answer_recorded() {
+        let (engine, store) = engine();
+        store.panic_next_completion();
+        let (request, lease) = claimed(&engine, "k").await;
+        // The panic is the first attempt's failure, not the request's.
+        assert!(matches!(
+            lease.complete(Arc::new(head(201))).await,
+            Completed::Retrying
+        ));
+        assert!(engine.drain().wait(Duration::from_secs(5)).await);
+        assert_eq!(recorded_status(&store, request).await, 201);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_outcome_hook_that_panics_does_not_stop_the_lease_from_settling() {
+        let (engine, store) = engine_with(Settings {
+            in_progress_ttl: TTL,
+            on_outcome: Some(Arc::new(|outcome| {
+                if matches!(outcome, Outcome::RecordDeferred | Outcome::TimedOut) {
+                    panic!("an application hook bug");
+                }
+            })),
+            ..Settings::default()
+        });
+        // A first completion attempt that fails reports `RecordDeferred`: the retries go on.
+        store.panic_next_completion();
+        let (request, lease) = claimed(&engine, "k").await;
+        lease.timed_out();
+        assert!(matches!(
+            lease.complete(Arc::new(head(504))).await,
+            Completed::Retrying
+        ));
+        assert!(engine.drain().wait(Duration::from_secs(5)).await);
+        assert_eq!(recorded_status(&store, request).await, 504);
+    }
+
+    /// The status `request`'s record holds, as a retry of it finds it (it must be finished).
+    async fn recorded_status(store: &Faulty, request: ClaimRequest) -> u16 {
+        let retry = ClaimRequest {
+            lease: LeaseToken::generate(),
+            ..request
+        };
+        match store.claim(&retry).await.expect("claim") {
+            ClaimOutcome::Finished(stored) => stored.status,
+            other => panic!("expected the record, got {other:?}"),
+        }
+    }
+
+    fn head(status: u16) -> StoredResponse {
+        StoredResponse {
+            outcome: Finished::Completed,
+            status,
+            headers: Vec::new(),
+            body: bytes::Bytes::from_static(b"{\"id\":1}"),
+            body_omitted: false,
+            expires_in: None,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_dropped_before_the_answer_releases_and_after_it_records_the_head() {
+        let (engine, store) = engine();
+        // Dropped before the work answered: released for another try.
+        let (request, lease) = claimed(&engine, "released").await;
+        drop(lease);
+        assert!(engine.drain().wait(Duration::from_secs(5)).await);
+        let retry = ClaimRequest {
+            lease: LeaseToken::generate(),
+            ..request.clone()
+        };
+        assert!(matches!(
+            store.claim(&retry).await.expect("claim"),
+            ClaimOutcome::Claimed { retaken: false, .. }
+        ));
+
+        // Dropped after it answered: its status and headers are recorded, without the body.
+        let (answered, mut lease) = claimed(&engine, "answered").await;
+        lease.answered(&head(201));
+        drop(lease);
+        assert!(engine.drain().wait(Duration::from_secs(5)).await);
+        let replay = ClaimRequest {
+            lease: LeaseToken::generate(),
+            ..answered
+        };
+        match store.claim(&replay).await.expect("claim") {
+            ClaimOutcome::Finished(stored) => {
+                assert_eq!(stored.status, 201);
+                assert!(stored.body_omitted);
+                assert!(stored.body.is_empty());
+            }
+            other => panic!("expected the recorded head, got {other:?}"),
+        }
+    }
+}

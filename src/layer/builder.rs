@@ -1,0 +1,654 @@
+//! [`IdempotencyLayerBuilder`]: the settings of a layer, checked when it is built.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::request::Parts;
+use http::{HeaderName, Method, StatusCode};
+
+use super::IdempotencyLayer;
+use super::handler::Transactions;
+use super::header_policy;
+use super::policy::Disposition;
+#[cfg(doc)]
+use super::policy::default_policy;
+use super::problem::Problem;
+use super::settings::{FingerprintRule, LayerSettings, MAX_BODY_LIMIT};
+use super::subject::SubjectExtractor;
+use crate::engine::{ConfigError, Drain, Engine, Outcome, Settings};
+use crate::fingerprint::json_pointer::Pointer;
+use crate::store::{Fingerprint, IdempotencyStore, StoredResponse};
+
+/// Builds an [`IdempotencyLayer`]; [`build`](Self::build) checks the settings and says what is
+/// wrong ([`ConfigError`]) instead of panicking.
+///
+/// | setting | default | meaning |
+/// |---|---|---|
+/// | `in_progress_ttl` | 90 s | an `in_progress` record not renewed by its holder's heartbeat for this long is presumed abandoned and may be retaken; the heartbeat renews every third of it. 30 ms to 10 years, and at least twice the store's operation timeout (Postgres 5 s, Redis 2 s by default) |
+/// | `max_hold` | 10 min (or the TTL, if longer) | the longest a claim may be held by its handler and its body; past it a handler is cancelled and the key's record becomes a definitive `504 idempotency_handler_timeout` that replays (on the transactional path: rolled back, key released); a streamed body is cut and its response recorded without the body. From the TTL to 10 years |
+/// | `max_running` | 1024 | requests running detached (their clients went away after their body was read), counted in the layer's `Drain`; past it, new guarded requests get `503 idempotency_overloaded` before any claim |
+/// | `drain` | one per layer | share one `Drain` across layers, to wait for all of them (every guarded request, attached or not, and the background work) at shutdown |
+/// | `retention` | 24 h | how long completed and failed records are replayed; after that the key is new again. At most 10 years |
+/// | `retry_after_secs` | 2 | `Retry-After` of `409 in_progress` and `503` |
+/// | `body_limit` | 1 MiB | largest request body read (`Content-Length` checked first); larger is `413` |
+/// | `response_limit` | 1 MiB | largest response body recorded; a larger one is passed on whole and recorded without its body (replayed with an empty body and `Idempotency-Replay: omitted`) |
+/// | `require_key` | `false` | without a key: pass through (`false`) or `400 missing_idempotency_key` (`true`) |
+/// | `methods` | `POST`, `PATCH` | methods guarded; others pass through; safe methods are refused |
+/// | `store_header` | `content-type`, `location`, `content-language`, `etag`, `cache-control` | response headers recorded (repeated ones in order); `set-cookie`, `authorization` and the like are never stored and refused here |
+/// | `response_policy` | `default_policy` | status to `Complete` / `Fail` / `Release` |
+/// | `subject_extractor` | the `Subject` extension | where the subject comes from |
+/// | `allow_anonymous` | `false` | one shared scope for requests without a subject |
+/// | `endpoint` | `METHOD /path` | the endpoint part of the scope; the path is the original one (before `Router::nest`), without the query |
+/// | `fail_open` | `false` | store failure: `503` (`false`) or run unguarded, logged (`true`) |
+/// | `fingerprint_ignore` | none | JSON fields left out of the fingerprint, by JSON pointer (`/client_timestamp`, `/metadata/request_id`); see below |
+/// | `fingerprint_fn` | canonical body and query | the application's own fingerprint, `Fn(&Parts, &[u8]) -> Fingerprint` |
+/// | `replay_header` | `Idempotent-Replayed` | the header, set to `true`, that marks a replay; names with another meaning (`set-cookie`, `idempotency-key`, ...) or that are recorded are refused |
+/// | `wait` | 0 (off) | how long a duplicate of a request in progress waits for its answer (then the replay) before `409`; at most 5 s; waiting holds no connection or lock |
+/// | `max_waiters` | 16 | duplicates that may wait on one key at this instance; the others get `409` at once |
+/// | `on_replay` | none | a hook on every replay: the request, the stored answer, and the replay's headers to change |
+/// | `render_errors` | problem+json | the layer's own error answers rendered by the application (`Retry-After` kept) |
+/// | `expiry_header` | on | `Idempotency-Expires`: the HTTP date when the key's record expires, on recorded and replayed answers |
+/// | `body_timeout` | 10 s | how long the request body may take to arrive; past it `408 request_timeout`, nothing claimed. 100 ms to 10 min |
+/// | `on_outcome` | none | a hook called with every [`Outcome`] (claimed, replayed, 409, 422, recorded, released, ...) |
+/// | `derived_key_secret` | none | a deployment secret (16 bytes or more) mixed into [`IdempotencyContext::derived_key`](crate::IdempotencyContext::derived_key) by HMAC |
+/// | `log_scope` | `false` | log subjects and endpoints as they are (`true`) or only their hashes (`false`) |
+/// | `min_key_length` | 1 | the shortest `Idempotency-Key` accepted, up to 255; raise it where keys must be unguessable (anonymous routes) |
+/// | `problem_type_base` | this crate's docs | the base of the `type` URI of the layer's errors, followed by the error code |
+/// | `transactions` | `false` | offer handlers an [`IdempotencyTx`](crate::IdempotencyTx) that commits with the record (stores with transactions only) |
+pub struct IdempotencyLayerBuilder<Store> {
+    store: Store,
+    engine: Settings,
+    drain: Drain,
+    http: LayerSettings,
+    extra_headers: Vec<String>,
+    replay_header_name: Option<String>,
+    ignored_fields: Vec<String>,
+    problem_type_base: Option<String>,
+    transactions: Option<Arc<dyn Transactions<Store>>>,
+}
+
+impl<Store> fmt::Debug for IdempotencyLayerBuilder<Store> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayerBuilder")
+            .field("engine", &self.engine)
+            .field("http", &self.http)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
+    pub(crate) fn new(store: Store) -> Self {
+        IdempotencyLayerBuilder {
+            store,
+            engine: Settings::default(),
+            drain: Drain::new(),
+            http: LayerSettings::default(),
+            extra_headers: Vec::new(),
+            replay_header_name: None,
+            ignored_fields: Vec::new(),
+            problem_type_base: None,
+            transactions: None,
+        }
+    }
+
+    /// How long an `in_progress` record may go without a heartbeat before it is presumed abandoned
+    /// (its worker died) and may be retaken. The holder renews it every third of this, so a live
+    /// handler, however slow, is never retaken; keep it well above the longest store outage you want
+    /// to ride out. From 30 ms to 10 years, and at least twice the store's operation timeout.
+    /// Default: 90 s.
+    ///
+    /// The record keeps its holder's TTL, and a claim presumes the holder dead only after the
+    /// longer of its own and the holder's: instances of this version configured differently (a
+    /// rolling deploy that lowers it) do not retake each other's live claims. Earlier versions
+    /// neither keep nor read it: lower the TTL in a deploy after the one that brings this version.
+    pub fn in_progress_ttl(mut self, ttl: Duration) -> Self {
+        self.engine.in_progress_ttl = ttl;
+        self
+    }
+
+    /// How long finished records are kept and replayed; after that the key is new again.
+    /// Default: 24 h.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.engine.retention = retention;
+        self
+    }
+
+    /// The `Retry-After` seconds sent with `409 in_progress` and `503`. Default: 2.
+    pub fn retry_after_secs(mut self, secs: u32) -> Self {
+        self.http.retry_after_secs = secs;
+        self
+    }
+
+    /// The largest request body read, in bytes; larger ones get `413`. Default: 1 MiB.
+    pub fn body_limit(mut self, bytes: usize) -> Self {
+        self.http.body_limit = bytes;
+        self
+    }
+
+    /// The largest response body recorded, in bytes, at most 64 MiB; a larger
+    /// response is passed to the client whole and recorded without its body (its replay has the
+    /// status and headers, an empty body and `Idempotency-Replay: omitted`). Default: 1 MiB.
+    pub fn response_limit(mut self, bytes: usize) -> Self {
+        self.http.response_limit = bytes;
+        self
+    }
+
+    /// With `true`, a guarded request without a key gets `400 missing_idempotency_key`; by default it
+    /// passes through unguarded.
+    pub fn require_key(mut self, required: bool) -> Self {
+        self.http.require_key = required;
+        self
+    }
+
+    /// The methods guarded; others pass through. Default: `POST` and `PATCH`. Safe methods (`GET`,
+    /// `HEAD`, `OPTIONS`, `TRACE`) are refused.
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.http.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Records one more response header (on top of `content-type`, `location`,
+    /// `content-language`, `etag` and `cache-control`). Names that carry credentials or belong to
+    /// one transfer or hop (`set-cookie`, `authorization`, `connection`, `proxy-*`, ...) are
+    /// refused by [`build`](Self::build).
+    pub fn store_header(mut self, name: impl Into<String>) -> Self {
+        self.extra_headers.push(name.into());
+        self
+    }
+
+    /// Decides, from the handler's status, whether a response is recorded as completed, recorded as
+    /// failed, or released for another try. Default: [`default_policy`].
+    pub fn response_policy(
+        mut self,
+        policy: impl Fn(StatusCode) -> Disposition + Send + Sync + 'static,
+    ) -> Self {
+        self.http.policy = Arc::new(policy);
+        self
+    }
+
+    /// Where the subject comes from. Default: the [`Subject`](crate::Subject) extension.
+    pub fn subject_extractor(mut self, extractor: impl SubjectExtractor) -> Self {
+        self.http.subject = Arc::new(extractor);
+        self
+    }
+
+    /// With `true`, requests without a subject share one anonymous scope instead of getting
+    /// `401 missing_subject`. Only for routes that have no authenticated users at all.
+    ///
+    /// **The anonymous scope is shared by every anonymous caller**: anyone who sends the same
+    /// key (and body) gets the same recorded answer, and anyone who sends it with another body
+    /// gets `422` for the retention. Require long random keys there
+    /// ([`min_key_length`](Self::min_key_length)), and do not return anything private.
+    pub fn allow_anonymous(mut self, allow: bool) -> Self {
+        self.http.allow_anonymous = allow;
+        self
+    }
+
+    /// How the endpoint part of a record's scope is named. Default: method and original path,
+    /// without the query, e.g. `POST /orders/42/pay`.
+    pub fn endpoint(mut self, endpoint: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
+        self.http.endpoint = Arc::new(endpoint);
+        self
+    }
+
+    /// With `true`, a failing store lets requests through unguarded (logged) instead of answering
+    /// `503 idempotency_store_unavailable`. Default: `false` (fail closed).
+    pub fn fail_open(mut self, fail_open: bool) -> Self {
+        self.engine.fail_open = fail_open;
+        self
+    }
+
+    /// Calls `hook` with every [`Outcome`] of a guarded request, for metrics; see
+    /// [`OutcomeCounters`](crate::OutcomeCounters). It runs on the request path: keep it cheap.
+    pub fn on_outcome(mut self, hook: impl Fn(Outcome) + Send + Sync + 'static) -> Self {
+        self.engine.on_outcome = Some(Arc::new(hook));
+        self
+    }
+
+    /// Leaves fields of a JSON body out of the fingerprint, named by JSON pointers (RFC 6901), such as
+    /// `/client_timestamp` or `/metadata/request_id` (`~1` stands for `/` in a name, `~0` for `~`; a
+    /// number names an array element). A retry that differs only in those fields, or lacks them, is
+    /// the same request; any other difference still gets `422`. The query and bodies that are not
+    /// JSON are fingerprinted whole. Default: none, the whole canonical body and query.
+    pub fn fingerprint_ignore(
+        mut self,
+        pointers: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self {
+        self.ignored_fields
+            .extend(pointers.into_iter().map(Into::into));
+        self
+    }
+
+    /// Computes fingerprints with `f` instead, from the request's head and its whole body (at most
+    /// `body_limit` bytes); build the result with [`Fingerprint::of`] (on a body you transformed)
+    /// or [`Fingerprint::of_material`]. Two requests with one key and different fingerprints get
+    /// `422`; equal fingerprints replay each other's answers, so leave out only what does not change
+    /// the operation. Not together with [`fingerprint_ignore`](Self::fingerprint_ignore).
+    pub fn fingerprint_fn(
+        mut self,
+        f: impl Fn(&Parts, &[u8]) -> Fingerprint + Send + Sync + 'static,
+    ) -> Self {
+        self.http.fingerprint = FingerprintRule::Custom(Arc::new(f));
+        self
+    }
+
+    /// The response header, set to `true`, that marks a replay. Default: `Idempotent-Replayed`
+    /// ([`IDEMPOTENT_REPLAYED`](crate::header::IDEMPOTENT_REPLAYED), as Stripe names it). It is never
+    /// recorded from a handler's answer, so a replay carries it once. [`build`](Self::build)
+    /// refuses a name that carries credentials or another meaning (`set-cookie`,
+    /// `idempotency-key`, ...) or one the layer records.
+    pub fn replay_header(mut self, name: impl Into<String>) -> Self {
+        self.replay_header_name = Some(name.into());
+        self
+    }
+
+    /// The longest a claim may be held: from the claim until the handler has answered and its body
+    /// has ended. A handler (or a streamed body) still running then is cancelled. Its effect may
+    /// have happened, so the record becomes a definitive `504 idempotency_handler_timeout` that
+    /// replays, and the handler never runs again for that key; on the transactional path
+    /// (`IdempotencyTx`) nothing was committed, so the transaction is rolled back and the key
+    /// released instead. From the in-progress TTL to 10 years. Default: 10 minutes, or the
+    /// in-progress TTL when that is longer. A streamed body
+    /// still running then is cut, and the response recorded without its body (its client saw the
+    /// handler's status).
+    pub fn max_hold(mut self, hold: Duration) -> Self {
+        self.engine.max_hold = Some(hold);
+        self
+    }
+
+    /// How many requests of this layer whose clients went away ([`Drain::detached`]) may run on
+    /// their own before new guarded requests get `503 idempotency_overloaded` with `Retry-After`, before any claim. Bounds what a
+    /// client that resets requests in a loop can make the server run. At least 1. Default:
+    /// 1024.
+    pub fn max_running(mut self, tasks: usize) -> Self {
+        self.engine.max_running = tasks;
+        self
+    }
+
+    /// Counts this layer's background work in `drain`, shared with other layers (each layer has
+    /// one of its own by default; [`IdempotencyLayer::drain`] gives it). The bound of
+    /// [`max_running`](Self::max_running) applies to everything counted in it.
+    pub fn drain(mut self, drain: Drain) -> Self {
+        self.drain = drain;
+        self
+    }
+
+    /// A deployment secret (at least 16 bytes) mixed into
+    /// [`IdempotencyContext::derived_key`](crate::IdempotencyContext::derived_key) as an
+    /// HMAC-SHA-256 key. Set one per deployment whenever two deployments (staging and production,
+    /// two tenants' apps, two services) share one account at a downstream provider: without it, the
+    /// same subject, key, endpoint and body would give both the same provider key, and one would
+    /// get the other's result. Keep it stable: changing it changes every derived key, so a retake
+    /// after the change is a new operation at the provider. Default: none.
+    pub fn derived_key_secret(mut self, secret: impl AsRef<[u8]>) -> Self {
+        self.engine.derived_key_secret =
+            Some(Arc::new(crate::util::secret::Secret::new(secret.as_ref())));
+        self
+    }
+
+    /// With `true`, the request's span logs the subject and the endpoint as they are; by default
+    /// it logs their hashes (the first 8 bytes of their SHA-256), since subjects and paths are
+    /// personal data and a forged one could fake log lines.
+    pub fn log_scope(mut self, raw: bool) -> Self {
+        self.engine.log_scope = raw;
+        self
+    }
+
+    /// The shortest `Idempotency-Key` accepted (shorter: `400 invalid_idempotency_key`), at most
+    /// 255. Default: 1. Raise it where keys must be unguessable: with
+    /// [`allow_anonymous`](Self::allow_anonymous) every anonymous caller shares one scope, so a
+    /// guessed key replays another caller's answer or blocks their request with `422`; require
+    /// random keys (16 characters or more, a UUID) there.
+    pub fn min_key_length(mut self, chars: usize) -> Self {
+        self.http.min_key_length = chars;
+        self
+    }
+
+    /// The base of the `type` URI of the layer's error answers: the application's own
+    /// documentation, such as `https://api.example.com/errors/`, followed by the error code
+    /// (`…/errors/in_progress`). An absolute `http` or `https` URI. Default: this crate's
+    /// documentation of [`ErrorKind`](crate::ErrorKind), at each variant's anchor.
+    pub fn problem_type_base(mut self, base: impl Into<String>) -> Self {
+        self.problem_type_base = Some(base.into());
+        self
+    }
+
+    /// Lets a duplicate of a request in progress wait up to `wait` for its answer, and get the
+    /// replay, instead of `409` at once (default: zero, off; at most 5 s).
+    ///
+    /// A waiter holds no store connection or lock: it wakes when this process's holder lets the
+    /// record go, and otherwise looks the record up ([`IdempotencyStore::lookup`]) every 25 ms,
+    /// doubling to 250 ms. When the record is finished it answers as a claim would (the replay, or
+    /// `422` for another body); when it was released (a retryable answer), deleted, or still in
+    /// progress at the bound, `409` as without a wait, and the client's retry settles it. A wait
+    /// never runs the handler: a claim granted to a waiter (the record vanished in between) is
+    /// released at once. At most [`max_waiters`](Self::max_waiters) wait on one key at this
+    /// instance; the others get `409` at once.
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.engine.wait = wait;
+        self
+    }
+
+    /// How many duplicates may wait on one key at this instance (default
+    /// 16); see [`wait`](Self::wait).
+    pub fn max_waiters(mut self, waiters: usize) -> Self {
+        self.engine.max_waiters = waiters;
+        self
+    }
+
+    /// Calls `hook` on every replay, with the request, the stored answer, and the replay's headers
+    /// to add to or change (say, a header naming the original request's id). It runs on the
+    /// request's task: keep it quick. A hook that panics leaves the headers as they were. The
+    /// replay marker ([`replay_header`](Self::replay_header)) is set again after it: a client must
+    /// always be able to tell a replay from a fresh answer.
+    pub fn on_replay(
+        mut self,
+        hook: impl Fn(&http::Request<axum::body::Body>, &StoredResponse, &mut http::HeaderMap)
+        + Send
+        + Sync
+        + 'static,
+    ) -> Self {
+        self.http.on_replay = Some(Arc::new(hook));
+        self
+    }
+
+    /// Renders the layer's own error answers ([`Problem`]: its kind, detail, `Retry-After`,
+    /// instance and type URI) instead of `application/problem+json`. A retryable answer (`409`,
+    /// `503`, a rolled-back `504`) keeps its status and its `Retry-After` header, and every `5xx`
+    /// its status, whatever the renderer returns: clients decide by them whether to send the same
+    /// request again. A
+    /// renderer that panics is replaced by the default answer for that error. Not rendered: the
+    /// `504 idempotency_handler_timeout` recorded for a handler cancelled at the maximum hold,
+    /// which is the key's stored answer and replays as it was recorded (problem+json).
+    pub fn render_errors(
+        mut self,
+        render: impl Fn(&Problem<'_>) -> http::Response<axum::body::Body> + Send + Sync + 'static,
+    ) -> Self {
+        self.http.problems = self.http.problems.clone().rendered_by(Arc::new(render));
+        self
+    }
+
+    /// Whether answers carry [`IDEMPOTENCY_EXPIRES`](crate::header::IDEMPOTENCY_EXPIRES), the HTTP date
+    /// when the key's record expires (default: on).
+    pub fn expiry_header(mut self, on: bool) -> Self {
+        self.http.expiry_header = on;
+        self
+    }
+
+    /// The longest the request body may take to arrive, from when the layer starts reading it;
+    /// past it the request gets `408 request_timeout` and nothing is claimed, so a client that
+    /// sends its body slowly (or not at all) holds nothing that other requests need. From 100 ms
+    /// to 10 minutes. Default: 10 s.
+    pub fn body_timeout(mut self, timeout: Duration) -> Self {
+        self.http.body_timeout = timeout;
+        self
+    }
+
+    /// Checks the settings and builds the layer.
+    pub fn build(self) -> Result<IdempotencyLayer<Store>, ConfigError> {
+        let mut http = self.http;
+        check(&http)?;
+        if let Some(base) = self.problem_type_base {
+            let absolute = http::Uri::try_from(base.as_str()).is_ok_and(|uri| {
+                matches!(uri.scheme_str(), Some("http" | "https")) && uri.authority().is_some()
+            });
+            if !absolute {
+                return Err(ConfigError::new(
+                    "problem_type_base",
+                    format!("{base:?} is not an absolute http(s) URI"),
+                ));
+            }
+            http.problems = http.problems.clone().with_base(&base);
+        }
+        for name in self.extra_headers {
+            let header = HeaderName::try_from(name.as_str()).map_err(|_| {
+                ConfigError::new(
+                    "store_header",
+                    format!("{name:?} is not a valid header name"),
+                )
+            })?;
+            if header_policy::is_denied(&header) {
+                return Err(ConfigError::new(
+                    "store_header",
+                    format!(
+                        "{header} is never stored: it carries credentials or belongs to one \
+                         transfer"
+                    ),
+                ));
+            }
+            if !http.stored_headers.contains(&header) {
+                http.stored_headers.push(header);
+            }
+        }
+        if let Some(name) = self.replay_header_name {
+            let header = HeaderName::try_from(name.as_str()).map_err(|_| {
+                ConfigError::new(
+                    "replay_header",
+                    format!("{name:?} is not a valid header name"),
+                )
+            })?;
+            if header != crate::header::IDEMPOTENT_REPLAYED && header_policy::is_denied(&header) {
+                return Err(ConfigError::new(
+                    "replay_header",
+                    format!(
+                        "{header} cannot mark replays: the layer or HTTP gives it another meaning"
+                    ),
+                ));
+            }
+            http.replay_header = header;
+        }
+        if !self.ignored_fields.is_empty() {
+            if matches!(http.fingerprint, FingerprintRule::Custom(_)) {
+                return Err(ConfigError::new(
+                    "fingerprint_ignore",
+                    "cannot be used together with fingerprint_fn",
+                ));
+            }
+            let pointers = self
+                .ignored_fields
+                .iter()
+                .map(|p| Pointer::parse(p))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| ConfigError::new("fingerprint_ignore", e))?;
+            http.fingerprint = FingerprintRule::Canonical(pointers.into());
+        }
+        if http.stored_headers.contains(&http.replay_header) {
+            return Err(ConfigError::new(
+                "replay_header",
+                format!(
+                    "{} cannot both mark replays and be recorded",
+                    http.replay_header
+                ),
+            ));
+        }
+        let engine = Engine::new(self.store, self.engine, self.drain)?;
+        Ok(IdempotencyLayer {
+            engine,
+            http: Arc::new(http),
+            transactions: self.transactions,
+        })
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl<Store, DB> IdempotencyLayerBuilder<Store>
+where
+    DB: sqlx::Database,
+    Store: crate::store::TransactionalStore<Transaction = sqlx::Transaction<'static, DB>>,
+{
+    /// With `true`, handlers may take an [`IdempotencyTx`](crate::IdempotencyTx): a transaction
+    /// of the store's database that their effects and the record of their answer commit in
+    /// together. Only for stores that have transactions (the Postgres store, and the wrappers of
+    /// one). Default: `false` (a handler that asks for the transaction is answered
+    /// `500 internal_error`).
+    pub fn transactions(mut self, on: bool) -> Self {
+        self.transactions = on.then(|| {
+            Arc::new(super::transaction::SqlTransactions::<DB>::new())
+                as Arc<dyn Transactions<Store>>
+        });
+        self
+    }
+}
+
+/// The checks of the layer's own settings (the engine checks its own).
+fn check(http: &LayerSettings) -> Result<(), ConfigError> {
+    if http.retry_after_secs == 0 {
+        return Err(ConfigError::new("retry_after_secs", "must be at least 1"));
+    }
+    if http.body_limit == 0 || http.body_limit > MAX_BODY_LIMIT {
+        return Err(ConfigError::new(
+            "body_limit",
+            "must be from 1 byte to 64 MiB",
+        ));
+    }
+    if http.body_timeout < Duration::from_millis(100)
+        || http.body_timeout > Duration::from_secs(600)
+    {
+        return Err(ConfigError::new(
+            "body_timeout",
+            "must be from 100 ms to 10 minutes",
+        ));
+    }
+    if http.min_key_length == 0 || http.min_key_length > super::key::MAX_KEY_LEN {
+        return Err(ConfigError::new("min_key_length", "must be from 1 to 255"));
+    }
+    if http.response_limit == 0 || http.response_limit > MAX_BODY_LIMIT {
+        return Err(ConfigError::new(
+            "response_limit",
+            "must be from 1 byte to 64 MiB",
+        ));
+    }
+    if http.methods.is_empty() {
+        return Err(ConfigError::new(
+            "methods",
+            "at least one method must be guarded",
+        ));
+    }
+    if let Some(safe) = http.methods.iter().find(|m| m.is_safe()) {
+        return Err(ConfigError::new(
+            "methods",
+            format!("{safe} is a safe method and cannot be guarded"),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::MAX_DURATION;
+    use crate::store::MemoryStore;
+
+    fn builder() -> IdempotencyLayerBuilder<MemoryStore> {
+        IdempotencyLayerBuilder::new(MemoryStore::new())
+    }
+
+    fn refused(b: IdempotencyLayerBuilder<MemoryStore>) -> String {
+        match b.build() {
+            Ok(_) => panic!("configuration accepted"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn a_refusal_names_its_setting() {
+        let setting = |b: IdempotencyLayerBuilder<MemoryStore>| match b.build() {
+            Ok(_) => panic!("configuration accepted"),
+            Err(e) => e.setting().to_owned(),
+        };
+        assert_eq!(
+            setting(builder().in_progress_ttl(Duration::ZERO)),
+            "in_progress_ttl"
+        );
+        assert_eq!(setting(builder().retention(Duration::ZERO)), "retention");
+        assert_eq!(
+            setting(builder().max_hold(Duration::from_secs(1))),
+            "max_hold"
+        );
+        assert_eq!(
+            setting(builder().body_timeout(Duration::ZERO)),
+            "body_timeout"
+        );
+        assert_eq!(setting(builder().store_header("cookie")), "store_header");
+        assert_eq!(
+            setting(builder().replay_header("location")),
+            "replay_header"
+        );
+        assert_eq!(setting(builder().wait(Duration::from_secs(6))), "wait");
+        assert_eq!(
+            setting(builder().derived_key_secret(b"short")),
+            "derived_key_secret"
+        );
+        assert_eq!(setting(builder().methods([Method::GET])), "methods");
+    }
+
+    #[test]
+    fn new_checks_what_build_checks() {
+        // A store whose operation timeout leaves the default TTL no room to prove a late claim.
+        let store = crate::store::testing::Faulty::default()
+            .with_operation_timeout(Duration::from_secs(60));
+        let refused = IdempotencyLayer::new(store).expect_err("refused");
+        assert_eq!(refused.setting(), "in_progress_ttl");
+    }
+
+    #[test]
+    fn defaults_build() {
+        assert!(builder().build().is_ok());
+        assert!(builder().store_header("x-request-id").build().is_ok());
+    }
+
+    #[test]
+    fn invalid_settings_say_why() {
+        assert!(refused(builder().in_progress_ttl(Duration::ZERO)).contains("in_progress_ttl"));
+        assert!(refused(builder().in_progress_ttl(Duration::from_millis(29))).contains("30 ms"));
+        assert!(refused(builder().retention(Duration::ZERO)).contains("retention"));
+        assert!(refused(builder().retention(Duration::MAX)).contains("ten years"));
+        assert!(refused(builder().in_progress_ttl(Duration::MAX)).contains("ten years"));
+        let centuries = Duration::from_secs(300_000 * 365 * 24 * 3600);
+        assert!(refused(builder().retention(centuries)).contains("ten years"));
+        assert!(builder().retention(MAX_DURATION).build().is_ok());
+        assert!(refused(builder().retry_after_secs(0)).contains("retry_after_secs"));
+        assert!(refused(builder().body_limit(0)).contains("body_limit"));
+        assert!(refused(builder().response_limit(0)).contains("response_limit"));
+        assert!(refused(builder().response_limit(MAX_BODY_LIMIT + 1)).contains("64 MiB"));
+        assert!(refused(builder().methods([])).contains("at least one method"));
+        assert!(refused(builder().methods([Method::POST, Method::GET])).contains("GET"));
+        assert!(refused(builder().store_header("set-cookie")).contains("never stored"));
+        assert!(refused(builder().store_header("Authorization")).contains("never stored"));
+        assert!(refused(builder().store_header("bad header")).contains("not a valid header"));
+        assert!(refused(builder().replay_header("bad header")).contains("not a valid header"));
+        assert!(refused(builder().replay_header("Set-Cookie")).contains("another meaning"));
+        assert!(refused(builder().replay_header("idempotency-key")).contains("another meaning"));
+        assert!(refused(builder().replay_header("location")).contains("be recorded"));
+        let both = builder()
+            .store_header("x-replayed")
+            .replay_header("X-Replayed");
+        assert!(refused(both).contains("be recorded"));
+        assert!(
+            builder()
+                .replay_header("Idempotent-Replayed")
+                .build()
+                .is_ok()
+        );
+        assert!(
+            builder()
+                .replay_header("x-idempotent-replay")
+                .build()
+                .is_ok()
+        );
+        assert!(refused(builder().fingerprint_ignore(["ts"])).contains("start with '/'"));
+        assert!(refused(builder().fingerprint_ignore(["/a~2"])).contains("'~'"));
+        assert!(refused(builder().fingerprint_ignore([""])).contains("start with '/'"));
+        let both = builder()
+            .fingerprint_fn(|_, body| Fingerprint::of_material(body))
+            .fingerprint_ignore(["/ts"]);
+        assert!(refused(both).contains("together"));
+        assert!(
+            builder()
+                .fingerprint_ignore(["/ts", "/a/0/b"])
+                .build()
+                .is_ok()
+        );
+    }
+}

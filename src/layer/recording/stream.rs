@@ -1,0 +1,208 @@
+//! A streamed answer: the client gets the headers at once and each frame as the handler produces
+//! it, while a task of its own (holding the lease, heartbeat running) copies the frames and records
+//! the response when the body ends, before the client sees the end.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::{Response, response::Parts};
+use http_body::Frame;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::{CHANNEL_FRAMES, Copy, Next, next_frame, with_body};
+use crate::engine::Lease;
+use crate::store::{IdempotencyStore, StoredResponse};
+
+/// Answers at once with a body fed by a task that reads the handler's body, copies it and records
+/// the response when it ends, before the client sees the end; or, once the record can only be the
+/// status and headers (the body went over the limit, or has trailers), at once, streaming the rest
+/// without holding the claim.
+pub(super) fn stream<St: IdempotencyStore>(
+    lease: Lease<St>,
+    parts: Parts,
+    head: StoredResponse,
+    mut copy: Copy,
+    ready: VecDeque<Frame<Bytes>>,
+    mut body: Body,
+) -> Response<Body> {
+    let (tx, rx) = mpsc::channel(CHANNEL_FRAMES);
+    let finished = Arc::new(AtomicBool::new(false));
+    let body_end = finished.clone();
+    let patience = lease.engine().settings().in_progress_ttl;
+    let deadline = lease.deadline();
+    let drain = lease.engine().drain().clone();
+    let task = async move {
+        let mut client = Some(tx);
+        let mut ended = false;
+        let drained = async {
+            for frame in ready {
+                forward(&mut client, Ok(frame), patience).await;
+            }
+            let mut gone_at: Option<Instant> = None;
+            while !copy.omitted {
+                let next = match &client {
+                    Some(tx) => tokio::select! {
+                        next = next_frame(&mut body) => next,
+                        () = tx.closed() => {
+                            client = None;
+                            continue;
+                        }
+                    },
+                    None => {
+                        // Without a client, read on only while the body still fits the record,
+                        // and not for ever.
+                        let since = *gone_at.get_or_insert_with(Instant::now);
+                        match tokio::time::timeout_at(since + patience, next_frame(&mut body)).await
+                        {
+                            Ok(next) => next,
+                            Err(_) => {
+                                copy.omit();
+                                break;
+                            }
+                        }
+                    }
+                };
+                if !on_frame(&mut copy, &mut client, next, patience).await {
+                    ended = true;
+                    break;
+                }
+            }
+        };
+        // The body, like the handler, must be done by the maximum hold.
+        if tokio::time::timeout_at(deadline, drained).await.is_err() {
+            // The client has seen the handler's status: that is the answer, recorded without its
+            // body (as a body whose stream fails is), never a timeout it was not told.
+            tracing::warn!(
+                "the response body was still streaming at the maximum hold; cut, and recorded \
+                 without its body"
+            );
+            lease.timed_out();
+            // Recorded before the client sees the cut, as a body that ends is: a retry sent on
+            // the error gets the replay, not 409.
+            lease.complete(Arc::new(with_body(head, None))).await;
+            // The client's body ends here with an error (`Channel`), after the frames it holds.
+            return;
+        }
+        let recorded = copy.finish();
+        lease.complete(Arc::new(with_body(head, recorded))).await;
+        // What is left of a body recorded without it streams to the client, the claim finished.
+        while !ended && client.is_some() {
+            let next = match &client {
+                Some(tx) => tokio::select! {
+                    next = next_frame(&mut body) => next,
+                    () = tx.closed() => break,
+                },
+                None => break,
+            };
+            match next {
+                None => ended = true,
+                Some(frame) => {
+                    ended = frame.is_err();
+                    forward(&mut client, frame, patience).await;
+                }
+            }
+        }
+        // Dropping the sender here ends the body the client reads: after the record. Only a sender
+        // still live here has passed on every frame. One dropped before (a client that stopped
+        // reading for the patience, then resumes), and any other end of this task (the cut at the
+        // maximum hold, a panic, a runtime that shuts down), ends the client's body with an
+        // error, never as a whole body.
+        if let Some(tx) = client.take() {
+            body_end.store(true, Ordering::Release);
+            drop(tx);
+        }
+    };
+    drain.spawn(task);
+    Response::from_parts(
+        parts,
+        Body::new(Channel {
+            rx,
+            finished,
+            over: false,
+        }),
+    )
+}
+
+/// Handles one frame read from the handler's body; false once the body has ended.
+async fn on_frame(
+    copy: &mut Copy,
+    client: &mut Option<mpsc::Sender<Result<Frame<Bytes>, axum::Error>>>,
+    next: Next,
+    patience: Duration,
+) -> bool {
+    match next {
+        None => false,
+        Some(Ok(frame)) => {
+            copy.frame(&frame);
+            forward(client, Ok(frame), patience).await;
+            true
+        }
+        Some(Err(e)) => {
+            copy.omit();
+            forward(client, Err(e), patience).await;
+            false
+        }
+    }
+}
+
+/// Sends a frame to the client, forgetting the client once it has gone away, or once it has not
+/// taken a frame for `patience` (it stopped reading: it is treated as gone).
+async fn forward(
+    client: &mut Option<mpsc::Sender<Result<Frame<Bytes>, axum::Error>>>,
+    frame: Result<Frame<Bytes>, axum::Error>,
+    patience: Duration,
+) {
+    if let Some(tx) = client {
+        match tokio::time::timeout(patience, tx.send(frame)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => *client = None,
+            Err(_) => {
+                tracing::info!("the client stopped reading the response; it is treated as gone");
+                *client = None;
+            }
+        }
+    }
+}
+
+/// The client's side of a streamed body.
+struct Channel {
+    rx: mpsc::Receiver<Result<Frame<Bytes>, axum::Error>>,
+    /// Set by the recording task once the body has ended as the handler's did.
+    finished: Arc<AtomicBool>,
+    /// The channel has closed (and its end was reported).
+    over: bool,
+}
+
+impl http_body::Body for Channel {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        if self.over {
+            return Poll::Ready(None);
+        }
+        match std::task::ready!(self.rx.poll_recv(cx)) {
+            Some(frame) => Poll::Ready(Some(frame)),
+            None => {
+                self.over = true;
+                if self.finished.load(Ordering::Acquire) {
+                    Poll::Ready(None)
+                } else {
+                    // The task ended without ending the body: the client must not take what it
+                    // got for the whole answer.
+                    Poll::Ready(Some(Err(axum::Error::new("the response was cut short"))))
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,190 @@
+//! One guarded request: admitted, its body read (within its limit and its deadline) and
+//! fingerprinted, its key claimed through the engine, then the handler run or the engine's answer
+//! turned into a response.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use http::{Request, Response};
+use tower::{BoxError, Service, ServiceExt};
+use tracing::Instrument;
+
+use super::admission::{Admission, admit};
+use super::body::{self, RequestBodyError};
+use super::handler::{self, Transactions};
+use super::problem::ErrorKind;
+use super::replay;
+use super::settings::LayerSettings;
+use crate::engine::{Claim, Engine, Outcome, Stage, Unavailable, span};
+use crate::store::{IdempotencyStore, RecordKey, StoredResponse};
+use crate::util::metrics::Label;
+
+/// Runs one request through the layer. `inner` is a ready clone of the wrapped service; `stage`
+/// is shared with the request's future (see [`Stage`]).
+pub(super) async fn guard<S, St, ResBody>(
+    engine: Engine<St>,
+    http: Arc<LayerSettings>,
+    transactions: Option<Arc<dyn Transactions<St>>>,
+    inner: S,
+    request: Request<Body>,
+    stage: Arc<Stage>,
+) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: IdempotencyStore,
+    ResBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let (parts, body) = request.into_parts();
+    let (key, subject, label) = match admit(&engine, &http, &parts) {
+        Admission::Guarded {
+            key,
+            subject,
+            label,
+        } => (key, subject, label),
+        Admission::Unguarded => return pass_through(inner, Request::from_parts(parts, body)).await,
+        Admission::Refused(response) => return Ok(response),
+    };
+    let key = RecordKey {
+        key,
+        subject,
+        endpoint: (http.endpoint)(&parts),
+    };
+    let span = span(engine.settings(), &key);
+    async move {
+        let bytes = match read_body(&engine, &http, &label, &parts, body).await {
+            Ok(bytes) => bytes,
+            Err(refused) => return Ok(refused),
+        };
+        // From here on the request runs to its end if its client leaves.
+        stage.body_read();
+        let fingerprint = http.fingerprint.of(&parts, &bytes);
+        let request = Request::from_parts(parts, Body::from(bytes));
+        match engine.claim(label, key, fingerprint, Some(&stage)).await {
+            Claim::Held(lease, context) => {
+                // Boxed: the handler's part of the state machine is large, and a request future
+                // that carried it inline would be moved whole (replays and 409s included).
+                Box::pin(handler::run(
+                    &http,
+                    transactions.as_deref(),
+                    inner,
+                    request,
+                    lease,
+                    context,
+                ))
+                .await
+            }
+            Claim::Finished(stored, sent) => Ok(replayed(&http, &request, &stored, sent)),
+            Claim::InProgress => Ok(http.retryable(
+                ErrorKind::InProgress,
+                "a request with this Idempotency-Key is still being processed; retry later",
+            )),
+            Claim::KeyReuse => Ok(http.problem(
+                ErrorKind::KeyReuse,
+                "this Idempotency-Key was used for a request with a different body or query",
+                None,
+            )),
+            Claim::Unguarded => pass_through(inner, request).await,
+            Claim::Unavailable(Unavailable::TooLate) => Ok(http.retryable(
+                ErrorKind::StoreUnavailable,
+                "the idempotency store answered too slowly; retry later",
+            )),
+            Claim::Unavailable(Unavailable::Store(_)) => Ok(http.retryable(
+                ErrorKind::StoreUnavailable,
+                "the idempotency store is unavailable; retry later",
+            )),
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// The whole request body, within its limit and its deadline, or the answer refusing it.
+async fn read_body<St: IdempotencyStore>(
+    engine: &Engine<St>,
+    http: &LayerSettings,
+    label: &Label,
+    parts: &http::request::Parts,
+    body: Body,
+) -> Result<bytes::Bytes, Response<Body>> {
+    let read = body::read_request(&parts.headers, body, http.body_limit);
+    let refused = match tokio::time::timeout(http.body_timeout, read).await {
+        Ok(Ok(bytes)) => return Ok(bytes),
+        Ok(Err(RequestBodyError::TooLarge)) => {
+            let detail = format!(
+                "the request body is over the limit of {} bytes",
+                http.body_limit
+            );
+            http.problem(ErrorKind::RequestTooLarge, &detail, None)
+        }
+        Ok(Err(RequestBodyError::Unreadable(reason))) => {
+            // The reason stays in the log: internal error text is not sent to clients.
+            tracing::debug!(%reason, "the request body could not be read");
+            http.problem(
+                ErrorKind::UnreadableBody,
+                "the request body could not be read to its end",
+                None,
+            )
+        }
+        Err(_) => {
+            tracing::debug!("the request body did not arrive within its deadline");
+            let detail = format!(
+                "the request body did not arrive within {} ms",
+                http.body_timeout.as_millis()
+            );
+            http.retryable(ErrorKind::RequestTimeout, &detail)
+        }
+    };
+    engine.report(label, Outcome::Rejected);
+    Err(refused)
+}
+
+/// The replay of a finished record.
+fn replayed(
+    http: &LayerSettings,
+    request: &Request<Body>,
+    stored: &StoredResponse,
+    sent: tokio::time::Instant,
+) -> Response<Body> {
+    let mut response = replay::replay(stored, &http.replay_header, &http.stored_headers);
+    // Dated from when the claim was sent: the store counted the time left from a moment after
+    // it, so the date is never later than the record's expiry.
+    if http.expiry_header
+        && let Some(left) = stored.expires_in
+    {
+        let sent_at = std::time::SystemTime::now() - sent.elapsed();
+        replay::mark_expiry_from(response.headers_mut(), sent_at, left);
+    }
+    if let Some(hook) = &http.on_replay {
+        // A hook that panics leaves the replay as it was.
+        let headers = response.headers_mut();
+        let hooked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut changed = headers.clone();
+            hook(request, stored, &mut changed);
+            changed
+        }));
+        match hooked {
+            Ok(changed) => *headers = changed,
+            Err(_) => tracing::error!("the replay hook panicked; replayed without it"),
+        }
+        let _ = headers.try_insert(
+            http.replay_header.clone(),
+            http::HeaderValue::from_static("true"),
+        );
+    }
+    response
+}
+
+pub(super) async fn pass_through<S, ResBody>(
+    inner: S,
+    request: Request<Body>,
+) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>>,
+    ResBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    Ok(inner.oneshot(request).await?.map(Body::new))
+}

@@ -1,0 +1,120 @@
+//! [`IdempotencyService`]: the middleware the layer builds around a route.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use http::{Request, Response};
+use tower::{BoxError, Service};
+
+use super::future::ResponseFuture;
+use super::handler::Transactions;
+use super::settings::LayerSettings;
+use crate::engine::{Engine, Stage};
+use crate::header::IDEMPOTENCY_KEY;
+use crate::store::IdempotencyStore;
+
+/// Guards an inner service; built by [`IdempotencyLayer`](crate::IdempotencyLayer).
+pub struct IdempotencyService<S, Store> {
+    inner: S,
+    engine: Engine<Store>,
+    http: Arc<LayerSettings>,
+    transactions: Option<Arc<dyn Transactions<Store>>>,
+}
+
+impl<S: std::fmt::Debug, Store: std::fmt::Debug> std::fmt::Debug for IdempotencyService<S, Store> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("inner", &self.inner)
+            .field("engine", &self.engine)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, Store> IdempotencyService<S, Store> {
+    pub(crate) fn new(
+        inner: S,
+        engine: Engine<Store>,
+        http: Arc<LayerSettings>,
+        transactions: Option<Arc<dyn Transactions<Store>>>,
+    ) -> Self {
+        IdempotencyService {
+            inner,
+            engine,
+            http,
+            transactions,
+        }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The wrapped service, the layer taken off.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S: Clone, Store: Clone> Clone for IdempotencyService<S, Store> {
+    fn clone(&self) -> Self {
+        IdempotencyService {
+            inner: self.inner.clone(),
+            engine: self.engine.clone(),
+            http: self.http.clone(),
+            transactions: self.transactions.clone(),
+        }
+    }
+}
+
+impl<S, Store, ResBody> Service<Request<Body>> for IdempotencyService<S, Store>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    Store: IdempotencyStore,
+    ResBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<Body>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        // Take the service that was polled ready and leave a clone in its place.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        if !self.http.methods.contains(request.method())
+            || !request.headers().contains_key(IDEMPOTENCY_KEY) && !self.http.require_key
+        {
+            let future = inner.call(request);
+            return ResponseFuture::passed(Box::pin(
+                async move { Ok(future.await?.map(Body::new)) },
+            ));
+        }
+        let stage = Arc::new(Stage::default());
+        let admitted = self.engine.drain().admit();
+        ResponseFuture::guarded(
+            Box::pin(super::run::guard(
+                self.engine.clone(),
+                self.http.clone(),
+                self.transactions.clone(),
+                inner,
+                request,
+                stage.clone(),
+            )),
+            admitted,
+            stage,
+        )
+    }
+}

@@ -1,0 +1,63 @@
+//! [`OnceError`]: why a run-once call did not return an output.
+
+use std::fmt;
+
+use crate::store::StoreError;
+
+/// Why [`RunOnce::run`](super::RunOnce::run) did not return an output.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum OnceError<E> {
+    /// Another run holds the record (here or in another process): try again later. Its lease is
+    /// renewed while it runs; if its process died, the record is retaken after the in-progress TTL.
+    InProgress,
+    /// The scope was used with another fingerprint (another input) within the retention.
+    KeyReuse,
+    /// The closure returned this error. The record was released: a later call runs it again.
+    Failed(E),
+    /// The closure panicked. The record was released: a later call runs it again.
+    Panicked,
+    /// The closure was still running at the maximum hold and was cancelled. Its effect may have
+    /// happened, so the scope is settled as timed out: every later call within the retention gets
+    /// this too, and the closure never runs again for it.
+    TimedOut,
+    /// The store failed (or answered the claim too late to be trusted). Nothing ran; a claim the
+    /// store may have made is released in the background.
+    Store(StoreError),
+    /// The input or the output could not be serialized as JSON. For the output, the closure had
+    /// run: the scope is settled as failed (later calls get [`Decode`](Self::Decode)), so its
+    /// effect is not repeated.
+    Encode(serde_json::Error),
+    /// The recorded output could not be read back as `T` (another type, a record made by the HTTP
+    /// layer under the same scope, an output that did not serialize, or one the store kept
+    /// without its body because it refused it several times while it took renewals).
+    Decode(serde_json::Error),
+}
+
+impl<E: fmt::Display> fmt::Display for OnceError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            OnceError::InProgress => f.write_str("the operation is in progress elsewhere"),
+            OnceError::KeyReuse => {
+                f.write_str("the scope was used for an operation with another input")
+            }
+            OnceError::Failed(e) => write!(f, "the operation failed: {e}"),
+            OnceError::Panicked => f.write_str("the operation panicked"),
+            OnceError::TimedOut => f.write_str("the operation ran past the maximum hold"),
+            OnceError::Store(e) => write!(f, "the idempotency store failed: {e}"),
+            OnceError::Encode(e) => write!(f, "the input or output did not serialize: {e}"),
+            OnceError::Decode(e) => write!(f, "the recorded output could not be read: {e}"),
+        }
+    }
+}
+
+impl<E: std::error::Error + 'static> std::error::Error for OnceError<E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            OnceError::Failed(e) => Some(e),
+            OnceError::Store(e) => Some(e),
+            OnceError::Encode(e) | OnceError::Decode(e) => Some(e),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,122 @@
+//! [`StoreError`]: what a store answers when it could not do what it was asked.
+
+use std::fmt;
+
+/// An error from a store: the layer answers `503 idempotency_store_unavailable` (or, when configured
+/// to fail open and the error allows it, runs the handler unguarded).
+#[derive(Debug)]
+pub struct StoreError {
+    message: String,
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    kind: Kind,
+}
+
+/// What kind of failure a [`StoreError`] is, beyond its message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// The store may or may not have done it (a timeout, a lost connection, a server error).
+    Failed,
+    /// A finished record exists but cannot be read.
+    Unreadable,
+    /// The claim was refused and nothing was written (the store is full).
+    Refused,
+    /// A statement of the transaction had failed before: nothing in it can commit.
+    AbortedTransaction,
+}
+
+impl StoreError {
+    /// An error with a message and the error that caused it.
+    pub fn new(
+        message: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        StoreError {
+            message: message.into(),
+            source: Some(source.into()),
+            kind: Kind::Failed,
+        }
+    }
+
+    /// An error with only a message.
+    pub fn msg(message: impl Into<String>) -> Self {
+        StoreError {
+            message: message.into(),
+            source: None,
+            kind: Kind::Failed,
+        }
+    }
+
+    /// A finished record exists but cannot be read (it does not decrypt, say): the operation it
+    /// records has happened, so the layer answers `503 idempotency_store_unavailable` even when
+    /// configured to fail open. Running the handler again would repeat the operation.
+    pub fn unreadable_record(message: impl Into<String>) -> Self {
+        StoreError {
+            kind: Kind::Unreadable,
+            ..StoreError::msg(message)
+        }
+    }
+
+    /// The store refused the claim and wrote nothing, for lack of room (it is full, or its server
+    /// refused the write for memory or disk): the layer answers `503`, even when configured to
+    /// fail open (running unguarded would let every retry run again), and starts no clean-up of a
+    /// claim that was never made.
+    pub fn refused_claim(message: impl Into<String>) -> Self {
+        StoreError {
+            kind: Kind::Refused,
+            ..StoreError::msg(message)
+        }
+    }
+
+    /// A completion written in a handler's transaction failed because a statement of the handler
+    /// had already failed in that transaction: nothing of it can commit (see
+    /// [`TransactionalStore::complete_in`](super::TransactionalStore::complete_in)).
+    pub fn aborted_transaction(
+        message: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        StoreError {
+            kind: Kind::AbortedTransaction,
+            ..StoreError::new(message, source)
+        }
+    }
+
+    /// True for an error made by [`StoreError::refused_claim`].
+    pub fn is_refused_claim(&self) -> bool {
+        self.kind == Kind::Refused
+    }
+
+    /// True for an error made by [`StoreError::unreadable_record`].
+    pub fn is_unreadable_record(&self) -> bool {
+        self.kind == Kind::Unreadable
+    }
+
+    /// True for an error made by [`StoreError::aborted_transaction`].
+    pub fn is_aborted_transaction(&self) -> bool {
+        self.kind == Kind::AbortedTransaction
+    }
+
+    /// Whether a claim that failed with this error may have been made all the same (a timeout or
+    /// a lost connection after the store committed it): then it is released by its token in the
+    /// background. A refused claim wrote nothing, and an unreadable record was read whole: neither
+    /// made a claim.
+    pub fn may_have_claimed(&self) -> bool {
+        !matches!(self.kind, Kind::Unreadable | Kind::Refused)
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.source {
+            Some(source) => write!(f, "{}: {}", self.message, source),
+            None => f.write_str(&self.message),
+        }
+    }
+}
+
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
