@@ -126,7 +126,9 @@ where
             // for an old one. The default marker goes too when another one is set.
             let headers = response.headers_mut();
             headers.remove(&http.replay_header);
-            headers.remove(&crate::header::IDEMPOTENT_REPLAYED);
+            if http.replay_header != crate::header::IDEMPOTENT_REPLAYED {
+                headers.remove(&crate::header::IDEMPOTENT_REPLAYED);
+            }
             headers.remove(&IDEMPOTENCY_REPLAY);
             match left {
                 // Boxed inside: its commit's futures are the largest part of this state machine,

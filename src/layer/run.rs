@@ -109,8 +109,13 @@ async fn read_body<St: IdempotencyStore>(
     parts: &http::request::Parts,
     body: Body,
 ) -> Result<bytes::Bytes, Response<Body>> {
-    let read = body::read_request(&parts.headers, body, http.body_limit);
-    let refused = match tokio::time::timeout(http.body_timeout, read).await {
+    let mut read = std::pin::pin!(body::read_request(&parts.headers, body, http.body_limit));
+    // A body that is whole already (the usual small JSON) needs no timer.
+    let read = match futures_util::FutureExt::now_or_never(read.as_mut()) {
+        Some(read) => Ok(read),
+        None => tokio::time::timeout(http.body_timeout, read).await,
+    };
+    let refused = match read {
         Ok(Ok(bytes)) => return Ok(bytes),
         Ok(Err(RequestBodyError::TooLarge)) => {
             let detail = format!(
