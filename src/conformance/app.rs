@@ -374,3 +374,27 @@ impl<S: IdempotencyStore> IdempotencyStore for Counting<S> {
         self.store.operation_timeout()
     }
 }
+
+/// Sends `req` until the answer is not `409` (every 20 ms, at most `tries` times), as a client that
+/// retries would, and returns the last answer.
+pub async fn until_not_in_progress(
+    router: &axum::Router,
+    req: impl Fn() -> Req,
+    tries: usize,
+) -> Answer {
+    let mut answer = send(router, req()).await;
+    for _ in 0..tries {
+        if answer.status != StatusCode::CONFLICT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        answer = send(router, req()).await;
+    }
+    answer
+}
+
+/// A short in-progress TTL for tests of its expiry: `base`, or the shortest the store's operation
+/// timeout allows when that is longer.
+pub(crate) fn short_ttl<S: IdempotencyStore>(store: &S, base: Duration) -> Duration {
+    store.operation_timeout().map_or(base, |t| base.max(t * 2))
+}

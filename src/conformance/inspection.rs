@@ -388,7 +388,7 @@ pub async fn delete_racing_requests_runs_the_handler_at_most_once_more<S: Idempo
         assert!((1..=2).contains(&runs), "round {round}: {runs} runs");
         // The next request runs only if none of the racers came after the delete; then the key
         // is settled, and every later one is a replay of that run.
-        let next = super::suite::until_not_in_progress(&router, req, 200).await;
+        let next = super::app::until_not_in_progress(&router, req, 200).await;
         assert_eq!(next.status, StatusCode::CREATED, "round {round}");
         let total = counters.started() - started;
         assert!(

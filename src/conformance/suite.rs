@@ -14,7 +14,8 @@ use axum::http::StatusCode;
 use bytes::Bytes;
 use tokio::task::JoinSet;
 
-use super::app::{Answer, Counting, Req, app, eventually, post, send};
+pub use super::app::until_not_in_progress;
+use super::app::{Answer, Counting, app, eventually, post, send, short_ttl};
 pub use super::inspection::{
     delete_racing_claims_never_grants_twice,
     delete_racing_requests_runs_the_handler_at_most_once_more, inspection_forgets_expired_records,
@@ -95,30 +96,6 @@ macro_rules! store_suite {
             }
         )*
     };
-}
-
-/// Sends `req` until the answer is not `409` (every 20 ms, at most `tries` times), as a client that
-/// retries would, and returns the last answer.
-pub async fn until_not_in_progress(
-    router: &axum::Router,
-    req: impl Fn() -> Req,
-    tries: usize,
-) -> Answer {
-    let mut answer = send(router, req()).await;
-    for _ in 0..tries {
-        if answer.status != StatusCode::CONFLICT {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        answer = send(router, req()).await;
-    }
-    answer
-}
-
-/// A short in-progress TTL for tests of its expiry: `base`, or the shortest the store's operation
-/// timeout allows when that is longer.
-pub(crate) fn short_ttl<S: IdempotencyStore>(store: &S, base: Duration) -> Duration {
-    store.operation_timeout().map_or(base, |t| base.max(t * 2))
 }
 
 fn default_layer<S: IdempotencyStore>(store: S) -> IdempotencyLayer<S> {

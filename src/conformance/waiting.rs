@@ -76,7 +76,7 @@ pub async fn waiters_get_the_replay_and_never_wait_past_the_bound<S: Idempotency
 pub async fn waiters_on_a_dead_holder_get_409_and_a_later_retake_runs_once<S: IdempotencyStore>(
     store: S,
 ) {
-    let ttl = super::suite::short_ttl(&store, Duration::from_millis(1500));
+    let ttl = super::app::short_ttl(&store, Duration::from_millis(1500));
     let wait = Duration::from_millis(400);
     // The holder: a claim made in the store and never renewed, as by a process that died.
     let dead = ClaimRequest {

@@ -10,7 +10,7 @@ use std::time::Duration;
 use futures_util::FutureExt;
 use tokio::time::Instant;
 
-use super::Engine;
+use super::core::Engine;
 use crate::store::{Fenced, IdempotencyStore, LeaseToken, RecordKey, StoreError};
 
 /// Clean-ups of failed claims that may run at once in a process.

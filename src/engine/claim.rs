@@ -10,10 +10,11 @@ use futures_util::FutureExt;
 use tokio::time::Instant;
 
 use super::context::IdempotencyContext;
+use super::core::Engine;
 use super::lease::Lease;
 use super::outcome::Outcome;
+use super::settings::Settings;
 use super::wait::Stage;
-use super::{Engine, Settings};
 use crate::store::{
     ClaimOutcome, ClaimRequest, FRESH_FRACTION, Fenced, Fingerprint, IdempotencyStore, RecordKey,
     StoreError, StoredResponse, claim_ids,

@@ -8,13 +8,28 @@
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures_util::FutureExt;
 use tokio::time::Instant;
 
-use super::lease::Held;
-use crate::store::{Fenced, IdempotencyStore, StoreError};
+use super::core::Engine;
+use crate::store::{Fenced, Fingerprint, IdempotencyStore, LeaseToken, RecordKey, StoreError};
+
+/// What the lease and its heartbeat task share.
+pub(super) struct Held<St> {
+    pub(super) engine: Engine<St>,
+    /// Shared with the work's `IdempotencyContext` rather than copied for it.
+    pub(super) key: Arc<RecordKey>,
+    /// The claim's fingerprint, which the completion passes on to the store.
+    pub(super) fingerprint: Fingerprint,
+    pub(super) token: LeaseToken,
+    /// Renewals that got through.
+    pub(super) renewals: AtomicU64,
+    /// When the lease was last proven held (the claim, or the last renewal that got through, as
+    /// sent): a lease made anew for the same claim (on the drop path) starts its schedule there.
+    pub(super) held_since: std::sync::Mutex<Instant>,
+}
 
 /// Renews the lease on its schedule until aborted; stops once the lease is lost. The first renewal
 /// is due a third of the TTL after `since`, when the claim was sent.

@@ -25,8 +25,8 @@ use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::Engine;
-use super::heartbeat::heartbeat;
+use super::core::Engine;
+use super::heartbeat::{Held, heartbeat};
 use super::outcome::Outcome;
 use crate::store::{
     Fenced, Fingerprint, IdempotencyStore, LeaseToken, RecordKey, StoreError, StoredResponse,
@@ -74,21 +74,6 @@ pub(crate) enum Settled {
     Lost,
     /// Whether the work's transaction committed is unknown (the store could not be asked).
     Unknown,
-}
-
-/// What the lease and its heartbeat task share.
-pub(super) struct Held<St> {
-    pub(super) engine: Engine<St>,
-    /// Shared with the work's `IdempotencyContext` rather than copied for it.
-    pub(super) key: Arc<RecordKey>,
-    /// The claim's fingerprint, which the completion passes on to the store.
-    pub(super) fingerprint: Fingerprint,
-    pub(super) token: LeaseToken,
-    /// Renewals that got through.
-    pub(super) renewals: AtomicU64,
-    /// When the lease was last proven held (the claim, or the last renewal that got through, as
-    /// sent): a lease made anew for the same claim (on the drop path) starts its schedule there.
-    pub(super) held_since: std::sync::Mutex<Instant>,
 }
 
 impl<St: IdempotencyStore> Lease<St> {

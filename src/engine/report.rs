@@ -1,7 +1,7 @@
 //! Reporting what the engine did with an operation: to its span, the application's hook and the
 //! metrics.
 
-use super::Engine;
+use super::core::Engine;
 use super::outcome::Outcome;
 use crate::store::IdempotencyStore;
 use crate::util::metrics::Label;

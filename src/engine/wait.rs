@@ -18,19 +18,14 @@
 //!   nothing to finish, and must not take a place in the layer's admission bound. Only its last
 //!   claim, which may need releasing, runs on if the client leaves during it.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::Engine;
-use super::coalesce::{ByScope, Scope};
+use super::coalesce::Scope;
+use super::core::Engine;
 use crate::store::{ClaimOutcome, ClaimRequest, Generation, IdempotencyStore, LeaseToken};
-use crate::util::lock::lock;
-
-const SHARDS: usize = 16;
 
 /// The first pause between two look-ups of the record; it doubles up to [`LONGEST_POLL`].
 const FIRST_POLL: Duration = Duration::from_millis(25);
@@ -93,64 +88,6 @@ impl Stage {
             {
                 Ok(_) => return detach,
                 Err(actual) => now = actual,
-            }
-        }
-    }
-}
-
-/// How many duplicates wait on each key at this instance.
-#[derive(Default)]
-pub(crate) struct Waiters {
-    shards: [Mutex<HashMap<Scope, usize, ByScope>>; SHARDS],
-}
-
-impl std::fmt::Debug for Waiters {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Waiters").finish_non_exhaustive()
-    }
-}
-
-/// A waiter's place; given back when dropped.
-struct Place<'a> {
-    waiters: &'a Waiters,
-    scope: Scope,
-}
-
-impl Waiters {
-    fn shard(&self, scope: &Scope) -> &Mutex<HashMap<Scope, usize, ByScope>> {
-        &self.shards[scope.shard(SHARDS)]
-    }
-
-    /// A place among the waiters of `scope`, if fewer than `max` wait on it now.
-    fn enter(&self, scope: Scope, max: usize) -> Option<Place<'_>> {
-        let mut shard = lock(self.shard(&scope));
-        let count = shard.entry(scope).or_insert(0);
-        if *count >= max {
-            return None;
-        }
-        *count += 1;
-        Some(Place {
-            waiters: self,
-            scope,
-        })
-    }
-
-    #[cfg(test)]
-    fn waiting(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| lock(s).values().sum::<usize>())
-            .sum()
-    }
-}
-
-impl Drop for Place<'_> {
-    fn drop(&mut self) {
-        let mut shard = lock(self.waiters.shard(&self.scope));
-        if let Some(count) = shard.get_mut(&self.scope) {
-            *count -= 1;
-            if *count == 0 {
-                shard.remove(&self.scope);
             }
         }
     }
@@ -286,25 +223,5 @@ mod tests {
         assert!(stage.start());
         stage.stop();
         assert!(stage.client_left(), "reading the answer: detached");
-    }
-
-    #[test]
-    fn places_are_bounded_and_given_back() {
-        let waiters = Waiters::default();
-        let a = waiters.enter(Scope::numbered(1), 2).expect("first");
-        let b = waiters.enter(Scope::numbered(1), 2).expect("second");
-        assert!(
-            waiters.enter(Scope::numbered(1), 2).is_none(),
-            "a third is refused"
-        );
-        let other = waiters
-            .enter(Scope::numbered(2), 2)
-            .expect("another key has its own count");
-        drop(a);
-        let c = waiters
-            .enter(Scope::numbered(1), 2)
-            .expect("a place given back is taken again");
-        drop((b, c, other));
-        assert_eq!(waiters.waiting(), 0);
     }
 }

@@ -7,18 +7,31 @@ use std::time::Duration;
 use http::request::Parts;
 use http::{HeaderName, Method, StatusCode};
 
-use super::IdempotencyLayer;
 use super::handler::Transactions;
 use super::header_policy;
+use super::layer::IdempotencyLayer;
 use super::policy::Disposition;
 #[cfg(doc)]
 use super::policy::default_policy;
 use super::problem::Problem;
-use super::settings::{FingerprintRule, LayerSettings, MAX_BODY_LIMIT};
+use super::settings::{FingerprintRule, LayerSettings};
 use super::subject::SubjectExtractor;
 use crate::engine::{ConfigError, Drain, Engine, Outcome, Settings};
 use crate::fingerprint::json_pointer::Pointer;
 use crate::store::{Fingerprint, IdempotencyStore, StoredResponse};
+
+impl<Store: IdempotencyStore> IdempotencyLayer<Store> {
+    /// A layer with the default settings (the table on [`IdempotencyLayerBuilder`]), or why they
+    /// do not fit `store` (an in-progress TTL under twice its operation timeout).
+    pub fn new(store: Store) -> Result<Self, ConfigError> {
+        Self::builder(store).build()
+    }
+
+    /// A builder to change the settings; [`IdempotencyLayerBuilder::build`] checks them.
+    pub fn builder(store: Store) -> IdempotencyLayerBuilder<Store> {
+        IdempotencyLayerBuilder::new(store)
+    }
+}
 
 /// Builds an [`IdempotencyLayer`]; [`build`](Self::build) checks the settings and says what is
 /// wrong ([`ConfigError`]) instead of panicking.
@@ -388,7 +401,7 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
     /// Checks the settings and builds the layer.
     pub fn build(self) -> Result<IdempotencyLayer<Store>, ConfigError> {
         let mut http = self.http;
-        check(&http)?;
+        http.check()?;
         if let Some(base) = self.problem_type_base {
             let absolute = http::Uri::try_from(base.as_str()).is_ok_and(|uri| {
                 matches!(uri.scheme_str(), Some("http" | "https")) && uri.authority().is_some()
@@ -491,54 +504,47 @@ where
     }
 }
 
-/// The checks of the layer's own settings (the engine checks its own).
-fn check(http: &LayerSettings) -> Result<(), ConfigError> {
-    if http.retry_after_secs == 0 {
-        return Err(ConfigError::new("retry_after_secs", "must be at least 1"));
-    }
-    if http.body_limit == 0 || http.body_limit > MAX_BODY_LIMIT {
-        return Err(ConfigError::new(
-            "body_limit",
-            "must be from 1 byte to 64 MiB",
-        ));
-    }
-    if http.body_timeout < Duration::from_millis(100)
-        || http.body_timeout > Duration::from_secs(600)
-    {
-        return Err(ConfigError::new(
-            "body_timeout",
-            "must be from 100 ms to 10 minutes",
-        ));
-    }
-    if http.min_key_length == 0 || http.min_key_length > super::key::MAX_KEY_LEN {
-        return Err(ConfigError::new("min_key_length", "must be from 1 to 255"));
-    }
-    if http.response_limit == 0 || http.response_limit > MAX_BODY_LIMIT {
-        return Err(ConfigError::new(
-            "response_limit",
-            "must be from 1 byte to 64 MiB",
-        ));
-    }
-    if http.methods.is_empty() {
-        return Err(ConfigError::new(
-            "methods",
-            "at least one method must be guarded",
-        ));
-    }
-    if let Some(safe) = http.methods.iter().find(|m| m.is_safe()) {
-        return Err(ConfigError::new(
-            "methods",
-            format!("{safe} is a safe method and cannot be guarded"),
-        ));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::engine::MAX_DURATION;
+    use crate::layer::settings::MAX_BODY_LIMIT;
     use crate::store::MemoryStore;
+
+    /// The names in the first column of the settings tables of `text` (`| \`name\` | ...`), its
+    /// lines read after `prefix`.
+    fn table_names(text: &str, prefix: &str) -> std::collections::HashSet<String> {
+        text.lines()
+            .filter_map(|line| line.trim_start().strip_prefix(prefix)?.strip_prefix("| `"))
+            .filter_map(|rest| rest.split('`').next())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// Every setter of the builder has a row in the table of its docs and in the README's.
+    #[test]
+    fn every_setter_is_in_both_settings_tables() {
+        let source = include_str!("builder.rs");
+        let setters: Vec<&str> = source
+            .lines()
+            .filter_map(|line| line.trim_start().strip_prefix("pub fn "))
+            .filter_map(|rest| rest.split(['(', '<']).next())
+            .filter(|name| !["build", "new", "builder"].contains(name))
+            .collect();
+        assert!(setters.len() > 30, "{setters:?}");
+        let docs = table_names(source, "/// ");
+        let readme = table_names(include_str!("../../README.md"), "");
+        for setter in &setters {
+            assert!(
+                docs.contains(*setter),
+                "`{setter}` is missing from the builder's table"
+            );
+            assert!(
+                readme.contains(*setter),
+                "`{setter}` is missing from the README's table"
+            );
+        }
+    }
 
     fn builder() -> IdempotencyLayerBuilder<MemoryStore> {
         IdempotencyLayerBuilder::new(MemoryStore::new())

@@ -10,6 +10,7 @@ use http::{HeaderName, Method, StatusCode};
 use super::policy::{Disposition, default_policy};
 use super::problem::ProblemTypes;
 use super::subject::{SubjectExtension, SubjectExtractor};
+use crate::engine::ConfigError;
 use crate::fingerprint::json_pointer::Pointer;
 use crate::store::{Fingerprint, StoredResponse};
 
@@ -116,6 +117,51 @@ impl LayerSettings {
     ) -> http::Response<axum::body::Body> {
         self.problems
             .problem(kind, detail, Some(self.retry_after_secs))
+    }
+}
+
+impl LayerSettings {
+    /// The checks of the layer's own settings (the engine checks its own).
+    pub(crate) fn check(&self) -> Result<(), ConfigError> {
+        if self.retry_after_secs == 0 {
+            return Err(ConfigError::new("retry_after_secs", "must be at least 1"));
+        }
+        if self.body_limit == 0 || self.body_limit > MAX_BODY_LIMIT {
+            return Err(ConfigError::new(
+                "body_limit",
+                "must be from 1 byte to 64 MiB",
+            ));
+        }
+        if self.body_timeout < Duration::from_millis(100)
+            || self.body_timeout > Duration::from_secs(600)
+        {
+            return Err(ConfigError::new(
+                "body_timeout",
+                "must be from 100 ms to 10 minutes",
+            ));
+        }
+        if self.min_key_length == 0 || self.min_key_length > super::key::MAX_KEY_LEN {
+            return Err(ConfigError::new("min_key_length", "must be from 1 to 255"));
+        }
+        if self.response_limit == 0 || self.response_limit > MAX_BODY_LIMIT {
+            return Err(ConfigError::new(
+                "response_limit",
+                "must be from 1 byte to 64 MiB",
+            ));
+        }
+        if self.methods.is_empty() {
+            return Err(ConfigError::new(
+                "methods",
+                "at least one method must be guarded",
+            ));
+        }
+        if let Some(safe) = self.methods.iter().find(|m| m.is_safe()) {
+            return Err(ConfigError::new(
+                "methods",
+                format!("{safe} is a safe method and cannot be guarded"),
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -1,5 +1,5 @@
-//! What the inspection operations of a store answer ([`IdempotencyStore::lookup`],
-//! [`IdempotencyStore::delete`], [`IdempotencyStore::list`]): a record as an operator or a client
+//! What the inspection operations of a store answer ([`IdempotencyStore::lookup`](super::IdempotencyStore::lookup),
+//! [`IdempotencyStore::delete`](super::IdempotencyStore::delete), [`IdempotencyStore::list`](super::IdempotencyStore::list)): a record as an operator or a client
 //! sees it (its state, stored status and times), never its fingerprint, lease or response.
 //!
 //! Released records (kept by the stores as tombstones until their expiry, so a retry keeps its
@@ -9,9 +9,6 @@
 use std::fmt;
 use std::str::FromStr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-#[cfg(doc)]
-use super::IdempotencyStore;
 
 /// The state of a record, as inspection shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -47,7 +44,7 @@ impl fmt::Display for RecordState {
     }
 }
 
-/// A record as [`IdempotencyStore::lookup`] and [`IdempotencyStore::list`] answer it.
+/// A record as [`IdempotencyStore::lookup`](super::IdempotencyStore::lookup) and [`IdempotencyStore::list`](super::IdempotencyStore::list) answer it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RecordInfo {
@@ -79,7 +76,7 @@ impl RecordInfo {
     }
 }
 
-/// What [`IdempotencyStore::delete`] did.
+/// What [`IdempotencyStore::delete`](super::IdempotencyStore::delete) did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 #[must_use]
@@ -93,7 +90,7 @@ pub enum Deleted {
     NotFound,
 }
 
-/// The largest page [`IdempotencyStore::list`] answers.
+/// The largest page [`IdempotencyStore::list`](super::IdempotencyStore::list) answers.
 pub(crate) const MAX_LIST_LIMIT: usize = 100;
 
 /// Where a listing stands: records are listed by the time they were created, then by their scope

@@ -8,7 +8,8 @@ use bytes::Bytes;
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use super::{PostgresStore, RELEASED, db, micros, on_connection, parse_headers};
+use super::sql::RELEASED;
+use super::{PostgresStore, db, micros, on_connection, parse_headers};
 use crate::store::StoreError;
 use crate::store::{ClaimOutcome, ClaimRequest, Finished, Generation, StoredResponse};
 use crate::util::lock::lock;

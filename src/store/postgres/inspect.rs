@@ -4,17 +4,13 @@
 //! Released records (in progress under no lease, `RELEASED`) and records past their expiry are
 //! absent to all three, as in every store.
 
-use super::statements::{LOCK_BOUND, lock_bound_cte};
-use super::{PostgresStore, RELEASED, db, on_connection, printable};
+use super::{PostgresStore, db, on_connection, printable};
 use crate::store::RecordKey;
 use crate::store::{
     Deleted, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage, RecordState,
     StoreError, from_micros,
 };
 
-/// The record's times as microseconds since the Unix epoch (exact: `extract` answers `numeric`).
-const TIMES: &str = "(extract(epoch FROM created_at) * 1000000)::int8 AS created_us, \
-                     (extract(epoch FROM expires_at) * 1000000)::int8 AS expires_us";
 /// How many statements one listing sends at most when rows it cannot verify as the subject's fill
 /// its pages (see `PostgresStore::list_records`); it then answers a short page with a next one.
 const LIST_ROUNDS: usize = 4;
@@ -22,62 +18,6 @@ const LIST_ROUNDS: usize = 4;
 /// 1685 to 2255): the database's `now()` dated every record, so only a forged cursor lies
 /// outside, and clamped it lists what it would have.
 const CURSOR_MICROS: i64 = 1 << 53;
-
-/// The inspection statements on one table (`t`, quoted and qualified as the others).
-pub(super) struct Inspection {
-    lookup: String,
-    delete: String,
-    list_first: String,
-    list_after: String,
-}
-
-impl Inspection {
-    pub(super) fn on(t: &str) -> Self {
-        // A record inspection shows: not past its expiry, not released.
-        let live = format!(
-            "expires_at > now() AND NOT (status = 'in_progress' AND lease_token = {RELEASED})"
-        );
-        // $1 subject (as its column keeps it), $2 limit; after a cursor, $3 its time (µs), $4 its
-        // scope. The row comparison on the columns of the subject index lets a page start where
-        // the last one ended in the index, not scan the subject's records from the first.
-        let list = |after: &str| {
-            format!(
-                "SELECT scope, idempotency_key, endpoint, status, response_status, {TIMES} \
-                 FROM {t} WHERE subject = $1 AND {live}{after} \
-                 ORDER BY created_at, scope LIMIT $2"
-            )
-        };
-        Inspection {
-            // $1 scope. A plain read: it waits on no lock.
-            lookup: format!(
-                "SELECT status, response_status, {TIMES} FROM {t} WHERE scope = $1 AND {live}"
-            ),
-            // $1 scope, $2 lock timeout. Only a finished, live record is deleted. At READ
-            // COMMITTED, a DELETE that waits on the row lock of a concurrent writer (a retake of
-            // the record that just expired, another delete) checks its condition again on the
-            // row as that writer left it: a row taken back in progress is never deleted, one
-            // deleted meanwhile is not counted. The second answer reads the statement's
-            // snapshot: a record held in progress (released ones are not) as the statement
-            // began, which a DELETE of finished rows never touches.
-            delete: format!(
-                "{}, d AS ( \
-                   DELETE FROM {t} WHERE scope = $1 AND status <> 'in_progress' \
-                     AND expires_at > now() AND {LOCK_BOUND} \
-                   RETURNING 1) \
-                 SELECT EXISTS (SELECT 1 FROM d) AS deleted, \
-                        EXISTS (SELECT 1 FROM {t} WHERE scope = $1 AND status = 'in_progress' \
-                                AND lease_token <> {RELEASED} AND expires_at > now()) \
-                          AS in_progress",
-                lock_bound_cte(2)
-            ),
-            list_first: list(""),
-            list_after: list(
-                " AND (created_at, scope) > \
-                   ('epoch'::timestamptz + $3::float8 * interval '1 microsecond', $4)",
-            ),
-        }
-    }
-}
 
 /// A listed row: scope, key, endpoint, status, response status, created and expires (µs).
 type ListedRow = (Vec<u8>, String, String, String, Option<i16>, i64, i64);

@@ -2,7 +2,8 @@
 //! index (`migrations/`), applied under an advisory lock, and the store pinned to the table's
 //! schema.
 
-use super::statements::{Statements, quote_ident};
+use super::sql::{DEFAULT_TABLE, quote_ident};
+use super::statements::Statements;
 use super::{MIN_MIGRATE_TIMEOUT, PostgresStore, db};
 use crate::store::StoreError;
 use crate::util::lock::lock;
@@ -14,7 +15,6 @@ const MIGRATION: &str = include_str!("../../../migrations/0001_idempotency_recor
 /// earlier versions call; claims of this version do not.)
 const GENERATION_MIGRATION: &str =
     include_str!("../../../migrations/0003_idempotency_generation.sql");
-pub(super) const DEFAULT_TABLE: &str = "idempotency_records";
 /// The claim function's name for the default table; for another table, `<table>_claim_v1`.
 const DEFAULT_FUNCTION: &str = "idempotency_records_claim_v2";
 /// The claim function's argument types, as `to_regprocedure` and `ALTER FUNCTION` name them.

@@ -17,10 +17,11 @@ mod in_flight;
 mod inspect;
 mod migrate;
 mod parking;
+mod sql;
 mod statements;
 mod transactional;
 
-use migrate::DEFAULT_TABLE;
+use sql::DEFAULT_TABLE;
 use statements::{PURGE_BATCH, Statements};
 
 use parking::lost_connection;
@@ -31,8 +32,6 @@ use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResp
 
 /// The shortest time `migrate()` may take (it may wait for another instance's migration).
 pub(crate) const MIN_MIGRATE_TIMEOUT: Duration = Duration::from_secs(30);
-/// The lease token of a released record: no claim holds it (`LeaseToken::generate` never gives 0).
-const RELEASED: i64 = 0;
 
 /// Records in a PostgreSQL table, shared by every instance of the application.
 ///

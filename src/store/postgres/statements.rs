@@ -1,36 +1,7 @@
 //! The statements on the table: written once per store, every name quoted and, once `migrate()`
 //! has found the table, qualified by its schema.
 
-use super::RELEASED;
-use super::inspect::Inspection;
-
-/// The condition that makes a statement apply its lock timeout (see [`lock_bound_cte`]) before it
-/// touches a row.
-pub(super) const LOCK_BOUND: &str = "(SELECT bound FROM lock_bound) IS NOT NULL";
-
-/// A common table expression that sets `lock_timeout` for the statement's own (implicit)
-/// transaction from the text parameter `$n` (`"4000ms"`), evaluated before the statement waits on
-/// any row lock (the statement's condition refers to it through [`LOCK_BOUND`]). Every statement on
-/// a record carries it, so that no wait on a row lock (a handler's transaction whose connection
-/// died between its completion and its commit, say) outlives the client's timeout: the server gives
-/// up first and answers, and the connection is kept or goes back to the pool instead of being held
-/// until the server finishes. A `statement_timeout` cannot be set this way (it is armed when the statement
-/// starts); the statements are single-row index lookups, and lock waits are what can last.
-pub(super) fn lock_bound_cte(n: u8) -> String {
-    format!(
-        "WITH lock_bound AS MATERIALIZED (SELECT set_config('lock_timeout', ${n}, true) AS bound)"
-    )
-}
-
-/// [`lock_bound_cte`], which also bounds how long the statement's transaction may then stay idle,
-/// from the text parameter `$idle`: for the completion written in a handler's transaction, after
-/// which the record's row is held by that transaction until its commit.
-pub(super) fn lock_and_idle_bound_cte(n: u8, idle: u8) -> String {
-    format!(
-        "WITH lock_bound AS MATERIALIZED (SELECT set_config('lock_timeout', ${n}, true) AS bound, \
-           set_config('idle_in_transaction_session_timeout', ${idle}, true) AS idle)"
-    )
-}
+use super::sql::{LOCK_BOUND, RELEASED, lock_and_idle_bound_cte, lock_bound_cte, quote_ident};
 
 /// Rows removed per statement by `purge_expired`, so no single statement holds locks for long.
 pub(super) const PURGE_BATCH: i64 = 10_000;
@@ -243,7 +214,61 @@ fn completion(t: &str, cte: &str) -> String {
     )
 }
 
-/// `ident` as a quoted SQL identifier (a `"` inside doubled).
-pub(super) fn quote_ident(ident: &str) -> String {
-    format!("\"{}\"", ident.replace('"', "\"\""))
+/// The record's times as microseconds since the Unix epoch (exact: `extract` answers `numeric`).
+const TIMES: &str = "(extract(epoch FROM created_at) * 1000000)::int8 AS created_us, \
+                     (extract(epoch FROM expires_at) * 1000000)::int8 AS expires_us";
+/// The inspection statements on one table (`t`, quoted and qualified as the others).
+pub(super) struct Inspection {
+    pub(super) lookup: String,
+    pub(super) delete: String,
+    pub(super) list_first: String,
+    pub(super) list_after: String,
+}
+
+impl Inspection {
+    pub(super) fn on(t: &str) -> Self {
+        // A record inspection shows: not past its expiry, not released.
+        let live = format!(
+            "expires_at > now() AND NOT (status = 'in_progress' AND lease_token = {RELEASED})"
+        );
+        // $1 subject (as its column keeps it), $2 limit; after a cursor, $3 its time (µs), $4 its
+        // scope. The row comparison on the columns of the subject index lets a page start where
+        // the last one ended in the index, not scan the subject's records from the first.
+        let list = |after: &str| {
+            format!(
+                "SELECT scope, idempotency_key, endpoint, status, response_status, {TIMES} \
+                 FROM {t} WHERE subject = $1 AND {live}{after} \
+                 ORDER BY created_at, scope LIMIT $2"
+            )
+        };
+        Inspection {
+            // $1 scope. A plain read: it waits on no lock.
+            lookup: format!(
+                "SELECT status, response_status, {TIMES} FROM {t} WHERE scope = $1 AND {live}"
+            ),
+            // $1 scope, $2 lock timeout. Only a finished, live record is deleted. At READ
+            // COMMITTED, a DELETE that waits on the row lock of a concurrent writer (a retake of
+            // the record that just expired, another delete) checks its condition again on the
+            // row as that writer left it: a row taken back in progress is never deleted, one
+            // deleted meanwhile is not counted. The second answer reads the statement's
+            // snapshot: a record held in progress (released ones are not) as the statement
+            // began, which a DELETE of finished rows never touches.
+            delete: format!(
+                "{}, d AS ( \
+                   DELETE FROM {t} WHERE scope = $1 AND status <> 'in_progress' \
+                     AND expires_at > now() AND {LOCK_BOUND} \
+                   RETURNING 1) \
+                 SELECT EXISTS (SELECT 1 FROM d) AS deleted, \
+                        EXISTS (SELECT 1 FROM {t} WHERE scope = $1 AND status = 'in_progress' \
+                                AND lease_token <> {RELEASED} AND expires_at > now()) \
+                          AS in_progress",
+                lock_bound_cte(2)
+            ),
+            list_first: list(""),
+            list_after: list(
+                " AND (created_at, scope) > \
+                   ('epoch'::timestamptz + $3::float8 * interval '1 microsecond', $4)",
+            ),
+        }
+    }
 }

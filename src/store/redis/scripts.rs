@@ -1,0 +1,101 @@
+//! The Lua scripts the store runs, each on exactly one key (its `KEYS[1]`), so that on a cluster
+//! each runs whole on the master owning that key's slot.
+
+use redis::Script;
+
+/// Claim, atomically: insert; or answer mismatch, finished (with the response), in progress; or
+/// retake a record whose claim (or last renewal) is older than the in-progress TTL. A record in
+/// progress under this very lease is this claim's own, sent twice (a resend after a lost reply):
+/// claimed again, or retaken again if the first one retook it (the field `rt` says so). A released
+/// record (lease `0`) is claimed at once: by the same request with its generation, by another with
+/// the new one. Times are the server's `TIME`. A claimed or retaken
+/// answer carries the record's generation (a retake keeps it; a record written before generations
+/// has none).
+/// A record made by the claim (new, or a released one taken as a new run) gets its creation time
+/// (`ct`, kept by retakes) and its scope in clear (`k`, `sub`, `ep`), for inspection. A claimed or
+/// retaken answer carries, third, the record's creation time, which the caller files in the
+/// subject's index (see [`RedisStore`]).
+/// KEYS[1] record; ARGV fingerprint, new lease, in-progress TTL (ms), TTL + retention (ms),
+/// generation of a new record, key, subject, endpoint.
+const CLAIM: &str = include_str!("claim.lua");
+
+/// Complete, if the lease still holds an in-progress record; a record this lease already finished
+/// counts as done. KEYS[1]; ARGV lease, status, response, retention (ms).
+const COMPLETE: &str = include_str!("complete.lua");
+
+/// Renew (the heartbeat), if the lease still holds an in-progress record. KEYS[1]; ARGV lease,
+/// lifetime (ms).
+const RENEW: &str = include_str!("renew.lua");
+
+/// Release, if the lease still holds an in-progress record: not deleted but left under lease `0`
+/// (no claim's token), which the next claim takes at once, keeping the record's generation for the
+/// same request (the retry of a released run is the same operation to a provider). KEYS[1]; ARGV
+/// lease.
+const RELEASE: &str = include_str!("release.lua");
+
+/// A live record as inspection shows it, or nil (absent, expired or released): state, creation
+/// time (ms, `0` for a record written before creation times were kept), time to live (ms), the
+/// server's time (ms), the stored status (`-1` while in progress), key, subject and endpoint.
+/// KEYS[1] record.
+const INSPECT: &str = include_str!("inspect.lua");
+
+/// Delete a finished record: `{2, creation time}`; a live record in progress is left alone, `{1}`;
+/// absent or released, `{0}`. KEYS[1] record.
+const DELETE: &str = include_str!("delete.lua");
+
+/// File a record in its subject's index at its creation time (an entry only ever moves later), and
+/// keep the index at least as long as the record's lifetime. KEYS[1] the subject's index; ARGV
+/// creation time (ms), record digest (hex), lifetime (ms).
+const INDEX: &str = include_str!("index.lua");
+
+/// Whether a record is live (neither gone nor released), as a sweep of its index asks: 1 or 0.
+/// KEYS[1] the record. Reads two fields, not the stored answer.
+const LIVE: &str = include_str!("live.lua");
+
+/// Remove a record from its subject's index if its entry is still the one seen (same creation
+/// time): an entry a new claim of the key just re-filed stays. KEYS[1] the subject's index; ARGV
+/// record digest (hex), creation time (ms) as seen.
+const UNINDEX: &str = include_str!("unindex.lua");
+
+/// A Lua script: its source, for `EVAL`, and its SHA1, for `EVALSHA`.
+pub(super) struct Lua {
+    pub(super) code: &'static str,
+    pub(super) sha1: String,
+}
+
+impl Lua {
+    fn new(code: &'static str) -> Self {
+        Lua {
+            code,
+            sha1: Script::new(code).get_hash().to_owned(),
+        }
+    }
+}
+
+pub(super) struct Scripts {
+    pub(super) claim: Lua,
+    pub(super) complete: Lua,
+    pub(super) renew: Lua,
+    pub(super) release: Lua,
+    pub(super) inspect: Lua,
+    pub(super) delete: Lua,
+    pub(super) index: Lua,
+    pub(super) unindex: Lua,
+    pub(super) live: Lua,
+}
+
+impl Scripts {
+    pub(super) fn new() -> Self {
+        Scripts {
+            claim: Lua::new(CLAIM),
+            complete: Lua::new(COMPLETE),
+            renew: Lua::new(RENEW),
+            release: Lua::new(RELEASE),
+            inspect: Lua::new(INSPECT),
+            delete: Lua::new(DELETE),
+            index: Lua::new(INDEX),
+            unindex: Lua::new(UNINDEX),
+            live: Lua::new(LIVE),
+        }
+    }
+}
