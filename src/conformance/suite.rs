@@ -22,8 +22,8 @@ pub use super::inspection::{
     inspection_shows_every_state, listing_pages_through_one_subjects_records,
 };
 pub use super::waiting::{
-    a_released_answer_ends_the_wait_with_409, answers_say_when_their_record_expires,
-    waiters_get_the_replay_and_never_wait_past_the_bound,
+    a_released_answer_ends_the_wait_with_409, a_waiter_is_told_the_holders_expiry,
+    answers_say_when_their_record_expires, waiters_get_the_replay_and_never_wait_past_the_bound,
     waiters_on_a_dead_holder_get_409_and_a_later_retake_runs_once,
 };
 
@@ -86,6 +86,7 @@ macro_rules! store_suite {
             waiters_on_a_dead_holder_get_409_and_a_later_retake_runs_once,
             a_released_answer_ends_the_wait_with_409,
             answers_say_when_their_record_expires,
+            a_waiter_is_told_the_holders_expiry,
         );
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
@@ -96,6 +97,11 @@ macro_rules! store_suite {
             }
         )*
     };
+}
+
+/// Whether `outcome` grants `request` a record of its own making (not a retake).
+fn is_fresh(outcome: &ClaimOutcome, request: &ClaimRequest) -> bool {
+    matches!(outcome, ClaimOutcome::Claimed { .. }) && !outcome.is_retake(request)
 }
 
 fn default_layer<S: IdempotencyStore>(store: S) -> IdempotencyLayer<S> {
@@ -316,10 +322,7 @@ pub async fn stale_in_progress_is_retaken<S: IdempotencyStore>(store: S) {
     let mut dead = claim_request("k", ttl);
     dead.fingerprint = Fingerprint::of(None, b"");
     let claimed = store.claim(&dead).await.expect("claim");
-    assert!(matches!(
-        claimed,
-        ClaimOutcome::Claimed { retaken: false, .. }
-    ));
+    assert!(is_fresh(&claimed, &dead), "{claimed:?}");
 
     let early = send(&router, post("/pay").key("k").user("alice")).await;
     assert_eq!(early.status, StatusCode::CONFLICT);
@@ -340,10 +343,8 @@ pub async fn a_claimer_with_a_shorter_ttl_waits_for_the_holders<S: IdempotencySt
     let long = short * 4;
     let holder = claim_request("ttls", long);
     let claimed_at = tokio::time::Instant::now();
-    assert!(matches!(
-        store.claim(&holder).await.expect("claim"),
-        ClaimOutcome::Claimed { retaken: false, .. }
-    ));
+    let claimed = store.claim(&holder).await.expect("claim");
+    assert!(is_fresh(&claimed, &holder), "{claimed:?}");
     let claimer = || ClaimRequest {
         lease: LeaseToken::generate(),
         ..claim_request("ttls", short)
@@ -372,10 +373,9 @@ pub async fn a_claimer_with_a_shorter_ttl_waits_for_the_holders<S: IdempotencySt
     ));
     // Past the holder's TTL since its renewal: it is presumed dead, and one claimer retakes it.
     tokio::time::sleep_until(claimed_at + short * 2 + long + Duration::from_millis(200)).await;
-    assert!(matches!(
-        store.claim(&claimer()).await.expect("claim"),
-        ClaimOutcome::Claimed { retaken: true, .. }
-    ));
+    let retaker = claimer();
+    let retaken = store.claim(&retaker).await.expect("claim");
+    assert!(retaken.is_retake(&retaker), "{retaken:?}");
 }
 
 /// A completion or release by a lease that was retaken changes nothing; the retaker's answer stands.
@@ -389,12 +389,11 @@ pub async fn late_completion_with_superseded_lease_changes_nothing<S: Idempotenc
     tokio::time::sleep(ttl + Duration::from_millis(100)).await;
     let mut retry = request.clone();
     retry.lease = LeaseToken::generate();
-    let ClaimOutcome::Claimed {
-        lease: new,
-        retaken: true,
-        ..
-    } = store.claim(&retry).await.expect("retake")
-    else {
+    let outcome = store.claim(&retry).await.expect("retake");
+    let ClaimOutcome::Claimed { lease: new, .. } = outcome.clone() else {
+        panic!("a stale claim must be retaken");
+    };
+    let true = outcome.is_retake(&retry) else {
         panic!("a stale claim must be retaken");
     };
     assert_ne!(old, new);
@@ -519,10 +518,8 @@ pub async fn purge_removes_expired_records<S: IdempotencyStore>(store: S, purged
     for i in 0..5 {
         let mut request = claim_request(&format!("k{i}"), Duration::from_secs(60));
         request.fingerprint = Fingerprint::of(None, b"another body");
-        assert!(matches!(
-            store.claim(&request).await.expect("claim"),
-            ClaimOutcome::Claimed { retaken: false, .. }
-        ));
+        let claimed = store.claim(&request).await.expect("claim");
+        assert!(is_fresh(&claimed, &request), "{claimed:?}");
     }
 }
 
@@ -699,14 +696,15 @@ pub async fn stale_retake_race_has_one_winner<S: IdempotencyStore>(store: S) {
             request.lease = LeaseToken::generate();
             tasks.spawn(async move {
                 gate.wait().await;
-                store.claim(&request).await.expect("claim")
+                let outcome = store.claim(&request).await.expect("claim");
+                (outcome.is_retake(&request), outcome)
             });
         }
         let mut winners = 0;
         while let Some(outcome) = tasks.join_next().await {
             match outcome.expect("task") {
-                ClaimOutcome::Claimed { retaken: true, .. } => winners += 1,
-                ClaimOutcome::InProgress => {}
+                (true, ClaimOutcome::Claimed { .. }) => winners += 1,
+                (_, ClaimOutcome::InProgress) => {}
                 other => panic!("round {round}: unexpected {other:?}"),
             }
         }
@@ -763,10 +761,8 @@ pub async fn heartbeat_keeps_the_claim_until_it_stops<S: IdempotencyStore>(store
     let ttl = Duration::from_millis(300);
     let request = claim_request("k", ttl);
     let lease = request.lease;
-    assert!(matches!(
-        store.claim(&request).await.expect("claim"),
-        ClaimOutcome::Claimed { retaken: false, .. }
-    ));
+    let claimed = store.claim(&request).await.expect("claim");
+    assert!(is_fresh(&claimed, &request), "{claimed:?}");
     let lifetime = ttl + request.retention;
     for _ in 0..8 {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -786,10 +782,8 @@ pub async fn heartbeat_keeps_the_claim_until_it_stops<S: IdempotencyStore>(store
     );
     tokio::time::sleep(ttl + Duration::from_millis(100)).await;
     other.lease = LeaseToken::generate();
-    assert!(matches!(
-        store.claim(&other).await.expect("retake"),
-        ClaimOutcome::Claimed { retaken: true, .. }
-    ));
+    let retaken = store.claim(&other).await.expect("retake");
+    assert!(retaken.is_retake(&other), "{retaken:?}");
     assert!(
         !store
             .renew(&request.key, lease, lifetime)
@@ -1215,15 +1209,11 @@ pub async fn panicking_body_is_recorded_without_its_body<S: IdempotencyStore>(st
 pub async fn a_claim_sent_twice_by_its_lease_is_still_claimed<S: IdempotencyStore>(store: S) {
     let request = claim_request("twice", Duration::from_secs(60));
     let first = store.claim(&request).await.expect("claim");
-    assert!(matches!(
-        first,
-        ClaimOutcome::Claimed { retaken: false, .. }
-    ));
+    assert!(is_fresh(&first, &request), "{first:?}");
     assert_eq!(
         store.claim(&request).await.expect("claim again"),
         ClaimOutcome::Claimed {
             lease: request.lease,
-            retaken: false,
             generation: Some(request.generation),
         }
     );
@@ -1429,6 +1419,10 @@ fn generation_of(outcome: ClaimOutcome) -> crate::store::Generation {
 /// keeps it, and so does the retry of a released record with the same request (the provider must
 /// see the same operation: the released run may have called it); another request after a release,
 /// and a key claimed again after its record expired, get the new claim's (another operation).
+///
+/// It is also the one rule of [`ClaimOutcome::is_retake`] on every store: a run is a retake exactly
+/// when an earlier run of the operation held the record (a stale one, a released one taken by the
+/// same request, either sent twice), never for a record the claim made.
 pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: IdempotencyStore>(
     store: S,
 ) {
@@ -1442,16 +1436,12 @@ pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: Id
     assert_ne!(retaker.generation, g1);
     retaker.generation = crate::store::Generation::generate();
     let outcome = store.claim(&retaker).await.expect("retake");
-    assert!(
-        matches!(outcome, ClaimOutcome::Claimed { retaken: true, .. }),
-        "{outcome:?}"
-    );
+    assert!(outcome.is_retake(&retaker), "{outcome:?}");
     assert_eq!(generation_of(outcome), g1, "a retake is the same operation");
-    // The same claim sent twice answers its record's generation.
-    assert_eq!(
-        generation_of(store.claim(&retaker).await.expect("again")),
-        g1
-    );
+    // The same claim sent twice answers its record's generation: a retake again.
+    let again = store.claim(&retaker).await.expect("again");
+    assert!(again.is_retake(&retaker), "{again:?}");
+    assert_eq!(generation_of(again), g1);
     // Released, then retried: the same operation, at once (no 409, no TTL to wait).
     assert!(
         store
@@ -1462,10 +1452,9 @@ pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: Id
     );
     let retry = claim_request("g", ttl);
     let outcome = store.claim(&retry).await.expect("claim after release");
-    assert!(
-        matches!(outcome, ClaimOutcome::Claimed { retaken: false, .. }),
-        "{outcome:?}"
-    );
+    // The retry of a released run is the same operation: its generation, so a retake (an
+    // earlier run may have started the effect).
+    assert!(outcome.is_retake(&retry), "{outcome:?}");
     assert_eq!(generation_of(outcome), g1, "the retry of a released run");
     // The old lease holds nothing any more.
     assert!(
@@ -1554,13 +1543,22 @@ pub async fn generation_is_kept_by_retakes_and_new_after_expiry_or_release<S: Id
     let mut reuse = claim_request("h", ttl);
     reuse.retention = short.retention;
     let outcome = store.claim(&reuse).await.expect("claim after retention");
-    assert!(
-        matches!(outcome, ClaimOutcome::Claimed { retaken: false, .. }),
-        "{outcome:?}"
-    );
+    assert!(is_fresh(&outcome, &reuse), "{outcome:?}");
     let g4 = generation_of(outcome);
     assert_eq!(g4, reuse.generation);
     assert_ne!(g4, g3, "a key reused after retention is another operation");
+    // In progress, its holder gone, and then past its whole lifetime (TTL and retention): the
+    // record is gone as a finished one is, and the key claimed again is a new operation, not a
+    // retake, on every store (Redis has expired it; the others must answer the same).
+    let mut lost = claim_request("i", ttl);
+    lost.retention = Duration::from_millis(300);
+    let lost_generation = generation_of(store.claim(&lost).await.expect("claim"));
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let mut after = claim_request("i", ttl);
+    after.retention = lost.retention;
+    let outcome = store.claim(&after).await.expect("claim after expiry");
+    assert!(is_fresh(&outcome, &after), "{outcome:?}");
+    assert_ne!(generation_of(outcome), lost_generation);
 }
 
 /// While this instance holds a key, a duplicate here gets `409` (or `422` for another body) from the

@@ -210,31 +210,43 @@ pub async fn answers_say_when_their_record_expires<S: IdempotencyStore>(store: S
     assert_eq!(released.header("idempotency-expires"), None);
 }
 
-/// The time of an IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`).
-fn parse_http_date(text: &str) -> Option<SystemTime> {
-    const MONTHS: [&str; 12] = [
-        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
-    ];
-    let parts: Vec<&str> = text.split([' ', ':']).collect();
-    if parts.len() != 8 || parts[7] != "GMT" {
-        return None;
-    }
-    let day: i64 = parts[1].parse().ok()?;
-    let month = MONTHS.iter().position(|m| *m == parts[2])? as i64 + 1;
-    let year: i64 = parts[3].parse().ok()?;
-    let (h, mi, s): (i64, i64, i64) = (
-        parts[4].parse().ok()?,
-        parts[5].parse().ok()?,
-        parts[6].parse().ok()?,
+/// A duplicate that waited for its holder's answer is told the same expiry as the holder (to the
+/// second), not one earlier by the time it waited.
+pub async fn a_waiter_is_told_the_holders_expiry<S: IdempotencyStore>(store: S) {
+    let layer = IdempotencyLayer::builder(store)
+        .retention(Duration::from_secs(3600))
+        .wait(Duration::from_secs(5))
+        .build()
+        .expect("layer");
+    let (router, _) = app(layer);
+    let req = || post("/pay").key("waited").user("alice").json("{}");
+    let holder = tokio::spawn({
+        let router = router.clone();
+        async move { send(&router, req().header("x-delay-ms", "2500")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let waiter = send(&router, req()).await;
+    let holder = holder.await.expect("holder");
+    assert_eq!(holder.status, StatusCode::CREATED);
+    assert!(waiter.replayed(), "{waiter:?}");
+    let expiry = |answer: &super::app::Answer| {
+        let header = answer
+            .header("idempotency-expires")
+            .expect("the expiry header");
+        httpdate::parse_http_date(header).expect("an HTTP date")
+    };
+    let (held, waited) = (expiry(&holder), expiry(&waiter));
+    let gap = held
+        .duration_since(waited)
+        .or_else(|_| waited.duration_since(held))
+        .expect("a gap");
+    assert!(
+        gap <= Duration::from_secs(1),
+        "the holder's record expires at {held:?}, the waiter was told {waited:?}"
     );
-    // Days from civil (Howard Hinnant).
-    let y = if month <= 2 { year - 1 } else { year };
-    let era = y.div_euclid(400);
-    let yoe = y.rem_euclid(400);
-    let mp = (month + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    let secs = days * 86_400 + h * 3600 + mi * 60 + s;
-    Some(std::time::UNIX_EPOCH + Duration::from_secs(u64::try_from(secs).ok()?))
+}
+
+/// The time of an HTTP date.
+fn parse_http_date(text: &str) -> Option<SystemTime> {
+    httpdate::parse_http_date(text).ok()
 }

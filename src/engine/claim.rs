@@ -83,11 +83,9 @@ impl<St: IdempotencyStore> Engine<St> {
         let sent = Instant::now();
         let outcome = self.store_claim(&request).await;
         match outcome {
-            Ok(ClaimOutcome::Claimed {
-                lease,
-                retaken,
-                generation,
-            }) => {
+            Ok(ClaimOutcome::Claimed { lease, generation }) => {
+                // One rule for every store: a record an earlier run held keeps its generation.
+                let retaken = generation != Some(request.generation);
                 let request = ClaimRequest { lease, ..request };
                 let Some(held_since) = self.fresh(&request, sent).await else {
                     self.abandon(request.key, request.lease);
@@ -127,7 +125,7 @@ impl<St: IdempotencyStore> Engine<St> {
             }
             // A duplicate of work in progress waits for its answer, when the settings say so.
             Ok(ClaimOutcome::InProgress) if !settings.wait.is_zero() => {
-                let waited = self.wait_for_answer(&request, waiting).await;
+                let (waited, sent) = self.wait_for_answer(&request, waiting).await;
                 self.answer(&label, waited, sent)
             }
             Ok(answered) => self.answer(&label, answered, sent),

@@ -65,9 +65,12 @@ impl IdempotencyContext {
         &self.scope.endpoint
     }
 
-    /// True when this run retook a record whose previous holder stopped renewing it (its process
-    /// presumably died): the effect may have been started before. Use
-    /// [`derived_key`](Self::derived_key) downstream so it is not repeated.
+    /// True when an earlier run of this operation held its record: one whose process stopped
+    /// renewing it (presumably died), or one that was released (it answered a retryable failure,
+    /// returned an error or panicked) and is retried with the same request. Its effect may have
+    /// been started before: use [`derived_key`](Self::derived_key) downstream so that it is not
+    /// repeated. False for a record this run's claim made (a new key, a key past its retention).
+    /// The same rule on every store: an earlier run's record keeps its [`Generation`].
     pub fn is_retake(&self) -> bool {
         self.retake
     }

@@ -96,7 +96,8 @@ impl Stage {
 impl<St: IdempotencyStore> Engine<St> {
     /// What a duplicate that was answered "in progress" answers after waiting (see the module
     /// docs): the replay or a mismatch from a finished record, or [`ClaimOutcome::InProgress`]
-    /// (`409`).
+    /// (`409`); with when the claim that read that answer was sent (a replay's expiry is dated
+    /// from it, so the waiter's is the holder's).
     ///
     /// `state`, when given, says while nothing but look-ups are under way: a request future
     /// dropped then (its client went away) is dropped outright rather than detached; one whose
@@ -105,15 +106,16 @@ impl<St: IdempotencyStore> Engine<St> {
         &self,
         claim: &ClaimRequest,
         state: Option<&Stage>,
-    ) -> ClaimOutcome {
+    ) -> (ClaimOutcome, Instant) {
+        let in_progress = || (ClaimOutcome::InProgress, Instant::now());
         if state.is_some_and(|s| !s.start()) {
-            return ClaimOutcome::InProgress;
+            return in_progress();
         }
         let scope = Scope::of(&claim.key);
         let settings = self.settings();
         let Some(_place) = self.state.waiters.enter(scope, settings.max_waiters) else {
             tracing::debug!("too many duplicates wait on this key; not waiting");
-            return ClaimOutcome::InProgress;
+            return in_progress();
         };
         let deadline = Instant::now() + settings.wait;
         let finished = self.poll_until_finished(claim, scope, deadline).await;
@@ -121,10 +123,11 @@ impl<St: IdempotencyStore> Engine<St> {
             state.stop();
         }
         if finished {
-            let bound = deadline.max(Instant::now() + LAST_CLAIM);
-            self.answer_of_finished(claim, bound).await
+            let sent = Instant::now();
+            let bound = deadline.max(sent + LAST_CLAIM);
+            (self.answer_of_finished(claim, bound).await, sent)
         } else {
-            ClaimOutcome::InProgress
+            in_progress()
         }
     }
 

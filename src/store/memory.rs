@@ -227,17 +227,13 @@ impl MemoryStore {
         // Look up before inserting, so that replays and 409s never copy the key.
         if let Some(record) = shard.records.get_mut(&request.key) {
             if record.expires_at <= now {
-                // Past retention: the key is new again. An in-progress record that expired was
-                // abandoned by its holder: its effect may have started, so this is a retake.
-                // Its generation goes with it, as in every store (Redis and a purge delete
-                // expired records): the key is a new operation.
-                let retaken = matches!(record.state, State::InProgress { .. });
+                // Past retention: the key is new again, a new operation with a generation of its
+                // own, as in every store (Redis and a purge delete expired records).
                 let old = std::mem::replace(record, fresh());
                 self.sub(old.size);
                 self.add(size);
                 return Ok(ClaimOutcome::Claimed {
                     lease,
-                    retaken,
                     generation: Some(record.generation),
                 });
             }
@@ -254,7 +250,6 @@ impl MemoryStore {
                 self.add(size);
                 return Ok(ClaimOutcome::Claimed {
                     lease,
-                    retaken: false,
                     generation: Some(record.generation),
                 });
             }
@@ -273,7 +268,6 @@ impl MemoryStore {
                 // This claim's own record: the same claim, made twice.
                 State::InProgress { lease: held, .. } if *held == lease => ClaimOutcome::Claimed {
                     lease,
-                    retaken: false,
                     generation: Some(record.generation),
                 },
                 State::InProgress { since, ttl, .. }
@@ -292,7 +286,6 @@ impl MemoryStore {
                     self.add(size);
                     ClaimOutcome::Claimed {
                         lease,
-                        retaken: true,
                         generation: Some(kept),
                     }
                 }
@@ -318,11 +311,7 @@ impl MemoryStore {
         }
         self.add(size);
         shard.records.insert(request.key.clone(), fresh());
-        Ok(ClaimOutcome::Claimed {
-            lease,
-            retaken: false,
-            generation,
-        })
+        Ok(ClaimOutcome::Claimed { lease, generation })
     }
 }
 

@@ -231,16 +231,21 @@ impl Fenced {
 
 /// The answer of a store to a claim.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ClaimOutcome {
     /// The caller holds the record now and runs the operation.
+    ///
+    /// Whether this run is a retake ([`is_retake`](Self::is_retake)) follows from the generation,
+    /// one rule for every store: a record the claim made (a new key, a key past its retention, a
+    /// released record taken by another request) has the claim's own generation; a record that an
+    /// earlier run of the same operation held (a stale one whose holder died, a released one taken
+    /// by the same request, this claim's own earlier grant of either, sent again) keeps its own.
     Claimed {
         /// The token that completing or releasing the record needs.
         lease: LeaseToken,
-        /// True when a stale `in_progress` record was taken over from a worker presumed dead.
-        retaken: bool,
         /// The record's generation: the claim's own for a record it made, the record's for a
-        /// retake. `None` for a record written before generations were kept (its derived key is
-        /// the one it had then).
+        /// record an earlier run held. `None` for a record written before generations were kept
+        /// (its derived key is the one it had then).
         generation: Option<Generation>,
     },
     /// A record exists with another fingerprint: the key was reused for a different request.
@@ -249,6 +254,15 @@ pub enum ClaimOutcome {
     InProgress,
     /// The operation finished; replay its response.
     Finished(Arc<StoredResponse>),
+}
+
+impl ClaimOutcome {
+    /// Whether this answer grants `request` a record that an earlier run of the same operation
+    /// held (its effect may have been started): its generation is not the claim's own. False for
+    /// every answer but [`Claimed`](Self::Claimed).
+    pub fn is_retake(&self, request: &ClaimRequest) -> bool {
+        matches!(self, ClaimOutcome::Claimed { generation, .. } if *generation != Some(request.generation))
+    }
 }
 
 #[cfg(test)]

@@ -371,7 +371,6 @@ mod tests {
             TTL,
             Ok(&ClaimOutcome::Claimed {
                 lease,
-                retaken: false,
                 generation: None,
             }),
         );
@@ -504,7 +503,6 @@ mod tests {
         };
         let claimed = ClaimOutcome::Claimed {
             lease: LeaseToken(1),
-            retaken: false,
             generation: None,
         };
         leader.settle(fp(1), ttl, Ok(&claimed));

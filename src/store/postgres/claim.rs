@@ -67,7 +67,6 @@ impl PostgresStore {
         if row.try_get::<bool, _>("inserted").map_err(get)? {
             return Ok(ClaimOutcome::Claimed {
                 lease,
-                retaken: false,
                 generation: Some(request.generation),
             });
         }
@@ -88,11 +87,7 @@ impl PostgresStore {
             // delete expired records).
             return Ok(
                 match self.retake(request, scope, old_lease, &status).await? {
-                    Some(generation) => ClaimOutcome::Claimed {
-                        lease,
-                        retaken: status == "in_progress" && old_lease != RELEASED,
-                        generation,
-                    },
+                    Some(generation) => ClaimOutcome::Claimed { lease, generation },
                     None => ClaimOutcome::InProgress,
                 },
             );
@@ -102,11 +97,7 @@ impl PostgresStore {
             // operation again); another request is a new operation.
             return Ok(
                 match self.retake(request, scope, old_lease, &status).await? {
-                    Some(generation) => ClaimOutcome::Claimed {
-                        lease,
-                        retaken: false,
-                        generation,
-                    },
+                    Some(generation) => ClaimOutcome::Claimed { lease, generation },
                     None => ClaimOutcome::InProgress,
                 },
             );
@@ -119,21 +110,13 @@ impl PostgresStore {
             "failed" => Finished::Failed,
             // This claim's own record: the same claim, made twice (its first answer was lost).
             _ if old_lease == lease.0 => {
-                return Ok(ClaimOutcome::Claimed {
-                    lease,
-                    retaken: false,
-                    generation,
-                });
+                return Ok(ClaimOutcome::Claimed { lease, generation });
             }
             _ if !stale => return Ok(ClaimOutcome::InProgress),
             _ => {
                 return Ok(
                     match self.retake(request, scope, old_lease, &status).await? {
-                        Some(generation) => ClaimOutcome::Claimed {
-                            lease,
-                            retaken: true,
-                            generation,
-                        },
+                        Some(generation) => ClaimOutcome::Claimed { lease, generation },
                         None => ClaimOutcome::InProgress,
                     },
                 );

@@ -70,16 +70,8 @@ impl RedisStore {
             }
         }
         Ok(match tag {
-            b"claimed" => ClaimOutcome::Claimed {
-                lease,
-                retaken: false,
-                generation,
-            },
-            b"retaken" => ClaimOutcome::Claimed {
-                lease,
-                retaken: true,
-                generation,
-            },
+            b"claimed" => ClaimOutcome::Claimed { lease, generation },
+            b"retaken" => ClaimOutcome::Claimed { lease, generation },
             b"mismatch" => ClaimOutcome::KeyReuse,
             b"in_progress" => ClaimOutcome::InProgress,
             b"finished" => match reply.get(1) {
