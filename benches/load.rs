@@ -205,10 +205,10 @@ fn direct_sql(store: PostgresStore) -> Router {
         let ClaimOutcome::Claimed { lease, .. } = store.claim(&claim).await.expect("claim") else {
             panic!("fresh keys only");
         };
-        let response = StoredResponse {
-            outcome: Finished::Completed,
-            status: 201,
-            headers: vec![
+        let response = StoredResponse::new(
+            Finished::Completed,
+            201,
+            vec![
                 (
                     http::header::CONTENT_TYPE,
                     HeaderValue::from_static("application/json"),
@@ -218,10 +218,8 @@ fn direct_sql(store: PostgresStore) -> Router {
                     HeaderValue::from_static("/charges/1"),
                 ),
             ],
-            body: Bytes::from_static(br#"{"id":1,"status":"succeeded"}"#),
-            body_omitted: false,
-            expires_in: None,
-        };
+            Some(Bytes::from_static(br#"{"id":1,"status":"succeeded"}"#)),
+        );
         let retention = claim.retention;
         let completed = store
             .complete(
@@ -911,14 +909,12 @@ async fn growth_all(schema: &str) {
                         else {
                             panic!("fresh fill key");
                         };
-                        let response = Arc::new(StoredResponse {
-                            outcome: Finished::Completed,
-                            status: 201,
-                            headers: Vec::new(),
-                            body: Bytes::from_static(br#"{"id":1,"status":"succeeded"}"#),
-                            body_omitted: false,
-                            expires_in: None,
-                        });
+                        let response = Arc::new(StoredResponse::new(
+                            Finished::Completed,
+                            201,
+                            Vec::new(),
+                            Some(Bytes::from_static(br#"{"id":1,"status":"succeeded"}"#)),
+                        ));
                         let completed = store
                             .complete(
                                 &claim.key,

@@ -370,6 +370,14 @@ impl<S: IdempotencyStore> IdempotencyStore for Counting<S> {
     ) -> Result<crate::store::RecordPage, crate::store::StoreError> {
         self.store.list(subject, request).await
     }
+    async fn count_records(
+        &self,
+        subject: &str,
+        up_to: u64,
+    ) -> Result<Option<u64>, crate::store::StoreError> {
+        self.store.count_records(subject, up_to).await
+    }
+
     fn operation_timeout(&self) -> Option<std::time::Duration> {
         self.store.operation_timeout()
     }

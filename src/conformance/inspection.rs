@@ -124,7 +124,7 @@ pub async fn inspection_shows_every_state<S: IdempotencyStore>(store: S) {
 
     finish(&store, &request, lease, answer(Finished::Completed, 201)).await;
     let info = store.lookup(&k).await.expect("lookup").expect("completed");
-    assert_eq!(info.state, RecordState::Completed);
+    assert_eq!(info.state, RecordState::Finished(Finished::Completed));
     assert_eq!(info.status, Some(201));
     assert!(near(info.created_at, started), "{info:?}");
     assert!(
@@ -143,7 +143,10 @@ pub async fn inspection_shows_every_state<S: IdempotencyStore>(store: S) {
     // A definitive failure.
     finish(&store, &again, lease, answer(Finished::Failed, 402)).await;
     let info = store.lookup(&k).await.expect("lookup").expect("failed");
-    assert_eq!((info.state, info.status), (RecordState::Failed, Some(402)));
+    assert_eq!(
+        (info.state, info.status),
+        (RecordState::Finished(Finished::Failed), Some(402))
+    );
     assert_eq!(store.delete(&k).await.expect("delete"), Deleted::Deleted);
 
     // Released: the next claim runs, so there is nothing to show, and nothing to delete.

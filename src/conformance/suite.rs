@@ -74,6 +74,7 @@ macro_rules! store_suite {
             a_claim_sent_twice_by_its_lease_is_still_claimed,
             handler_blocking_its_thread_is_not_retaken,
             generation_is_kept_by_retakes_and_new_after_expiry_or_release,
+            count_records_counts_a_subjects_records,
             claim_answered_after_the_ttl_does_not_run_twice,
             duplicates_at_the_holding_instance_skip_the_store,
             a_burst_of_duplicates_costs_the_store_one_claim,
@@ -97,6 +98,54 @@ macro_rules! store_suite {
             }
         )*
     };
+}
+
+/// A store counts a subject's live records (for its share of the store): its own and no other
+/// subject's, up to the bound it is asked for, with the records of every endpoint. A store that
+/// keeps no subjects answers `None`, and is not checked further.
+pub async fn count_records_counts_a_subjects_records<S: IdempotencyStore>(store: S) {
+    let claim = |key: &str, subject: &str, endpoint: &str| {
+        let mut request = claim_request(key, Duration::from_secs(60));
+        request.key.subject = subject.into();
+        request.key.endpoint = endpoint.into();
+        request
+    };
+    for i in 0..5 {
+        let endpoint = if i % 2 == 0 {
+            "POST /pay"
+        } else {
+            "POST /refund"
+        };
+        let request = claim(&format!("c{i}"), "counted", endpoint);
+        assert!(matches!(
+            store.claim(&request).await.expect("claim"),
+            ClaimOutcome::Claimed { .. }
+        ));
+    }
+    for i in 0..2 {
+        let request = claim(&format!("o{i}"), "other", "POST /pay");
+        assert!(matches!(
+            store.claim(&request).await.expect("claim"),
+            ClaimOutcome::Claimed { .. }
+        ));
+    }
+    let Some(counted) = store.count_records("counted", 100).await.expect("count") else {
+        return;
+    };
+    // An estimate from above is allowed (an index that still names records that are gone), but
+    // never below the live records.
+    assert!((5..=10).contains(&counted), "{counted}");
+    let other = store.count_records("other", 100).await.expect("count");
+    assert!(matches!(other, Some(2..=4)), "{other:?}");
+    assert_eq!(
+        store.count_records("counted", 3).await.expect("count"),
+        Some(3),
+        "no further than asked"
+    );
+    assert_eq!(
+        store.count_records("nobody", 100).await.expect("count"),
+        Some(0)
+    );
 }
 
 /// Whether `outcome` grants `request` a record of its own making (not a retake).
@@ -387,8 +436,10 @@ pub async fn late_completion_with_superseded_lease_changes_nothing<S: Idempotenc
         panic!("first claim must win");
     };
     tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    // Another request's claim: its own lease and generation, as every claim draws them.
     let mut retry = request.clone();
     retry.lease = LeaseToken::generate();
+    retry.generation = crate::store::Generation::generate();
     let outcome = store.claim(&retry).await.expect("retake");
     let ClaimOutcome::Claimed { lease: new, .. } = outcome.clone() else {
         panic!("a stale claim must be retaken");
@@ -694,6 +745,7 @@ pub async fn stale_retake_race_has_one_winner<S: IdempotencyStore>(store: S) {
         for _ in 0..RETAKERS {
             let (store, gate, mut request) = (store.clone(), gate.clone(), request.clone());
             request.lease = LeaseToken::generate();
+            request.generation = crate::store::Generation::generate();
             tasks.spawn(async move {
                 gate.wait().await;
                 let outcome = store.claim(&request).await.expect("claim");
@@ -1067,6 +1119,14 @@ impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
     ) -> Result<crate::store::RecordPage, crate::store::StoreError> {
         self.store.list(subject, request).await
     }
+    async fn count_records(
+        &self,
+        subject: &str,
+        up_to: u64,
+    ) -> Result<Option<u64>, crate::store::StoreError> {
+        self.store.count_records(subject, up_to).await
+    }
+
     fn operation_timeout(&self) -> Option<Duration> {
         self.store.operation_timeout()
     }
@@ -1356,6 +1416,14 @@ impl<S: IdempotencyStore> IdempotencyStore for LateClaims<S> {
     ) -> Result<crate::store::RecordPage, crate::store::StoreError> {
         self.inner.list(subject, request).await
     }
+    async fn count_records(
+        &self,
+        subject: &str,
+        up_to: u64,
+    ) -> Result<Option<u64>, crate::store::StoreError> {
+        self.inner.count_records(subject, up_to).await
+    }
+
     fn operation_timeout(&self) -> Option<Duration> {
         self.inner.operation_timeout()
     }

@@ -142,8 +142,16 @@ impl<St: IdempotencyStore> Engine<St> {
                     tracing::warn!(error = %e, "idempotency store failed; running unguarded");
                     return Claim::Unguarded;
                 }
-                self.report(&label, Outcome::StoreUnavailable);
-                tracing::error!(error = %e, "idempotency store failed; refusing the request");
+                if e.is_quota_exceeded() {
+                    self.report(&label, Outcome::QuotaExceeded);
+                    tracing::info!(error = %e, "the subject holds its share of the store");
+                } else if e.is_store_full() {
+                    self.report(&label, Outcome::StoreFull);
+                    tracing::error!(error = %e, "the idempotency store is full");
+                } else {
+                    self.report(&label, Outcome::StoreUnavailable);
+                    tracing::error!(error = %e, "idempotency store failed; refusing the request");
+                }
                 Claim::Unavailable(Unavailable::Store(e))
             }
         }

@@ -549,6 +549,7 @@ pub(crate) mod tests {
         assert!(engine.drain().wait(Duration::from_secs(5)).await);
         let retry = ClaimRequest {
             lease: LeaseToken::generate(),
+            generation: Generation::generate(),
             ..request.clone()
         };
         // The same operation again: its generation, so a retake.

@@ -37,15 +37,20 @@ pub enum Outcome {
     /// unreadable.
     Rejected,
     /// The request was refused before any claim because the layer runs too many requests on tasks
-    /// of their own: `503 idempotency_overloaded`.
+    /// of their own (or this subject runs its share of them): `503 idempotency_overloaded`.
     Overloaded,
+    /// The store refused the claim for lack of room: `503 idempotency_store_full`.
+    StoreFull,
+    /// The subject holds its share of the store, and the claim of a new key was refused:
+    /// `429 idempotency_quota_exceeded`.
+    QuotaExceeded,
     /// The handler or its body was still running at the maximum hold and was cancelled.
     TimedOut,
 }
 
 impl Outcome {
     /// Every outcome, in a fixed order.
-    pub const ALL: [Outcome; 14] = [
+    pub const ALL: [Outcome; 16] = [
         Outcome::Claimed,
         Outcome::Retaken,
         Outcome::Recorded,
@@ -60,6 +65,8 @@ impl Outcome {
         Outcome::Rejected,
         Outcome::Overloaded,
         Outcome::TimedOut,
+        Outcome::StoreFull,
+        Outcome::QuotaExceeded,
     ];
 
     /// A stable snake_case name, as logged in the span's `outcome` field and fit for a metric label.
@@ -79,6 +86,8 @@ impl Outcome {
             Outcome::Rejected => "rejected",
             Outcome::Overloaded => "overloaded",
             Outcome::TimedOut => "timed_out",
+            Outcome::StoreFull => "store_full",
+            Outcome::QuotaExceeded => "quota_exceeded",
         }
     }
 

@@ -55,6 +55,14 @@ pub enum ErrorKind {
     /// could not be decrypted); the handler did not run, or its effect was rolled back. Retryable:
     /// same request, same key, after `Retry-After`.
     StoreUnavailable,
+    /// `503 idempotency_store_full`: the store has no room for a new record (a memory store at
+    /// its capacity, a Redis out of memory, a database whose disk is full); nothing ran.
+    /// Retryable: same request, same key, after `Retry-After` (records expire and make room).
+    StoreFull,
+    /// `429 idempotency_quota_exceeded`: this subject's records hold its share of the store, so
+    /// no new key is taken for it until some expire; its finished records still replay. Retryable
+    /// after `Retry-After`.
+    QuotaExceeded,
     /// `503 idempotency_overloaded`: the layer is running as many requests on tasks of their own as
     /// it may ([`max_running`](crate::IdempotencyLayerBuilder::max_running)); nothing was claimed.
     /// Retryable: same request, same key, after `Retry-After`.
@@ -86,6 +94,8 @@ impl ErrorKind {
             ErrorKind::StoreUnavailable => "idempotency_store_unavailable",
             ErrorKind::InternalError => "internal_error",
             ErrorKind::Overloaded => "idempotency_overloaded",
+            ErrorKind::StoreFull => "idempotency_store_full",
+            ErrorKind::QuotaExceeded => "idempotency_quota_exceeded",
             ErrorKind::HandlerTimeout => "idempotency_handler_timeout",
         }
     }
@@ -101,7 +111,10 @@ impl ErrorKind {
             ErrorKind::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::KeyReuse => StatusCode::UNPROCESSABLE_ENTITY,
             ErrorKind::InProgress => StatusCode::CONFLICT,
-            ErrorKind::StoreUnavailable | ErrorKind::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::StoreUnavailable | ErrorKind::Overloaded | ErrorKind::StoreFull => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            ErrorKind::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
             ErrorKind::HandlerTimeout => StatusCode::GATEWAY_TIMEOUT,
             ErrorKind::InternalError => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -120,13 +133,15 @@ impl ErrorKind {
             ErrorKind::InProgress => "InProgress",
             ErrorKind::StoreUnavailable => "StoreUnavailable",
             ErrorKind::Overloaded => "Overloaded",
+            ErrorKind::StoreFull => "StoreFull",
+            ErrorKind::QuotaExceeded => "QuotaExceeded",
             ErrorKind::HandlerTimeout => "HandlerTimeout",
             ErrorKind::InternalError => "InternalError",
         }
     }
 
     /// Every kind, in a fixed order.
-    pub const ALL: [ErrorKind; 12] = [
+    pub const ALL: [ErrorKind; 14] = [
         ErrorKind::MissingIdempotencyKey,
         ErrorKind::InvalidIdempotencyKey,
         ErrorKind::UnreadableBody,
@@ -137,6 +152,8 @@ impl ErrorKind {
         ErrorKind::InProgress,
         ErrorKind::StoreUnavailable,
         ErrorKind::Overloaded,
+        ErrorKind::StoreFull,
+        ErrorKind::QuotaExceeded,
         ErrorKind::HandlerTimeout,
         ErrorKind::InternalError,
     ];
@@ -154,6 +171,8 @@ impl ErrorKind {
             ErrorKind::StoreUnavailable => "Idempotency store unavailable",
             ErrorKind::InternalError => "Internal error",
             ErrorKind::Overloaded => "Too many idempotent requests running",
+            ErrorKind::StoreFull => "Idempotency store full",
+            ErrorKind::QuotaExceeded => "Share of the idempotency store used up",
             ErrorKind::HandlerTimeout => "The operation did not finish in time",
         }
     }

@@ -91,6 +91,15 @@ where
                 ErrorKind::StoreUnavailable,
                 "the idempotency store answered too slowly; retry later",
             )),
+            Claim::Unavailable(Unavailable::Store(e)) if e.is_quota_exceeded() => Ok(http
+                .retryable(
+                    ErrorKind::QuotaExceeded,
+                    "this subject holds its share of the idempotency store; retry later",
+                )),
+            Claim::Unavailable(Unavailable::Store(e)) if e.is_store_full() => Ok(http.retryable(
+                ErrorKind::StoreFull,
+                "the idempotency store has no room for a new record; retry later",
+            )),
             Claim::Unavailable(Unavailable::Store(_)) => Ok(http.retryable(
                 ErrorKind::StoreUnavailable,
                 "the idempotency store is unavailable; retry later",

@@ -351,6 +351,10 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         self.inner.purge_expired().await
     }
 
+    async fn count_records(&self, subject: &str, up_to: u64) -> Result<Option<u64>, StoreError> {
+        self.inner.count_records(subject, up_to).await
+    }
+
     /// The inner store's: the cache changes nothing that is written.
     fn operation_timeout(&self) -> Option<Duration> {
         self.inner.operation_timeout()

@@ -597,6 +597,10 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
         self.inner.list(subject, request).await
     }
 
+    async fn count_records(&self, subject: &str, up_to: u64) -> Result<Option<u64>, StoreError> {
+        self.inner.count_records(subject, up_to).await
+    }
+
     fn operation_timeout(&self) -> Option<Duration> {
         self.inner.operation_timeout()
     }

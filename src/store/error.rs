@@ -20,6 +20,10 @@ enum Kind {
     Unreadable,
     /// The claim was refused and nothing was written (the store is full).
     Refused,
+    /// The claim was refused and nothing was written: the subject holds its share of the store.
+    Quota,
+    /// The claim was refused and nothing was written: the store has no room left.
+    Full,
     /// A statement of the transaction had failed before: nothing in it can commit.
     AbortedTransaction,
 }
@@ -56,15 +60,30 @@ impl StoreError {
         }
     }
 
-    /// The store refused the claim and wrote nothing, for lack of room (it is full, or its server
-    /// refused the write for memory or disk): the layer answers `503`, even when configured to
-    /// fail open (running unguarded would let every retry run again), and starts no clean-up of a
-    /// claim that was never made.
+    /// The store refused the claim and wrote nothing: the layer answers `503`, even when
+    /// configured to fail open (running unguarded would let every retry run again), and starts no
+    /// clean-up of a claim that was never made. [`store_full`](Self::store_full) and
+    /// [`quota_exceeded`](Self::quota_exceeded) are refused claims too.
     pub fn refused_claim(message: impl Into<String>) -> Self {
         StoreError {
             kind: Kind::Refused,
             ..StoreError::msg(message)
         }
+    }
+
+    /// The store refused the claim of a new record and wrote nothing because the subject's
+    /// records hold its share of the store: the layer answers `429 idempotency_quota_exceeded`
+    /// (never fails open), and other subjects are served.
+    pub fn quota_exceeded(message: impl Into<String>) -> Self {
+        StoreError {
+            kind: Kind::Quota,
+            ..StoreError::msg(message)
+        }
+    }
+
+    /// True for an error made by [`StoreError::quota_exceeded`].
+    pub fn is_quota_exceeded(&self) -> bool {
+        self.kind == Kind::Quota
     }
 
     /// A completion written in a handler's transaction failed because a statement of the handler
@@ -80,9 +99,25 @@ impl StoreError {
         }
     }
 
+    /// The store (or its server) refused the write for lack of room and wrote nothing: a memory
+    /// store at its capacity, a Redis at `maxmemory` under `noeviction` (`OOM`), a database whose
+    /// disk or memory is exhausted. A refused claim ([`refused_claim`](Self::refused_claim)) that
+    /// the layer answers `503 idempotency_store_full`, never by running unguarded.
+    pub fn store_full(message: impl Into<String>) -> Self {
+        StoreError {
+            kind: Kind::Full,
+            ..StoreError::msg(message)
+        }
+    }
+
+    /// True for an error made by [`StoreError::store_full`].
+    pub fn is_store_full(&self) -> bool {
+        self.kind == Kind::Full
+    }
+
     /// True for an error made by [`StoreError::refused_claim`].
     pub fn is_refused_claim(&self) -> bool {
-        self.kind == Kind::Refused
+        matches!(self.kind, Kind::Refused | Kind::Full | Kind::Quota)
     }
 
     /// True for an error made by [`StoreError::unreadable_record`].
@@ -100,7 +135,10 @@ impl StoreError {
     /// background. A refused claim wrote nothing, and an unreadable record was read whole: neither
     /// made a claim.
     pub fn may_have_claimed(&self) -> bool {
-        !matches!(self.kind, Kind::Unreadable | Kind::Refused)
+        !matches!(
+            self.kind,
+            Kind::Unreadable | Kind::Refused | Kind::Full | Kind::Quota
+        )
     }
 }
 

@@ -10,31 +10,40 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use super::Finished;
+
 /// The state of a record, as inspection shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum RecordState {
     /// Claimed: a request holds it (or held it and died; it is retaken after the in-progress TTL).
     InProgress,
-    /// Finished with an answer the policy stores as a success (by default 2xx).
-    Completed,
-    /// Finished with an answer the policy stores as a definitive failure (by default most 4xx).
-    Failed,
+    /// Finished: completed (by default a 2xx answer) or failed for good (by default most 4xx).
+    Finished(Finished),
 }
 
 impl RecordState {
-    /// `in_progress`, `completed` or `failed`.
+    /// `in_progress`, `completed` or `failed`, as the stores' columns and fields keep it.
     pub fn as_str(self) -> &'static str {
         match self {
             RecordState::InProgress => "in_progress",
-            RecordState::Completed => "completed",
-            RecordState::Failed => "failed",
+            RecordState::Finished(finished) => finished.as_str(),
+        }
+    }
+
+    /// The state named `name` ([`as_str`](Self::as_str)'s inverse); `None` for any other name.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "in_progress" => Some(RecordState::InProgress),
+            "completed" => Some(RecordState::Finished(Finished::Completed)),
+            "failed" => Some(RecordState::Finished(Finished::Failed)),
+            _ => None,
         }
     }
 
     /// Whether the record holds an answer (completed or failed).
     pub fn is_finished(self) -> bool {
-        !matches!(self, RecordState::InProgress)
+        matches!(self, RecordState::Finished(_))
     }
 }
 
@@ -286,7 +295,12 @@ mod tests {
 
     #[test]
     fn a_full_page_has_a_next_one() {
-        let info = RecordInfo::new(RecordState::Completed, Some(201), UNIX_EPOCH, UNIX_EPOCH);
+        let info = RecordInfo::new(
+            RecordState::Finished(Finished::Completed),
+            Some(201),
+            UNIX_EPOCH,
+            UNIX_EPOCH,
+        );
         let record = |n: u8| {
             ListedRecord::new(
                 "k".into(),

@@ -121,6 +121,9 @@ pub use self::redis::RedisStore;
 ///     async fn list(&self, subject: &str, page: ListRequest) -> Result<RecordPage, StoreError> {
 ///         self.inner.list(subject, page).await
 ///     }
+///     async fn count_records(&self, subject: &str, up_to: u64) -> Result<Option<u64>, StoreError> {
+///         self.inner.count_records(subject, up_to).await
+///     }
 ///     fn operation_timeout(&self) -> Option<Duration> {
 ///         self.inner.operation_timeout()
 ///     }
@@ -218,6 +221,18 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         subject: &str,
         request: ListRequest,
     ) -> impl Future<Output = Result<RecordPage, StoreError>> + Send;
+
+    /// How many live records (not past their retention; released ones included, since they are
+    /// kept until then) `subject` has on every endpoint, counting no further than `up_to`: a store
+    /// may stop there, and answer `up_to`. The engine asks it now and then to hold each subject to
+    /// its share of the store (`max_records_per_subject`); an estimate close to the count is
+    /// enough. `None` when the store cannot tell (it keeps no subject with its records): then no
+    /// share is enforced on it.
+    fn count_records(
+        &self,
+        subject: &str,
+        up_to: u64,
+    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send;
 
     /// The longest one operation of the store may take before it fails, if the store bounds its
     /// operations (the Postgres and Redis stores do). The layer refuses an in-progress TTL under

@@ -135,7 +135,7 @@ impl std::fmt::Debug for Generation {
 }
 
 /// Whether a finished record holds a success or a definitive failure. Both are replayed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Finished {
     /// The operation succeeded (by default: a 2xx answer).
     Completed,
@@ -154,7 +154,11 @@ impl Finished {
 }
 
 /// A response as recorded for replay: status, the allowed headers in order, and the body.
+///
+/// Made by [`StoredResponse::new`] outside this crate (a store reading one back); its fields are
+/// read directly.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StoredResponse {
     /// Completed or failed.
     pub outcome: Finished,
@@ -173,6 +177,35 @@ pub struct StoredResponse {
     /// [`CachedStore`](crate::store::CachedStore) keeps a record no longer than this. Ignored by
     /// [`complete`](crate::store::IdempotencyStore::complete): retention decides there.
     pub expires_in: Option<Duration>,
+}
+
+impl StoredResponse {
+    /// A recorded answer: its outcome, status, headers (repeated ones in order) and body, `None`
+    /// when the body was left out of the record. Its time left is not known
+    /// ([`with_expires_in`](Self::with_expires_in) tells it).
+    pub fn new(
+        outcome: Finished,
+        status: u16,
+        headers: Vec<(HeaderName, HeaderValue)>,
+        body: Option<Bytes>,
+    ) -> Self {
+        StoredResponse {
+            outcome,
+            status,
+            headers,
+            body_omitted: body.is_none(),
+            body: body.unwrap_or_default(),
+            expires_in: None,
+        }
+    }
+
+    /// The same answer, read with `left` of its record's life.
+    pub fn with_expires_in(self, left: Option<Duration>) -> Self {
+        StoredResponse {
+            expires_in: left,
+            ..self
+        }
+    }
 }
 
 /// A claim answered within this fraction of its in-progress TTL is trusted at once; a later answer

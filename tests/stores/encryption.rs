@@ -289,14 +289,12 @@ mod postgres {
             in_progress_ttl: Duration::from_secs(60),
             retention: Duration::from_secs(600),
         };
-        let answer = Arc::new(StoredResponse {
-            outcome: Finished::Completed,
-            status: 201,
-            headers: Vec::new(),
-            body: Bytes::from_static(b"charged"),
-            body_omitted: false,
-            expires_in: None,
-        });
+        let answer = Arc::new(StoredResponse::new(
+            Finished::Completed,
+            201,
+            Vec::new(),
+            Some(Bytes::from_static(b"charged")),
+        ));
         let record = |store: &EncryptedStore<PostgresStore>, key: &'static str| {
             let store = store.clone();
             let answer = answer.clone();

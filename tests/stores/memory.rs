@@ -246,6 +246,9 @@ impl IdempotencyStore for DownStore {
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         Err(StoreError::msg("connection refused"))
     }
+    async fn count_records(&self, _: &str, _: u64) -> Result<Option<u64>, StoreError> {
+        Err(StoreError::msg("connection refused"))
+    }
     fn operation_timeout(&self) -> Option<Duration> {
         None
     }
@@ -560,11 +563,12 @@ async fn detached_requests_are_bounded() {
     assert_eq!(fresh.status, StatusCode::CREATED);
 }
 
-/// A full memory store refuses new keys with 503 and evicts nothing: keys recorded before still
-/// replay, and a key claimed again after purging expired records works.
+/// A full memory store refuses new keys with `503 idempotency_store_full` and evicts nothing: keys
+/// recorded before still replay.
 #[tokio::test]
 async fn a_full_memory_store_refuses_new_keys_and_keeps_the_old() {
-    let store = MemoryStore::with_capacity(4 * 1024);
+    // One subject may take the whole store here: the share is the capacity.
+    let store = MemoryStore::with_capacity_and_share(4 * 1024, 4 * 1024);
     let (router, counters) = app(IdempotencyLayer::new(store.clone()).expect("valid settings"));
     let mut stored = Vec::new();
     let refused = loop {
@@ -576,13 +580,9 @@ async fn a_full_memory_store_refuses_new_keys_and_keeps_the_old() {
         stored.push((key, answer.body));
         assert!(stored.len() < 1000, "the capacity is never reached");
     };
-    assert_eq!(
-        {
-            assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
-            refused.problem()
-        },
-        "idempotency_store_unavailable"
-    );
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(refused.problem(), "idempotency_store_full");
+    assert!(refused.header("retry-after").is_some());
     assert!(stored.len() >= 3, "{} records fit", stored.len());
     let runs = counters.started();
     for (key, body) in &stored {
@@ -592,6 +592,45 @@ async fn a_full_memory_store_refuses_new_keys_and_keeps_the_old() {
     }
     assert_eq!(counters.started(), runs, "no handler ran again");
     assert!(store.bytes() <= 4 * 1024 + 1024);
+}
+
+/// One subject that takes fresh keys without end fills its share of the memory store and no more:
+/// its next keys get `429 idempotency_quota_exceeded` (its finished records still replay), and
+/// another subject is served from the room left.
+#[tokio::test]
+async fn one_subject_cannot_fill_the_memory_store_for_the_others() {
+    let store = MemoryStore::with_capacity_and_share(64 * 1024, 8 * 1024);
+    let (router, counters) = app(IdempotencyLayer::new(store.clone()).expect("valid settings"));
+    // A long subject, as the reproduction had: each record costs more of the share.
+    let mallory = "m".repeat(1000);
+    let mut taken = Vec::new();
+    let refused = loop {
+        let key = format!("flood-{}", taken.len());
+        let answer = send(&router, post("/pay").key(&key).user(&mallory)).await;
+        if answer.status != StatusCode::CREATED {
+            break answer;
+        }
+        taken.push(key);
+        assert!(taken.len() < 1000, "the share is never reached");
+    };
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS, "{refused:?}");
+    assert_eq!(refused.problem(), "idempotency_quota_exceeded");
+    assert!(refused.header("retry-after").is_some());
+    assert!(
+        store.bytes() <= 8 * 1024 + 4 * 1024,
+        "one subject holds {} bytes",
+        store.bytes()
+    );
+    // Its finished records still replay.
+    let replay = send(&router, post("/pay").key(&taken[0]).user(&mallory)).await;
+    assert!(replay.replayed(), "{replay:?}");
+    // Every other subject is served.
+    let runs = counters.started();
+    for i in 0..20 {
+        let answer = send(&router, post("/pay").key(&format!("k{i}")).user("alice")).await;
+        assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
+    }
+    assert_eq!(counters.started(), runs + 20);
 }
 
 /// A response policy that panics after the handler answered does not release the record (that

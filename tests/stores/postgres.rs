@@ -1024,14 +1024,12 @@ async fn a_kept_connection_ended_by_the_server_is_replaced() {
         .execute(&admin)
         .await
         .expect("terminate");
-        let response = std::sync::Arc::new(axum_idempotency::store::StoredResponse {
-            outcome: Finished::Completed,
-            status: 201,
-            headers: Vec::new(),
-            body: axum::body::Bytes::from_static(b"{}"),
-            body_omitted: false,
-            expires_in: None,
-        });
+        let response = std::sync::Arc::new(axum_idempotency::store::StoredResponse::new(
+            Finished::Completed,
+            201,
+            Vec::new(),
+            Some(axum::body::Bytes::from_static(b"{}")),
+        ));
         let done = store
             .complete(
                 &claim.key,
@@ -1065,14 +1063,12 @@ async fn without_scope_columns_lists_nothing_but_looks_up_and_deletes() {
         ..claim_request("hidden", b"{}")
     };
     store.claim(&anonymous).await.expect("claim");
-    let response = std::sync::Arc::new(axum_idempotency::store::StoredResponse {
-        outcome: Finished::Completed,
-        status: 201,
-        headers: Vec::new(),
-        body: axum::body::Bytes::from_static(b"{}"),
-        body_omitted: false,
-        expires_in: None,
-    });
+    let response = std::sync::Arc::new(axum_idempotency::store::StoredResponse::new(
+        Finished::Completed,
+        201,
+        Vec::new(),
+        Some(axum::body::Bytes::from_static(b"{}")),
+    ));
     let done = store
         .complete(
             &claim.key,
@@ -1098,7 +1094,7 @@ async fn without_scope_columns_lists_nothing_but_looks_up_and_deletes() {
         .expect("the record");
     assert_eq!(
         (info.state, info.status),
-        (RecordState::Completed, Some(201))
+        (RecordState::Finished(Finished::Completed), Some(201))
     );
     assert_eq!(
         store.delete(&anonymous.key).await.expect("delete"),

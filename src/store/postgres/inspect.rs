@@ -23,6 +23,21 @@ const CURSOR_MICROS: i64 = 1 << 53;
 type ListedRow = (Vec<u8>, String, String, String, Option<i16>, i64, i64);
 
 impl PostgresStore {
+    /// How many live records `subject` has, counting no further than `up_to` (an index range
+    /// scan of at most that many entries).
+    pub(super) async fn count_subject(&self, subject: &str, up_to: u64) -> Result<u64, StoreError> {
+        let subject = printable(subject);
+        let limit = i64::try_from(up_to).unwrap_or(i64::MAX);
+        let (count,): (i64,) = on_connection!(self, "count", conn => {
+            sqlx::query_as(sqlx::AssertSqlSafe(self.sql().inspection.count.as_str()))
+                .bind(&*subject)
+                .bind(limit)
+                .fetch_one(&mut *conn)
+        })?
+        .map_err(db("count"))?;
+        Ok(u64::try_from(count).unwrap_or(0))
+    }
+
     pub(super) async fn lookup_record(
         &self,
         key: &RecordKey,
@@ -131,16 +146,9 @@ fn info(
     created_us: i64,
     expires_us: i64,
 ) -> Result<RecordInfo, StoreError> {
-    let state = match status {
-        "in_progress" => RecordState::InProgress,
-        "completed" => RecordState::Completed,
-        "failed" => RecordState::Failed,
-        other => {
-            return Err(StoreError::msg(format!(
-                "postgres inspection: unexpected status {other:?}"
-            )));
-        }
-    };
+    let state = RecordState::from_name(status).ok_or_else(|| {
+        StoreError::msg(format!("postgres inspection: unexpected status {status:?}"))
+    })?;
     let status = if state.is_finished() {
         response.and_then(|s| u16::try_from(s).ok())
     } else {

@@ -369,6 +369,15 @@ impl IdempotencyStore for PostgresStore {
         self.list_records(subject, request).await
     }
 
+    /// A bounded count on the subject index; `None` without scope columns (subjects are not
+    /// kept).
+    async fn count_records(&self, subject: &str, up_to: u64) -> Result<Option<u64>, StoreError> {
+        if !self.scope_columns {
+            return Ok(None);
+        }
+        self.count_subject(subject, up_to).await.map(Some)
+    }
+
     fn operation_timeout(&self) -> Option<Duration> {
         Some(self.timeout)
     }
@@ -511,6 +520,20 @@ fn micros(d: Duration) -> f64 {
     d.as_micros() as f64
 }
 
+/// A database error as the store answers it. A full disk or exhausted memory (SQLSTATE 53000,
+/// 53100, 53200) refused the write: nothing was written, and the layer must not run unguarded for
+/// it.
 fn db(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
-    move |e| StoreError::new(format!("postgres {what}"), e)
+    move |e| {
+        let no_room = e
+            .as_database_error()
+            .and_then(|d| d.code())
+            .is_some_and(|code| matches!(&*code, "53000" | "53100" | "53200"));
+        if no_room {
+            let message = format!("postgres {what}: the database has no room: {e}");
+            StoreError::store_full(message)
+        } else {
+            StoreError::new(format!("postgres {what}"), e)
+        }
+    }
 }

@@ -220,6 +220,9 @@ const TIMES: &str = "(extract(epoch FROM created_at) * 1000000)::int8 AS created
 /// The inspection statements on one table (`t`, quoted and qualified as the others).
 pub(super) struct Inspection {
     pub(super) lookup: String,
+    /// $1 subject (as its column keeps it), $2 limit: its live records, counted up to the limit
+    /// on the subject index (released ones count: they are kept until their expiry).
+    pub(super) count: String,
     pub(super) delete: String,
     pub(super) list_first: String,
     pub(super) list_after: String,
@@ -242,6 +245,10 @@ impl Inspection {
             )
         };
         Inspection {
+            count: format!(
+                "SELECT count(*) FROM (SELECT 1 FROM {t} WHERE subject = $1 \
+                 AND expires_at > now() LIMIT $2) live"
+            ),
             // $1 scope. A plain read: it waits on no lock.
             lookup: format!(
                 "SELECT status, response_status, {TIMES} FROM {t} WHERE scope = $1 AND {live}"

@@ -63,7 +63,17 @@ impl RedisStore {
         operation: impl Future<Output = redis::RedisResult<T>>,
     ) -> Result<T, StoreError> {
         match tokio::time::timeout(limit, operation).await {
-            Ok(result) => result.map_err(|e| StoreError::new(format!("redis {what}"), e)),
+            Ok(result) => result.map_err(|e| {
+                // `OOM`: the server is at `maxmemory` and evicts nothing (`noeviction`): the write
+                // was refused, nothing was written.
+                if e.code() == Some("OOM") {
+                    StoreError::store_full(format!(
+                        "redis {what}: the server is out of memory: {e}"
+                    ))
+                } else {
+                    StoreError::new(format!("redis {what}"), e)
+                }
+            }),
             Err(_) => Err(StoreError::msg(format!(
                 "redis {what}: no answer within {limit:?}"
             ))),

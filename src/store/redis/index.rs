@@ -154,6 +154,20 @@ impl RedisStore {
             .map(|(member, score)| (member, score as i64))
             .collect())
     }
+    /// The entries of `subject`'s index, at most `up_to` (`ZCARD`: one command, whatever the
+    /// size).
+    pub(super) async fn count_indexed(&self, subject: &str, up_to: u64) -> Result<u64, StoreError> {
+        let mut cmd = redis::cmd("ZCARD");
+        cmd.arg(self.index_key(subject));
+        let mut connection = self.connection.clone();
+        let entries: u64 = self
+            .timed("count", self.timeout, async move {
+                cmd.query_async(&mut connection).await
+            })
+            .await?;
+        Ok(entries.min(up_to))
+    }
+
     /// See [`IdempotencyStore::list`](crate::store::IdempotencyStore::list).
     pub(super) async fn list_records(
         &self,

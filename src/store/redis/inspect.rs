@@ -42,12 +42,7 @@ impl RedisStore {
                 _ => text(i)?.parse().map_err(|_| bad()),
             }
         };
-        let state = match text(0)?.as_str() {
-            "in_progress" => RecordState::InProgress,
-            "completed" => RecordState::Completed,
-            "failed" => RecordState::Failed,
-            _ => return Err(bad()),
-        };
+        let state = RecordState::from_name(&text(0)?).ok_or_else(bad)?;
         let (created_ms, ttl_ms, now_ms, status) = (int(1)?, int(2)?, int(3)?, int(4)?);
         let expires_at = if ttl_ms >= 0 {
             from_micros(now_ms.saturating_add(ttl_ms).saturating_mul(1000))

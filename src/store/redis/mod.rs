@@ -304,6 +304,16 @@ impl IdempotencyStore for RedisStore {
         Ok(0)
     }
 
+    /// The size of the subject's listing index: its live records and, until a sweep or a listing
+    /// drops them, entries of records that are gone (about as many), an estimate from above.
+    /// `None` without scope fields (no index is kept).
+    async fn count_records(&self, subject: &str, up_to: u64) -> Result<Option<u64>, StoreError> {
+        if !self.scope_fields {
+            return Ok(None);
+        }
+        self.count_indexed(subject, up_to).await.map(Some)
+    }
+
     fn operation_timeout(&self) -> Option<Duration> {
         Some(self.timeout)
     }

@@ -8,6 +8,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
+mod subjects;
+
+use self::subjects::Subjects;
 use super::{
     Deleted, IdempotencyStore, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage,
     RecordState, StoreError,
@@ -24,12 +27,22 @@ const SHARDS: usize = 16;
 /// operations on it as it holds records, so memory stays bounded by what retention keeps alive, at a
 /// constant amortised cost per request; [`IdempotencyStore::purge_expired`] sweeps everything at once.
 ///
-/// The store has a capacity in bytes ([`MemoryStore::with_capacity`], default
-/// 256 MiB by default): the records' keys, scopes, recorded headers and bodies, plus a
-/// fixed overhead each. When it is full, a claim of a new key fails (the layer answers `503`) after
-/// expired records were swept; no live or unexpired record is ever evicted to make room, since
-/// that would let its key run again. A completion is never refused for room (its effect happened),
-/// so the store may go over its capacity by the responses of the claims it took.
+/// The store has a capacity in bytes ([`MemoryStore::with_capacity`], 256 MiB by default): the
+/// records' keys, scopes, recorded headers and bodies, plus a fixed overhead each. When it is
+/// full, a claim of a new key fails (the layer answers `503 idempotency_store_full`) after expired
+/// records were swept; no live or unexpired record is ever evicted to make room, since that would
+/// let its key run again. A completion is never refused for room (its effect happened), so the
+/// store may go over its capacity by the responses of the claims it took.
+///
+/// **Each subject has a share of the capacity** (an eighth by default;
+/// [`with_capacity_and_share`](Self::with_capacity_and_share)): a subject whose records hold its
+/// share is refused new keys (`429 idempotency_quota_exceeded`) until some of them expire, and the
+/// other subjects keep the rest of the room. Its finished records still replay.
+///
+/// **What it loses on restart: everything.** Records live in this process only: after a restart
+/// (a deploy, a crash) every key is new, and a retry of a payment that finished before the restart
+/// runs it again. For one instance without a database server, use `SqliteStore` (a file that
+/// survives restarts); for several instances, a store they share.
 ///
 /// Clones share the records.
 #[derive(Clone)]
@@ -64,6 +77,10 @@ struct Inner {
     /// The bytes the records hold, by the capacity's count.
     bytes: AtomicUsize,
     capacity: usize,
+    /// The most bytes one subject's records may hold.
+    share: usize,
+    /// What each subject holds.
+    subjects: Subjects,
 }
 
 #[derive(Default)]
@@ -104,19 +121,30 @@ enum State {
 }
 
 impl MemoryStore {
-    /// An empty store with the default capacity (256 MiB).
+    /// An empty store with the default capacity (256 MiB, 32 MiB a subject).
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// An empty store that holds at most about `bytes` of records (see the type's docs).
+    /// An empty store that holds at most about `bytes` of records, and at most an eighth of that
+    /// for any one subject (see the type's docs).
     pub fn with_capacity(bytes: usize) -> Self {
+        Self::with_capacity_and_share(bytes, bytes / 8)
+    }
+
+    /// An empty store that holds at most about `bytes` of records, and at most about `share` bytes
+    /// for any one subject (the shared anonymous subject included): past its share a subject's
+    /// new keys are refused (the layer answers `429 idempotency_quota_exceeded`), and the other
+    /// subjects are served.
+    pub fn with_capacity_and_share(bytes: usize, share: usize) -> Self {
         MemoryStore {
             inner: Arc::new(Inner {
                 hasher: RandomState::default(),
                 shards: Default::default(),
                 bytes: AtomicUsize::new(0),
                 capacity: bytes,
+                share,
+                subjects: Subjects::default(),
             }),
         }
     }
@@ -132,6 +160,14 @@ impl MemoryStore {
 
     fn sub(&self, bytes: usize) {
         self.inner.bytes.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    /// A record of `subject` that held `old` bytes holds `new` now.
+    fn resize(&self, subject: &str, old: usize, new: usize) {
+        self.sub(old);
+        self.add(new);
+        self.inner.subjects.sub(subject, 0, old);
+        self.inner.subjects.add(subject, 0, new);
     }
 
     /// How many records the store holds, expired ones not yet swept included.
@@ -153,7 +189,7 @@ impl MemoryStore {
         let mut shard = self.shard_at(i);
         shard.ops_since_sweep += 1;
         if shard.ops_since_sweep > shard.sweep_after.max(64) {
-            let freed = shard.sweep(Instant::now());
+            let freed = shard.sweep(Instant::now(), &self.inner.subjects);
             self.sub(freed.1);
         }
         shard
@@ -163,7 +199,7 @@ impl MemoryStore {
     fn sweep_all(&self, now: Instant) -> u64 {
         (0..SHARDS)
             .map(|i| {
-                let (removed, freed) = self.shard_at(i).sweep(now);
+                let (removed, freed) = self.shard_at(i).sweep(now, &self.inner.subjects);
                 self.sub(freed);
                 removed
             })
@@ -173,13 +209,14 @@ impl MemoryStore {
 
 impl Shard {
     /// Removes the expired records; returns how many, and the bytes they held.
-    fn sweep(&mut self, now: Instant) -> (u64, usize) {
+    fn sweep(&mut self, now: Instant, subjects: &Subjects) -> (u64, usize) {
         let before = self.records.len();
         let mut freed = 0;
-        self.records.retain(|_, r| {
+        self.records.retain(|key, r| {
             let keep = r.expires_at > now;
             if !keep {
                 freed += r.size;
+                subjects.sub(&key.subject, 1, r.size);
             }
             keep
         });
@@ -230,8 +267,7 @@ impl MemoryStore {
                 // Past retention: the key is new again, a new operation with a generation of its
                 // own, as in every store (Redis and a purge delete expired records).
                 let old = std::mem::replace(record, fresh());
-                self.sub(old.size);
-                self.add(size);
+                self.resize(&request.key.subject, old.size, size);
                 return Ok(ClaimOutcome::Claimed {
                     lease,
                     generation: Some(record.generation),
@@ -246,8 +282,7 @@ impl MemoryStore {
                 if same {
                     record.generation = kept;
                 }
-                self.sub(old.size);
-                self.add(size);
+                self.resize(&request.key.subject, old.size, size);
                 return Ok(ClaimOutcome::Claimed {
                     lease,
                     generation: Some(record.generation),
@@ -282,8 +317,7 @@ impl MemoryStore {
                     let old = std::mem::replace(record, fresh());
                     record.generation = kept;
                     record.created_at = old.created_at;
-                    self.sub(old.size);
-                    self.add(size);
+                    self.resize(&request.key.subject, old.size, size);
                     ClaimOutcome::Claimed {
                         lease,
                         generation: Some(kept),
@@ -296,7 +330,7 @@ impl MemoryStore {
             drop(shard);
             self.sweep_all(now);
             if self.bytes() + size > self.inner.capacity {
-                return Err(StoreError::refused_claim(format!(
+                return Err(StoreError::store_full(format!(
                     "the memory store is full ({} of {} bytes); no live record is evicted",
                     self.bytes(),
                     self.inner.capacity
@@ -309,7 +343,15 @@ impl MemoryStore {
                 return self.claim_now(request);
             }
         }
+        let usage = self.inner.subjects.usage(&request.key.subject);
+        if usage.bytes + size > self.inner.share {
+            return Err(StoreError::quota_exceeded(format!(
+                "this subject's records hold {} bytes, its share of the memory store",
+                usage.bytes
+            )));
+        }
         self.add(size);
+        self.inner.subjects.add(&request.key.subject, 1, size);
         shard.records.insert(request.key.clone(), fresh());
         Ok(ClaimOutcome::Claimed { lease, generation })
     }
@@ -336,6 +378,7 @@ impl IdempotencyStore for MemoryStore {
                 record.expires_at = Instant::now() + retention;
                 record.size += grown;
                 self.add(grown);
+                self.inner.subjects.add(&key.subject, 0, grown);
                 Ok(Fenced::Done)
             }
             Some(Record {
@@ -388,6 +431,11 @@ impl IdempotencyStore for MemoryStore {
         None
     }
 
+    /// Exact: the store keeps every subject's count (expired records not yet swept included).
+    async fn count_records(&self, subject: &str, up_to: u64) -> Result<Option<u64>, StoreError> {
+        Ok(Some(self.inner.subjects.usage(subject).records.min(up_to)))
+    }
+
     async fn lookup(&self, key: &RecordKey) -> Result<Option<RecordInfo>, StoreError> {
         let now = Instant::now();
         let wall = SystemTime::now();
@@ -413,6 +461,7 @@ impl IdempotencyStore for MemoryStore {
             State::Finished { .. } => {
                 if let Some(removed) = shard.records.remove(key) {
                     self.sub(removed.size);
+                    self.inner.subjects.sub(&key.subject, 1, removed.size);
                 }
                 Ok(Deleted::Deleted)
             }
@@ -461,10 +510,7 @@ fn info(record: &Record, now: Instant, wall: SystemTime) -> Option<RecordInfo> {
         State::Released => return None,
         State::InProgress { .. } => (RecordState::InProgress, None),
         State::Finished { response, .. } => (
-            match response.outcome {
-                crate::store::Finished::Completed => RecordState::Completed,
-                crate::store::Finished::Failed => RecordState::Failed,
-            },
+            RecordState::Finished(response.outcome),
             Some(response.status),
         ),
     };
