@@ -169,7 +169,7 @@ pub mod conformance;
 pub mod metrics;
 
 pub use engine::{ConfigError, Drain, IdempotencyContext, Outcome, OutcomeCounters};
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 pub use layer::IdempotencyTx;
 pub use layer::{
     Disposition, ErrorKind, IdempotencyLayer, IdempotencyLayerBuilder, Problem, Subject,
@@ -179,7 +179,7 @@ pub use store::{Fingerprint, MemoryStore};
 
 /// The sqlx the SQL stores are built on: build your pools with it (or with sqlx of the same
 /// major version).
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 #[doc(no_inline)]
 pub use sqlx;
 

@@ -156,7 +156,10 @@ impl<St: IdempotencyStore> Lease<St> {
     }
 
     /// The endpoint label of the outcomes this lease reports.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
+        allow(dead_code)
+    )]
     pub(crate) fn label(&self) -> &Label {
         &self.label
     }

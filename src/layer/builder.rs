@@ -484,7 +484,7 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
     }
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 impl<Store, DB> IdempotencyLayerBuilder<Store>
 where
     DB: sqlx::Database,

@@ -39,7 +39,10 @@ pub(crate) trait Offered<St: IdempotencyStore>: Send {
 
 /// What a handler left of the transaction it was offered (only stores with transactions offer
 /// one).
-#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
+    allow(dead_code)
+)]
 pub(crate) enum Left<St: IdempotencyStore> {
     /// It wrote nothing through one: record as usual.
     Nothing,

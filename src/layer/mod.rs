@@ -35,7 +35,7 @@ mod run;
 mod service;
 mod settings;
 mod subject;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 mod transaction;
 
 pub use self::builder::IdempotencyLayerBuilder;
@@ -45,5 +45,5 @@ pub use self::policy::{Disposition, default_policy};
 pub use self::problem::{ErrorKind, IdempotencyRejection, Problem};
 pub use self::service::IdempotencyService;
 pub use self::subject::{Subject, SubjectExtractor};
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 pub use self::transaction::IdempotencyTx;

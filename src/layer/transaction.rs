@@ -24,12 +24,15 @@ use super::settings::LayerSettings;
 use crate::engine::{Lease, rollback};
 use crate::store::{StoreError, TransactionalStore};
 
-/// The transaction of an idempotent request on a store that has transactions (the Postgres
-/// store, and wrappers of it): write the handler's effects through it, and the layer commits them
-/// together with the record of the response. The layer must be built with
-/// [`transactions(true)`](crate::IdempotencyLayerBuilder::transactions).
+/// The transaction of an idempotent request on a store that has transactions (the SQL stores, and
+/// wrappers of them): write the handler's effects through it, and the layer commits them together
+/// with the record of the response. The layer must be built with
+/// [`transactions(true)`](crate::IdempotencyLayerBuilder::transactions). `DB` is the store's
+/// database (`IdempotencyTx` alone is PostgreSQL's, `IdempotencyTx<sqlx::Sqlite>` SQLite's,
+/// `IdempotencyTx<sqlx::MySql>` MySQL's).
 ///
 /// ```
+/// # #[cfg(feature = "postgres")] {
 /// use axum::{Json, http::StatusCode};
 /// use axum_idempotency::{IdempotencyTx, sqlx};
 /// use serde_json::{Value, json};
@@ -48,6 +51,7 @@ use crate::store::{StoreError, TransactionalStore};
 ///     Ok((StatusCode::CREATED, Json(json!({ "id": id }))))
 /// }
 /// # let _ = checkout;
+/// # }
 /// ```
 ///
 /// - [`conn`](Self::conn) gives the transaction's connection; the first call begins the
@@ -73,7 +77,16 @@ use crate::store::{StoreError, TransactionalStore};
 ///   not set, or the layer did not claim the request: no key, or a failing store with
 ///   `fail_open`), extracting it answers `500 internal_error` and logs why; the handler does not
 ///   run without its transaction. `Option<IdempotencyTx>` is `None` there instead.
+#[cfg(feature = "postgres")]
 pub struct IdempotencyTx<DB: sqlx::Database = sqlx::Postgres> {
+    slot: Arc<TxSlot<DB>>,
+    tx: Option<sqlx::Transaction<'static, DB>>,
+}
+
+/// The transaction of an idempotent request on a store that has transactions: see the docs with
+/// the `postgres` feature, where `DB` defaults to PostgreSQL.
+#[cfg(not(feature = "postgres"))]
+pub struct IdempotencyTx<DB: sqlx::Database> {
     slot: Arc<TxSlot<DB>>,
     tx: Option<sqlx::Transaction<'static, DB>>,
 }
