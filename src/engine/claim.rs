@@ -14,12 +14,13 @@ use super::core::Engine;
 use super::lease::Lease;
 use super::outcome::Outcome;
 use super::settings::Settings;
+use super::shares::Records;
 use super::wait::Stage;
 use crate::store::{
     ClaimOutcome, ClaimRequest, FRESH_FRACTION, Fenced, Fingerprint, IdempotencyStore, RecordKey,
     StoreError, StoredResponse, claim_ids,
 };
-use crate::util::metrics::Label;
+use crate::util::metrics::{Label, timed};
 
 /// What the store's answer to a claim means for the door that asked.
 pub(crate) enum Claim<St: IdempotencyStore> {
@@ -80,6 +81,15 @@ impl<St: IdempotencyStore> Engine<St> {
             in_progress_ttl: settings.in_progress_ttl,
             retention: settings.retention,
         };
+        if let Some(max) = settings.max_records_per_subject
+            && self.over_its_share(&request.key, max).await
+        {
+            self.report(&label, Outcome::QuotaExceeded);
+            tracing::info!("the subject holds its share of the store's records; a new key refused");
+            return Claim::Unavailable(Unavailable::Store(StoreError::quota_exceeded(
+                "the subject holds its share of the store's records",
+            )));
+        }
         let sent = Instant::now();
         let outcome = self.store_claim(&request).await;
         match outcome {
@@ -177,6 +187,37 @@ impl<St: IdempotencyStore> Engine<St> {
                 Claim::InProgress
             }
         }
+    }
+
+    /// Whether a claim of `key` is refused because its subject holds its share (`max`) of the
+    /// store's records: counted now and then ([`Shares::records`]); while over, only a key whose
+    /// record exists is claimed (its replay, `409` or retake). A count or a look-up that fails
+    /// refuses nothing: the claim goes on and says what the store says.
+    async fn over_its_share(&self, key: &RecordKey, max: u64) -> bool {
+        let shares = &self.state.shares;
+        let id = shares.id(&key.subject);
+        let over = match shares.records(id) {
+            Records::Within => false,
+            Records::Over => true,
+            Records::Count => {
+                let count = timed("count", self.store().count_records(&key.subject, max));
+                match tokio::time::timeout(self.renewal_bound(), count).await {
+                    Ok(Ok(Some(count))) => shares.counted(id, count, max),
+                    // The store keeps no subjects: it is asked again a quarter of the share later.
+                    Ok(Ok(None)) => shares.counted(id, 0, max),
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "a subject's records could not be counted");
+                        false
+                    }
+                    Err(_) => false,
+                }
+            }
+        };
+        if !over {
+            return false;
+        }
+        let lookup = tokio::time::timeout(self.renewal_bound(), self.store_lookup(key));
+        matches!(lookup.await, Ok(Ok(None)))
     }
 
     /// Whether the claim sent at `sent` can be trusted as held now: at once when its answer came

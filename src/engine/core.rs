@@ -8,6 +8,7 @@ use std::time::Duration;
 use super::coalesce::{self, LocalClaims, Scope};
 use super::drain::Drain;
 use super::settings::{ConfigError, Settings};
+use super::shares::{InFlight, Shares};
 use super::waiters::Waiters;
 use crate::store::{
     ClaimOutcome, ClaimRequest, Fenced, Fingerprint, IdempotencyStore, LeaseToken, RecordInfo,
@@ -52,6 +53,8 @@ pub(super) struct State {
     pub(super) local: Arc<LocalClaims>,
     /// The duplicates waiting now, by scope.
     pub(super) waiters: Waiters,
+    /// Each subject's share of requests in flight, waiters and records.
+    pub(super) shares: Arc<Shares>,
 }
 
 impl<St: IdempotencyStore> Engine<St> {
@@ -68,6 +71,7 @@ impl<St: IdempotencyStore> Engine<St> {
                 drain,
                 local: Arc::default(),
                 waiters: Waiters::default(),
+                shares: Arc::default(),
             }),
         })
     }
@@ -80,6 +84,13 @@ impl<St: IdempotencyStore> Engine<St> {
     /// The settings.
     pub(crate) fn settings(&self) -> &Settings {
         &self.settings
+    }
+
+    /// A request of `subject` in flight at this instance, counted until the guard is dropped; or
+    /// `None` when the subject has its share in flight already.
+    pub(crate) fn in_flight(&self, subject: &str) -> Option<InFlight> {
+        let shares = &self.state.shares;
+        shares.enter(shares.id(subject), self.settings.max_in_flight_per_subject)
     }
 
     /// The drain its work is counted in.

@@ -27,6 +27,7 @@ mod lease;
 mod outcome;
 mod report;
 mod settings;
+mod shares;
 mod transactional;
 mod wait;
 mod waiters;
@@ -44,5 +45,6 @@ pub use self::settings::ConfigError;
 #[cfg(test)]
 pub(crate) use self::settings::MAX_DURATION;
 pub(crate) use self::settings::Settings;
+pub(crate) use self::shares::InFlight;
 pub(crate) use self::transactional::{InTransaction, commit_with_record, rollback};
 pub(crate) use self::wait::Stage;

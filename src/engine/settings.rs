@@ -98,6 +98,14 @@ pub(crate) struct Settings {
     pub(crate) wait: Duration,
     /// How many duplicates may wait on one key at this instance.
     pub(crate) max_waiters: usize,
+    /// How many duplicates of one subject may wait at this instance.
+    pub(crate) max_waiters_per_subject: usize,
+    /// How many duplicates may wait at this instance, all subjects together.
+    pub(crate) max_waiting: usize,
+    /// How many requests of one subject may be in flight at this instance.
+    pub(crate) max_in_flight_per_subject: usize,
+    /// How many live records one subject may have in the store; `None`: no bound.
+    pub(crate) max_records_per_subject: Option<u64>,
     /// Whether a store failure lets the work run unguarded.
     pub(crate) fail_open: bool,
     /// The deployment secret mixed into derived keys (HMAC), if any.
@@ -117,6 +125,10 @@ impl Default for Settings {
             max_running: 1024,
             wait: Duration::ZERO,
             max_waiters: 16,
+            max_waiters_per_subject: 64,
+            max_waiting: 1024,
+            max_in_flight_per_subject: 256,
+            max_records_per_subject: Some(100_000),
             fail_open: false,
             derived_key_secret: None,
             on_outcome: None,
@@ -135,6 +147,10 @@ impl fmt::Debug for Settings {
             .field("max_running", &self.max_running)
             .field("wait", &self.wait)
             .field("max_waiters", &self.max_waiters)
+            .field("max_waiters_per_subject", &self.max_waiters_per_subject)
+            .field("max_waiting", &self.max_waiting)
+            .field("max_in_flight_per_subject", &self.max_in_flight_per_subject)
+            .field("max_records_per_subject", &self.max_records_per_subject)
             .field("fail_open", &self.fail_open)
             .finish_non_exhaustive()
     }
@@ -205,6 +221,21 @@ impl Settings {
             return Err(ConfigError::new(
                 "max_waiters",
                 "must be at least 1 when the wait is on",
+            ));
+        }
+        for (setting, value) in [
+            ("max_waiters_per_subject", self.max_waiters_per_subject),
+            ("max_waiting", self.max_waiting),
+            ("max_in_flight_per_subject", self.max_in_flight_per_subject),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::new(setting, "must be at least 1"));
+            }
+        }
+        if self.max_records_per_subject == Some(0) {
+            return Err(ConfigError::new(
+                "max_records_per_subject",
+                "must be at least 1 (or None, for no bound)",
             ));
         }
         Ok(())

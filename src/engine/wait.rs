@@ -113,6 +113,18 @@ impl<St: IdempotencyStore> Engine<St> {
         }
         let scope = Scope::of(&claim.key);
         let settings = self.settings();
+        let shares = &self.state.shares;
+        let subject = shares.id(&claim.key.subject);
+        let Some(_waiting) = shares.wait(
+            subject,
+            settings.max_waiters_per_subject,
+            settings.max_waiting,
+        ) else {
+            tracing::debug!(
+                "this subject (or this instance) has its share of waiters; not waiting"
+            );
+            return in_progress();
+        };
         let Some(_place) = self.state.waiters.enter(scope, settings.max_waiters) else {
             tracing::debug!("too many duplicates wait on this key; not waiting");
             return in_progress();

@@ -1,5 +1,7 @@
-//! Admission: what the layer does with a request from its headers and its authenticated subject,
-//! before its body is read or anything claimed.
+//! Admission: what the layer does with a request from its headers, its authenticated subject and
+//! its path, before its body is read or anything claimed. Every bound a client could use to take
+//! what others need is checked here: the scope's lengths, the instance's requests running
+//! detached, and the subject's share of requests in flight.
 
 use axum::body::Body;
 use http::Response;
@@ -9,17 +11,23 @@ use super::key;
 use super::label;
 use super::problem::ErrorKind;
 use super::settings::LayerSettings;
-use crate::engine::{Engine, Outcome};
-use crate::store::IdempotencyStore;
+use crate::engine::{Engine, InFlight, Outcome};
+use crate::store::{IdempotencyStore, RecordKey};
 use crate::util::metrics::Label;
+
+/// The longest subject the layer takes, in bytes: every store keeps it whole.
+pub(crate) const MAX_SUBJECT_LEN: usize = 1024;
+
+/// The longest endpoint (method and path) the layer takes, in bytes: every store keeps it whole.
+pub(crate) const MAX_ENDPOINT_LEN: usize = 4096;
 
 /// What the layer does with a request.
 pub(super) enum Admission {
-    /// Claimed under this key, for this subject.
+    /// Claimed under this scope; the subject's place in flight is held until the request ends.
     Guarded {
-        key: String,
-        subject: String,
+        scope: RecordKey,
         label: Label,
+        in_flight: InFlight,
     },
     /// No key, where none is required: the request runs as if the layer were not there.
     Unguarded,
@@ -27,15 +35,15 @@ pub(super) enum Admission {
     Refused(Response<Body>),
 }
 
-/// Reads the key and the subject, and checks the engine's admission bound.
+/// Reads the key, the subject and the endpoint, and checks the bounds.
 pub(super) fn admit<St: IdempotencyStore>(
     engine: &Engine<St>,
     http: &LayerSettings,
     parts: &Parts,
 ) -> Admission {
-    let refuse = |kind, detail: &str, retry_after| {
+    let refuse = |kind, detail: &str| {
         engine.report(&label::of(parts), Outcome::Rejected);
-        Admission::Refused(http.problem(kind, detail, retry_after))
+        Admission::Refused(http.problem(kind, detail, None))
     };
     let key = match key::from_headers(&parts.headers) {
         Ok(Some(key)) if key.len() < http.min_key_length => {
@@ -43,34 +51,54 @@ pub(super) fn admit<St: IdempotencyStore>(
                 "the Idempotency-Key must be at least {} characters long here",
                 http.min_key_length
             );
-            return refuse(ErrorKind::InvalidIdempotencyKey, &detail, None);
+            return refuse(ErrorKind::InvalidIdempotencyKey, &detail);
         }
         Ok(Some(key)) => key,
         Ok(None) if http.require_key => {
             return refuse(
                 ErrorKind::MissingIdempotencyKey,
                 "this endpoint requires an Idempotency-Key header",
-                None,
             );
         }
         Ok(None) => return Admission::Unguarded,
-        Err(e) => return refuse(ErrorKind::InvalidIdempotencyKey, e.detail(), None),
+        Err(e) => return refuse(ErrorKind::InvalidIdempotencyKey, e.detail()),
     };
     let subject = match http.subject.subject(parts).filter(|s| !s.is_empty()) {
         Some(subject) => subject,
-        None if http.allow_anonymous => String::new(),
+        // A request with credentials is somebody's: never put in the scope every anonymous caller
+        // shares, where another caller with its key would get its answer.
+        None if http.allow_anonymous && !carries_credentials(http, parts) => String::new(),
+        None if http.allow_anonymous => {
+            return refuse(
+                ErrorKind::MissingSubject,
+                "the request carries credentials but no authenticated subject reached the \
+                 idempotency layer",
+            );
+        }
         None => {
             return refuse(
                 ErrorKind::MissingSubject,
                 "an idempotent request must come from an authenticated subject",
-                None,
             );
         }
     };
+    if subject.len() > MAX_SUBJECT_LEN {
+        return refuse(
+            ErrorKind::SubjectTooLong,
+            "the authenticated subject is longer than 1024 bytes",
+        );
+    }
+    let endpoint = (http.endpoint)(parts);
+    if endpoint.len() > MAX_ENDPOINT_LEN {
+        return refuse(
+            ErrorKind::EndpointTooLong,
+            "the request's method and path are longer than 4096 bytes",
+        );
+    }
     // The endpoint label of this request's metrics (nothing without the `metrics` feature).
     let label = label::of(parts);
     // What runs detached is bounded, so a client that resets requests in a loop cannot make the
-    // server run unbounded work. Refused before the body is read or anything claimed.
+    // server run unbounded work.
     let drain = engine.drain();
     if drain.detached() >= engine.settings().max_running {
         engine.report(&label, Outcome::Overloaded);
@@ -83,9 +111,29 @@ pub(super) fn admit<St: IdempotencyStore>(
             "too many idempotent requests are running; retry later",
         ));
     }
+    // And so is what one subject has in flight, so that it cannot take every place.
+    let Some(in_flight) = engine.in_flight(&subject) else {
+        engine.report(&label, Outcome::QuotaExceeded);
+        tracing::info!("a subject has its share of idempotent requests in flight; refusing one");
+        return Admission::Refused(http.retryable(
+            ErrorKind::QuotaExceeded,
+            "too many idempotent requests of this subject are in flight; retry later",
+        ));
+    };
     Admission::Guarded {
-        key,
-        subject,
+        scope: RecordKey {
+            key,
+            subject,
+            endpoint,
+        },
         label,
+        in_flight,
     }
+}
+
+/// Whether the request carries one of the headers that count as credentials.
+fn carries_credentials(http: &LayerSettings, parts: &Parts) -> bool {
+    http.credential_headers
+        .iter()
+        .any(|name| parts.headers.contains_key(name))
 }

@@ -68,6 +68,11 @@ impl<Store: IdempotencyStore> IdempotencyLayer<Store> {
 /// | `log_scope` | `false` | log subjects and endpoints as they are (`true`) or only their hashes (`false`) |
 /// | `min_key_length` | 1 | the shortest `Idempotency-Key` accepted, up to 255; raise it where keys must be unguessable (anonymous routes) |
 /// | `problem_type_base` | this crate's docs | the base of the `type` URI of the layer's errors, followed by the error code |
+/// | `max_waiters_per_subject` | 64 | duplicates of one subject that may wait at this instance; the others get `409` at once |
+/// | `max_waiting` | 1024 | duplicates that may wait at this instance, all subjects together |
+/// | `max_in_flight_per_subject` | 256 | requests of one subject in flight at this instance (attached or detached); past it `429 idempotency_quota_exceeded` before the body is read |
+/// | `max_records_per_subject` | 100 000 | live records one subject may have in the store, counted now and then; past it new keys get `429 idempotency_quota_exceeded` (its records still replay). `None`: no bound |
+/// | `credential_headers` | `authorization`, `cookie` | request headers that count as credentials: with `allow_anonymous`, a request with one but no subject gets `401`, never the shared anonymous scope |
 /// | `transactions` | `false` | offer handlers an [`IdempotencyTx`](crate::IdempotencyTx) that commits with the record (stores with transactions only) |
 pub struct IdempotencyLayerBuilder<Store> {
     store: Store,
@@ -78,6 +83,7 @@ pub struct IdempotencyLayerBuilder<Store> {
     replay_header_name: Option<String>,
     ignored_fields: Vec<String>,
     problem_type_base: Option<String>,
+    credential_headers: Option<Vec<String>>,
     transactions: Option<Arc<dyn Transactions<Store>>>,
 }
 
@@ -101,6 +107,7 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
             replay_header_name: None,
             ignored_fields: Vec::new(),
             problem_type_base: None,
+            credential_headers: None,
             transactions: None,
         }
     }
@@ -155,7 +162,9 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
     }
 
     /// The methods guarded; others pass through. Default: `POST` and `PATCH`. Safe methods (`GET`,
-    /// `HEAD`, `OPTIONS`, `TRACE`) are refused.
+    /// `HEAD`, `OPTIONS`, `TRACE`) are refused. Extension methods (any but the nine of RFC 9110,
+    /// such as a lower-case `post` on a route that takes any method) are always guarded: their
+    /// meaning is unknown, so they are not taken for safe.
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.http.methods = methods.into_iter().collect();
         self
@@ -389,6 +398,54 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
         self
     }
 
+    /// How many duplicates of one subject may wait for an answer at this instance (default 64);
+    /// past it a duplicate gets `409` at once. See [`wait`](Self::wait).
+    pub fn max_waiters_per_subject(mut self, waiters: usize) -> Self {
+        self.engine.max_waiters_per_subject = waiters;
+        self
+    }
+
+    /// How many duplicates may wait for an answer at this instance, all subjects together
+    /// (default 1024); past it a duplicate gets `409` at once. See [`wait`](Self::wait).
+    pub fn max_waiting(mut self, waiters: usize) -> Self {
+        self.engine.max_waiting = waiters;
+        self
+    }
+
+    /// How many guarded requests of one subject may be in flight at this instance, from their
+    /// admission to their end, attached to their clients or running on after they left (default
+    /// 256). Past it the subject's next request gets `429 idempotency_quota_exceeded` with
+    /// `Retry-After` before its body is read, and other subjects are served.
+    pub fn max_in_flight_per_subject(mut self, requests: usize) -> Self {
+        self.engine.max_in_flight_per_subject = requests;
+        self
+    }
+
+    /// How many live records (within their retention) one subject may have in the store (default
+    /// 100 000; `None`: no bound). It is counted now and then
+    /// ([`IdempotencyStore::count_records`]): past it the subject's new keys get
+    /// `429 idempotency_quota_exceeded` with `Retry-After` until some of its records expire, while
+    /// its existing records still replay; other subjects are served. Several instances let a
+    /// subject pass it by about a quarter of it each between two counts. A store that keeps no
+    /// subjects (Postgres without scope columns, Redis without scope fields) bounds nothing.
+    pub fn max_records_per_subject(mut self, records: Option<u64>) -> Self {
+        self.engine.max_records_per_subject = records;
+        self
+    }
+
+    /// The request headers that count as credentials (default: `authorization` and `cookie`). With
+    /// [`allow_anonymous`](Self::allow_anonymous), a request that carries one of them but reached
+    /// the layer without a subject (an authentication layer misconfigured, or skipped on one
+    /// route) is refused with `401 missing_subject`, never put in the scope that every anonymous
+    /// caller shares.
+    pub fn credential_headers(
+        mut self,
+        names: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self {
+        self.credential_headers = Some(names.into_iter().map(Into::into).collect());
+        self
+    }
+
     /// The longest the request body may take to arrive, from when the layer starts reading it;
     /// past it the request gets `408 request_timeout` and nothing is claimed, so a client that
     /// sends its body slowly (or not at all) holds nothing that other requests need. From 100 ms
@@ -465,6 +522,19 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| ConfigError::new("fingerprint_ignore", e))?;
             http.fingerprint = FingerprintRule::Canonical(pointers.into());
+        }
+        if let Some(names) = self.credential_headers {
+            http.credential_headers = names
+                .iter()
+                .map(|name| {
+                    HeaderName::try_from(name.as_str()).map_err(|_| {
+                        ConfigError::new(
+                            "credential_headers",
+                            format!("{name:?} is not a valid header name"),
+                        )
+                    })
+                })
+                .collect::<Result<_, _>>()?;
         }
         if http.stored_headers.contains(&http.replay_header) {
             return Err(ConfigError::new(

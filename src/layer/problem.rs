@@ -37,6 +37,13 @@ pub enum ErrorKind {
     /// `401 missing_subject`: no authenticated subject, and anonymous scope is not enabled. Not
     /// retryable: authenticate first.
     MissingSubject,
+    /// `400 subject_too_long`: the authenticated subject is longer than 1024 bytes; nothing was
+    /// claimed. Not retryable: the application's authentication gives subjects the layer does
+    /// not take.
+    SubjectTooLong,
+    /// `414 endpoint_too_long`: the request's method and path are longer than 4096 bytes; nothing
+    /// was claimed. Not retryable: use a shorter path.
+    EndpointTooLong,
     /// `413 request_too_large`: the request body is over the layer's limit; nothing ran. Not
     /// retryable: send a smaller body.
     RequestTooLarge,
@@ -88,6 +95,8 @@ impl ErrorKind {
             ErrorKind::UnreadableBody => "unreadable_request_body",
             ErrorKind::MissingSubject => "missing_subject",
             ErrorKind::RequestTooLarge => "request_too_large",
+            ErrorKind::SubjectTooLong => "subject_too_long",
+            ErrorKind::EndpointTooLong => "endpoint_too_long",
             ErrorKind::RequestTimeout => "request_timeout",
             ErrorKind::KeyReuse => "idempotency_key_reuse",
             ErrorKind::InProgress => "in_progress",
@@ -105,7 +114,9 @@ impl ErrorKind {
         match self {
             ErrorKind::MissingIdempotencyKey
             | ErrorKind::InvalidIdempotencyKey
-            | ErrorKind::UnreadableBody => StatusCode::BAD_REQUEST,
+            | ErrorKind::UnreadableBody
+            | ErrorKind::SubjectTooLong => StatusCode::BAD_REQUEST,
+            ErrorKind::EndpointTooLong => StatusCode::URI_TOO_LONG,
             ErrorKind::MissingSubject => StatusCode::UNAUTHORIZED,
             ErrorKind::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
@@ -128,6 +139,8 @@ impl ErrorKind {
             ErrorKind::UnreadableBody => "UnreadableBody",
             ErrorKind::MissingSubject => "MissingSubject",
             ErrorKind::RequestTooLarge => "RequestTooLarge",
+            ErrorKind::SubjectTooLong => "SubjectTooLong",
+            ErrorKind::EndpointTooLong => "EndpointTooLong",
             ErrorKind::RequestTimeout => "RequestTimeout",
             ErrorKind::KeyReuse => "KeyReuse",
             ErrorKind::InProgress => "InProgress",
@@ -141,12 +154,14 @@ impl ErrorKind {
     }
 
     /// Every kind, in a fixed order.
-    pub const ALL: [ErrorKind; 14] = [
+    pub const ALL: [ErrorKind; 16] = [
         ErrorKind::MissingIdempotencyKey,
         ErrorKind::InvalidIdempotencyKey,
         ErrorKind::UnreadableBody,
         ErrorKind::MissingSubject,
         ErrorKind::RequestTooLarge,
+        ErrorKind::SubjectTooLong,
+        ErrorKind::EndpointTooLong,
         ErrorKind::RequestTimeout,
         ErrorKind::KeyReuse,
         ErrorKind::InProgress,
@@ -165,6 +180,8 @@ impl ErrorKind {
             ErrorKind::UnreadableBody => "Request body could not be read",
             ErrorKind::MissingSubject => "Authentication required",
             ErrorKind::RequestTooLarge => "Request body too large",
+            ErrorKind::SubjectTooLong => "Subject too long",
+            ErrorKind::EndpointTooLong => "Request path too long",
             ErrorKind::RequestTimeout => "Request body too slow",
             ErrorKind::KeyReuse => "Idempotency-Key reused for a different request",
             ErrorKind::InProgress => "Request with this Idempotency-Key is in progress",

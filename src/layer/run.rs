@@ -16,7 +16,7 @@ use super::problem::ErrorKind;
 use super::replay;
 use super::settings::LayerSettings;
 use crate::engine::{Claim, Engine, Outcome, Stage, Unavailable, span};
-use crate::store::{IdempotencyStore, RecordKey, StoredResponse};
+use crate::store::{IdempotencyStore, StoredResponse};
 use crate::util::metrics::Label;
 
 /// Runs one request through the layer. `inner` is a ready clone of the wrapped service; `stage`
@@ -38,22 +38,19 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let (parts, body) = request.into_parts();
-    let (key, subject, label) = match admit(&engine, &http, &parts) {
+    let (key, label, in_flight) = match admit(&engine, &http, &parts) {
         Admission::Guarded {
-            key,
-            subject,
+            scope,
             label,
-        } => (key, subject, label),
+            in_flight,
+        } => (scope, label, in_flight),
         Admission::Unguarded => return pass_through(inner, Request::from_parts(parts, body)).await,
         Admission::Refused(response) => return Ok(response),
     };
-    let key = RecordKey {
-        key,
-        subject,
-        endpoint: (http.endpoint)(&parts),
-    };
     let span = span(engine.settings(), &key);
     async move {
+        // The subject's place in flight, held until this request ends (detached or not).
+        let _in_flight = in_flight;
         let bytes = match read_body(&engine, &http, &label, &parts, body).await {
             Ok(bytes) => bytes,
             Err(refused) => return Ok(refused),

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use axum::body::Body;
-use http::{Request, Response};
+use http::{Method, Request, Response};
 use tower::{BoxError, Service};
 
 use super::future::ResponseFuture;
@@ -94,7 +94,7 @@ where
         // Take the service that was polled ready and leave a clone in its place.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        if !self.http.methods.contains(request.method())
+        if !guards(&self.http, request.method())
             || !request.headers().contains_key(IDEMPOTENCY_KEY) && !self.http.require_key
         {
             let future = inner.call(request);
@@ -117,4 +117,22 @@ where
             stage,
         )
     }
+}
+
+/// Whether the layer guards requests with `method`: the methods it is set to guard, and every
+/// extension method (any but the nine of RFC 9110, such as a lower-case `post` on a route that
+/// takes any method): its meaning is unknown, so it is not taken for safe.
+fn guards(http: &LayerSettings, method: &Method) -> bool {
+    const STANDARD: [Method; 9] = [
+        Method::GET,
+        Method::HEAD,
+        Method::POST,
+        Method::PUT,
+        Method::DELETE,
+        Method::CONNECT,
+        Method::OPTIONS,
+        Method::TRACE,
+        Method::PATCH,
+    ];
+    http.methods.contains(method) || !STANDARD.contains(method)
 }

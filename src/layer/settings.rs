@@ -77,6 +77,9 @@ pub(crate) struct LayerSettings {
     pub(crate) on_replay: Option<Arc<ReplayFn>>,
     /// Whether answers carry the expiry header.
     pub(crate) expiry_header: bool,
+    /// The request headers that count as credentials: a request with one of them and no subject
+    /// is refused, never put in the shared anonymous scope.
+    pub(crate) credential_headers: Vec<HeaderName>,
 }
 
 impl fmt::Debug for LayerSettings {
@@ -185,6 +188,7 @@ impl Default for LayerSettings {
             min_key_length: 1,
             on_replay: None,
             expiry_header: true,
+            credential_headers: vec![http::header::AUTHORIZATION, http::header::COOKIE],
         }
     }
 }

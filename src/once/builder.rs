@@ -33,9 +33,23 @@ impl<St: IdempotencyStore> RunOnceBuilder<St> {
     pub(super) fn new(store: St) -> Self {
         RunOnceBuilder {
             store,
-            settings: Settings::default(),
+            // A run-once subject is a consumer or a job, not a tenant: no share of records.
+            settings: Settings {
+                max_records_per_subject: None,
+                ..Settings::default()
+            },
             drain: Drain::new(),
         }
+    }
+
+    /// How many live records one subject may have in the store (default: no bound). Past it, new
+    /// scopes of the subject answer [`OnceError::Store`] with a
+    /// [`quota_exceeded`](crate::store::StoreError::is_quota_exceeded) error until some of its
+    /// records expire; its recorded outputs are still returned. For subjects that stand for
+    /// tenants.
+    pub fn max_records_per_subject(mut self, records: Option<u64>) -> Self {
+        self.settings.max_records_per_subject = records;
+        self
     }
 
     /// How long an in-progress record may go without a heartbeat before it is presumed abandoned

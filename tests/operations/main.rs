@@ -12,4 +12,5 @@ mod faults;
 mod instances;
 mod once;
 mod redis_faults;
+mod tenants;
 mod transactions;
