@@ -1154,22 +1154,24 @@ pub async fn disconnect_during_the_claim_still_runs_and_records<S: IdempotencySt
     assert_eq!(counters.started(), 1);
 }
 
-/// Every store accepts every scope the layer lets through: a 10 KB endpoint, a 100 KB subject with
-/// NUL and non-ASCII characters; and scopes that differ only in such characters stay apart.
+/// Every store accepts every scope the layer lets through: an endpoint and a subject of the
+/// longest lengths the layer takes (4096 and 1024 bytes), the subject with NUL and non-ASCII
+/// characters; scopes that differ only in such characters stay apart; one byte more is refused
+/// before any claim.
 pub async fn any_scope_the_layer_lets_through_is_stored<S: IdempotencyStore>(store: S) {
+    const SUBJECT: usize = 1024;
+    const ENDPOINT: usize = 4096;
     let layer = IdempotencyLayer::builder(store)
         .subject_extractor(|parts: &axum::http::request::Parts| {
             let user = parts.headers.get("x-user")?.to_str().ok()?;
             let user = user.replace("NUL", "\0").replace("FFFD", "\u{FFFD}");
-            Some(format!("{user}-é-漢-{}", "s".repeat(100_000)))
+            let prefix = format!("{user}-é-漢-");
+            let longer = usize::from(parts.headers.contains_key("x-longer"));
+            Some(prefix.clone() + &"s".repeat(SUBJECT - prefix.len() + longer))
         })
         .endpoint(|parts: &axum::http::request::Parts| {
-            format!(
-                "{} {}{}",
-                parts.method,
-                parts.uri.path(),
-                "/x".repeat(5_000)
-            )
+            let base = format!("{} {}", parts.method, parts.uri.path());
+            base.clone() + &"x".repeat(ENDPOINT - base.len())
         })
         .build()
         .expect("layer");
@@ -1183,6 +1185,14 @@ pub async fn any_scope_the_layer_lets_through_is_stored<S: IdempotencyStore>(sto
         assert!(replay.replayed(), "{user}: {replay:?}");
         assert_eq!(replay.body, first.body);
     }
+    let longer = post("/pay")
+        .key("k2")
+        .user("plain")
+        .header("x-longer", "1")
+        .json("{\"amount\":1}");
+    let refused = send(&router, longer).await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{refused:?}");
+    assert_eq!(refused.problem(), "subject_too_long");
     assert_eq!(counters.started(), 3);
 }
 

@@ -259,32 +259,55 @@ impl<St: IdempotencyStore> Engine<St> {
 }
 
 /// The span of one operation. Subjects and endpoints are personal data, and a forged one could
-/// fake log lines: only their hashes are logged, unless the application opts in (`log_scope`).
+/// fake log lines: only their keyed hashes are logged, unless the application opts in
+/// (`log_scope`). The hashes are keyed with the deployment secret (`derived_key_secret`) when it
+/// is set, so that every instance logs an operation under the same hashes, and otherwise with a
+/// key drawn once per process: a log reader cannot hash a guessed user id and look for it.
 pub(crate) fn span(settings: &Settings, key: &RecordKey) -> tracing::Span {
+    let log_key: &[u8] = match settings.derived_key_secret.as_deref() {
+        Some(secret) => secret.bytes(),
+        None => process_log_key(),
+    };
     if settings.log_scope {
         tracing::info_span!(
             "idempotency",
-            key_hash = %LogHash(&key.key),
+            key_hash = %LogHash(log_key, &key.key),
             subject = ?key.subject,
             endpoint = ?key.endpoint,
         )
     } else {
         tracing::info_span!(
             "idempotency",
-            key_hash = %LogHash(&key.key),
-            subject_hash = %LogHash(&key.subject),
-            endpoint_hash = %LogHash(&key.endpoint),
+            key_hash = %LogHash(log_key, &key.key),
+            subject_hash = %LogHash(log_key, &key.subject),
+            endpoint_hash = %LogHash(log_key, &key.endpoint),
         )
     }
 }
 
-/// The first 8 bytes of a value's SHA-256 in hex, computed only if a subscriber records the span.
-struct LogHash<'a>(&'a str);
+/// The key of logged hashes when no deployment secret is set: random, drawn once per process.
+fn process_log_key() -> &'static [u8] {
+    static KEY: std::sync::OnceLock<[u8; 32]> = std::sync::OnceLock::new();
+    KEY.get_or_init(|| {
+        // Keyed by the operating system's randomness (see `Generation::generate`).
+        let mut key = [0u8; 32];
+        key[..16].copy_from_slice(&crate::store::Generation::generate().0);
+        key[16..].copy_from_slice(&crate::store::Generation::generate().0);
+        key
+    })
+}
+
+/// The first 8 bytes of a value's HMAC-SHA-256 under a log key, in hex, computed only if a
+/// subscriber records the span.
+struct LogHash<'a>(&'a [u8], &'a str);
 
 impl fmt::Display for LogHash<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        use sha2::{Digest, Sha256};
-        crate::util::hex::write(f, &Sha256::digest(self.0.as_bytes())[..8])
+        let mac = crate::util::hmac::hmac_sha256(
+            self.0,
+            &[b"axum-idempotency log hash v1\0", self.1.as_bytes()],
+        );
+        crate::util::hex::write(f, &mac[..8])
     }
 }
 

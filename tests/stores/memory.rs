@@ -836,7 +836,7 @@ async fn subjects_and_endpoints_are_logged_as_hashes_by_default() {
             Ok(())
         }
     }
-    let logs = |raw: bool| async move {
+    let logs = |raw: bool, secret: Option<&'static str>| async move {
         let buffer = Buffer::default();
         let writer = buffer.clone();
         let subscriber = tracing_subscriber::fmt()
@@ -845,19 +845,37 @@ async fn subjects_and_endpoints_are_logged_as_hashes_by_default() {
             .with_writer(move || writer.clone())
             .finish();
         let _guard = tracing::subscriber::set_default(subscriber);
-        let layer = IdempotencyLayer::builder(MemoryStore::new())
-            .log_scope(raw)
-            .build()
-            .expect("layer");
-        let (router, _) = app(layer);
+        let mut builder = IdempotencyLayer::builder(MemoryStore::new()).log_scope(raw);
+        if let Some(secret) = secret {
+            builder = builder.derived_key_secret(secret);
+        }
+        let (router, _) = app(builder.build().expect("layer"));
         send(&router, post("/pay").key("k").user("alice@example.com")).await;
         String::from_utf8(buffer.0.lock().expect("buffer").clone()).expect("utf-8")
     };
-    let hashed = logs(false).await;
+    let subject_hash = |logs: &str| -> String {
+        let at = logs.find("subject_hash=").expect("a subject hash") + "subject_hash=".len();
+        logs[at..at + 16].to_owned()
+    };
+    let hashed = logs(false, None).await;
     assert!(hashed.contains("subject_hash="), "{hashed}");
     assert!(!hashed.contains("alice@example.com"), "{hashed}");
     assert!(!hashed.contains("/pay"), "{hashed}");
-    let raw = logs(true).await;
+    // Keyed: not the plain SHA-256 of the subject, which anyone could compute from a guess.
+    use sha2::Digest;
+    let unkeyed: String = sha2::Sha256::digest(b"alice@example.com")[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_ne!(subject_hash(&hashed), unkeyed);
+    // Under the deployment secret, every instance logs the same hash; another secret, another.
+    let a = subject_hash(&logs(false, Some("a deployment secret, 32 bytes..")).await);
+    let b = subject_hash(&logs(false, Some("a deployment secret, 32 bytes..")).await);
+    let c = subject_hash(&logs(false, Some("another deployment secret here..")).await);
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+    assert_ne!(a, unkeyed);
+    let raw = logs(true, None).await;
     assert!(raw.contains("alice@example.com"), "{raw}");
 }
 
