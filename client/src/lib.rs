@@ -69,9 +69,9 @@
 //! - **No retry of a final answer**: `422 idempotency_key_reuse` (the key belongs to another
 //!   request) stops at once, as do every `2xx`/`3xx`, every other `4xx`, a problem with
 //!   `"retryable": false`, and a handler's own `500`, `502` or `504` without a problem body (its
-//!   effect may have happened; the answer is recorded and replays the same).
+//!   effect may have happened; [`RetryPolicy::retry_status`] opts in where you know it is safe).
 //! - **No retry of a body that cannot be sent twice**: a streaming body
-//!   ([`reqwest::Body::wrap_stream`], [`reqwest::Body::wrap`]) cannot be cloned, so such a request
+//!   (`reqwest::Body::wrap_stream`, [`reqwest::Body::wrap`]) cannot be cloned, so such a request
 //!   is sent once, still with its key; send it again yourself with the key from the error or the
 //!   response to finish the operation.
 //!
