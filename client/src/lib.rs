@@ -96,6 +96,9 @@
 //! auth refresh): those then run on every attempt. Do not stack another retrying middleware
 //! (`reqwest-retry`) around it for the same requests: it would not know about keys, and multiplies
 //! the attempts.
+//!
+//! It waits with Tokio's timers: run it on a Tokio runtime with time enabled (`#[tokio::main]`
+//! does), as reqwest's own timeouts need.
 #![forbid(unsafe_code)]
 
 mod decision;
@@ -169,8 +172,9 @@ impl IdempotencyInfo {
     }
 
     /// Whether the answer is one the protocol says to retry (`409 in_progress`, a retryable `503`,
-    /// ...) and the retries stopped on the deadline or the attempt limit. The operation may still
-    /// finish: send the same request again later with [`key`](Self::key).
+    /// ...) and the retries stopped: on the deadline, on the attempt limit, or because the body
+    /// cannot be sent again (a stream). The operation may still finish: send the same request
+    /// again later with [`key`](Self::key).
     pub fn gave_up(&self) -> bool {
         self.gave_up
     }

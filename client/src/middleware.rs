@@ -205,7 +205,9 @@ async fn run(
                 policy,
             )),
             Err(e) => {
-                let kind = if retryable {
+                // Gave up: a retry was possible and the deadline or the limit came first. Failed:
+                // the error is final, or the body cannot be sent again.
+                let kind = if retryable && spare.is_some() {
                     ErrorKind::GaveUp
                 } else {
                     ErrorKind::Failed

@@ -596,9 +596,26 @@ async fn a_streaming_body_is_sent_once() {
     let (status, info, _) = read(response).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(info.attempts(), 1);
+    assert!(info.gave_up(), "retryable, but not sent again");
     let seen = server.seen();
     assert_eq!(seen.len(), 1);
     assert_eq!(seen[0].key.as_deref(), Some(info.key().as_str()));
+
+    // Its answer lost on the way: an error with the key, the outcome unknown.
+    let relay = Relay::start(server.addr).await;
+    relay.lose_answers(1);
+    let error = client(quick())
+        .post(relay.url("/charge"))
+        .body(reqwest::Body::wrap(String::from(ORDER)))
+        .idempotency_key("stream-1")
+        .send()
+        .await
+        .expect_err("the answer was lost");
+    let e = idempotency_error(&error);
+    assert_eq!((e.kind(), e.attempts()), (ErrorKind::Failed, 1));
+    assert!(e.outcome_unknown());
+    assert_eq!(e.key().map(|k| k.as_str()), Some("stream-1"));
+    assert_eq!(server.charges(), 1, "it did reach the server");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
