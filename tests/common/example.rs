@@ -26,12 +26,20 @@ pub fn binary() -> std::path::PathBuf {
     BUILT
         .get_or_init(|| {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+            // The features this test binary was built with (the example needs postgres): the
+            // library is then built once for both.
             let mut features = vec!["postgres"];
-            if cfg!(feature = "redis") {
-                features.push("redis");
-            }
-            if cfg!(feature = "metrics") {
-                features.push("metrics");
+            for (on, name) in [
+                (cfg!(feature = "sqlite"), "sqlite"),
+                (cfg!(feature = "mysql"), "mysql"),
+                (cfg!(feature = "redis"), "redis"),
+                (cfg!(feature = "encryption"), "encryption"),
+                (cfg!(feature = "metrics"), "metrics"),
+                (cfg!(feature = "test-suite"), "test-suite"),
+            ] {
+                if on {
+                    features.push(name);
+                }
             }
             let status = std::process::Command::new(cargo)
                 .args(["build", "--quiet", "--example", "checkout", "--features"])

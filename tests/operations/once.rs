@@ -502,6 +502,8 @@ fn the_consumer_example_charges_every_message_once() {
     let mut features = Vec::new();
     for (on, name) in [
         (cfg!(feature = "postgres"), "postgres"),
+        (cfg!(feature = "sqlite"), "sqlite"),
+        (cfg!(feature = "mysql"), "mysql"),
         (cfg!(feature = "redis"), "redis"),
         (cfg!(feature = "encryption"), "encryption"),
         (cfg!(feature = "metrics"), "metrics"),
