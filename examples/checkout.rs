@@ -11,7 +11,8 @@
 //! latency, default 0), `CHECKOUT_HOLD_MS` (a pause after the charge is written, before the answer,
 //! to watch a crash at that point; default 0), `CHECKOUT_TRANSACTIONAL` (on Postgres, write the
 //! charge in the layer's transaction so it commits with its record; default 1, 0 to write it on its
-//! own as a handler without `IdempotencyTx` would).
+//! own as a handler without `IdempotencyTx` would). A checkout's body may add `"latency_ms"`, the
+//! simulated provider latency of that one checkout (at most a minute).
 //!
 //! `IDEMPOTENCY_WAIT_MS` (default 0): how long a duplicate of a checkout still in progress waits
 //! for its answer (the replay) before `409`.
@@ -33,11 +34,14 @@
 //! With the `metrics` feature, `GET /metrics` (no auth) serves the layer's metrics in Prometheus'
 //! text format.
 //!
-//! On SIGINT or SIGTERM the server stops accepting, finishes the requests it has, then waits (up to
-//! `SHUTDOWN_DRAIN_SECS`, default 30) for what the idempotency layer still runs on its own: requests
-//! whose clients went away, completions being retried, recorders of streamed bodies. A deploy that
-//! stops the process between a charge and its record therefore still records it, and the retry
-//! after the restart gets the replay instead of a second charge.
+//! On SIGINT or SIGTERM the server stops accepting, answers the requests it has, and waits for
+//! what the idempotency layer still runs on its own (requests whose clients went away, completions
+//! being retried, recorders of streamed bodies), all within one deadline from the signal
+//! (`SHUTDOWN_GRACE_SECS`, default 20: below Kubernetes' default grace period of 30 s, so the
+//! process exits before it is killed). A deploy that stops the process between a charge and its
+//! record therefore still records it, and the retry after the restart gets the replay instead of a
+//! second charge; a request still running at the deadline ends with the process, and its key is
+//! retaken after the in-progress TTL.
 
 // The example's own types are not a library's: they need no `Debug`.
 #![allow(missing_debug_implementations)]
@@ -534,7 +538,11 @@ async fn pay(
     let Some(amount) = request.get("amount").and_then(Value::as_i64) else {
         return error(StatusCode::BAD_REQUEST, "invalid_amount");
     };
-    tokio::time::sleep(state.settings.checkout_delay).await;
+    let latency = request
+        .get("latency_ms")
+        .and_then(Value::as_u64)
+        .map_or(Duration::ZERO, |ms| Duration::from_millis(ms.min(60_000)));
+    tokio::time::sleep(state.settings.checkout_delay.saturating_add(latency)).await;
     if let Err(e) = state.ledger.count_attempt(subject).await {
         tracing::error!(error = %e, "could not count the attempt");
         return error(StatusCode::SERVICE_UNAVAILABLE, "ledger_unavailable");
@@ -702,25 +710,53 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let bind = std::env::var("BIND").unwrap_or_else(|_| "127.0.0.1:3000".to_owned());
     let listener = tokio::net::TcpListener::bind(&bind).await?;
     tracing::info!("listening on http://{}", listener.local_addr()?);
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown_signal())
-        .await?;
-    // The server has answered every connection; what the layer still runs detached (a checkout
-    // whose client gave up, a record still being written) must end before the runtime does.
-    let deadline = Duration::from_secs(
-        std::env::var("SHUTDOWN_DRAIN_SECS")
+    // One deadline for the whole shutdown, from the signal: the graceful phase (the server
+    // answers the requests it has) and the drain (what the layer still runs on its own) together.
+    let grace = Duration::from_secs(
+        std::env::var("SHUTDOWN_GRACE_SECS")
             .ok()
             .and_then(|v| v.parse().ok())
-            .unwrap_or(30),
+            .unwrap_or(20),
     );
+    let (deadline_tx, mut deadline_rx) = tokio::sync::watch::channel(None);
+    let server = axum::serve(listener, router).with_graceful_shutdown(async move {
+        shutdown_signal().await;
+        deadline_tx.send_replace(Some(tokio::time::Instant::now() + grace));
+    });
+    let deadline = {
+        let mut deadline_rx = deadline_rx.clone();
+        async move {
+            let Ok(deadline) = deadline_rx.wait_for(Option::is_some).await else {
+                return std::future::pending().await;
+            };
+            let deadline = deadline.unwrap_or_else(tokio::time::Instant::now);
+            tokio::time::sleep_until(deadline).await;
+        }
+    };
+    tokio::select! {
+        served = std::future::IntoFuture::into_future(server) => served?,
+        () = deadline => tracing::warn!(
+            "the shutdown deadline passed with requests still being answered; they end with the \
+             process, their keys retakable after the in-progress TTL"
+        ),
+    }
+    // Every guarded request counts in the drain until it ends, attached to its client or not:
+    // what is left (a checkout whose client gave up, a record still being written) gets what is
+    // left of the deadline.
+    let deadline = deadline_rx
+        .borrow_and_update()
+        .unwrap_or_else(tokio::time::Instant::now);
     let drain = drain();
     tracing::info!(running = drain.running(), "draining the idempotency layer");
-    if drain.wait(deadline).await {
+    if drain
+        .wait(deadline.saturating_duration_since(tokio::time::Instant::now()))
+        .await
+    {
         tracing::info!("drained; exiting");
     } else {
         tracing::warn!(
             running = drain.running(),
-            "the drain deadline passed with idempotent work still running"
+            "the shutdown deadline passed with idempotent work still running"
         );
     }
     Ok(())

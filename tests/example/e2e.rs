@@ -632,6 +632,114 @@ async fn graceful_stop_with_the_client_waiting_charges_once() {
     stopped_gracefully_between_charge_and_record(true).await;
 }
 
+/// A deploy's SIGTERM with clients attached and one checkout that outlives the shutdown deadline
+/// (`SHUTDOWN_GRACE_SECS`): the graceful phase is cut short at the deadline, one deadline for it
+/// and the drain together. Every checkout that finished before the deadline answered and is
+/// recorded (the retry after the restart replays it); the one cut off was never charged, and its
+/// key is retaken after the TTL and runs once. Nothing runs twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_with_clients_attached_keeps_one_deadline_and_runs_nothing_twice() {
+    let (schema, pool) = schema_pool().await;
+    const GRACE: Duration = Duration::from_secs(3);
+    let env = [("SHUTDOWN_GRACE_SECS", "3")];
+    let (mut first, addr) = start_example_with(&schema, 2, 0, &env).await;
+    let quick = r#"{"amount":100,"latency_ms":800}"#;
+    let slow = r#"{"amount":200,"latency_ms":8000}"#;
+    let users = ["mia", "noah", "olga", "pia"];
+    let mut clients = Vec::new();
+    for user in users {
+        clients.push(tokio::spawn(async move {
+            let patience = Duration::from_secs(60);
+            example::request(
+                addr,
+                "POST",
+                "/checkout",
+                user,
+                Some("t-1"),
+                quick,
+                patience,
+            )
+            .await
+        }));
+    }
+    let cut_off = tokio::spawn(async move {
+        let patience = Duration::from_secs(60);
+        example::request(
+            addr,
+            "POST",
+            "/checkout",
+            "quinn",
+            Some("t-1"),
+            slow,
+            patience,
+        )
+        .await
+    });
+    // Every checkout is claimed before the signal.
+    wait_for(
+        &pool,
+        &format!("SELECT count(*)::text FROM {schema}.idempotency_records"),
+        "5",
+    )
+    .await;
+    let pid = first.id().expect("pid").to_string();
+    let signalled = Instant::now();
+    let sent = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill -TERM");
+    assert!(sent.success());
+    let exit = tokio::time::timeout(Duration::from_secs(20), first.wait())
+        .await
+        .expect("the instance exits at its deadline, not with the slow checkout")
+        .expect("exit status");
+    let stopped_in = signalled.elapsed();
+    assert!(exit.success(), "{exit:?}");
+    assert!(
+        stopped_in >= GRACE - Duration::from_millis(200),
+        "the graceful phase waited for its deadline: {stopped_in:?}"
+    );
+    assert!(
+        stopped_in < GRACE + Duration::from_secs(5),
+        "one deadline from the signal: {stopped_in:?}"
+    );
+    for client in clients {
+        let answer = client
+            .await
+            .expect("client")
+            .expect("answered before the deadline");
+        assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
+    }
+    let cut = cut_off.await.expect("client");
+    assert!(cut.is_err(), "cut off at the deadline: {cut:?}");
+
+    let (_second, addr) = start_example_with(&schema, 2, 0, &[]).await;
+    for user in users {
+        let retry = checkout_req(addr, user, "t-1", quick).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+        assert!(retry.replayed(), "recorded before the exit: {retry:?}");
+        assert_eq!(
+            charges(addr, user).await,
+            (1, 1),
+            "{user}: one charge, one run"
+        );
+    }
+    // The cut-off checkout's key is held until its TTL passes, then runs once.
+    let retry = loop {
+        let retry = checkout_req(addr, "quinn", "t-1", slow);
+        let retry = tokio::time::timeout(Duration::from_secs(45), retry)
+            .await
+            .expect("answered");
+        if retry.status != StatusCode::CONFLICT {
+            break retry;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(!retry.replayed());
+    assert_eq!(charges(addr, "quinn").await.0, 1, "one charge");
+}
+
 /// A method the route does not serve reaches the router's own 405, with and without a key: never
 /// a key error, never a recorded 405 (the key stays free for the request it is meant for). Every
 /// error the layer answers carries a documentation `type`, an `instance` and `retryable`.
