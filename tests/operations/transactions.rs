@@ -42,7 +42,9 @@ struct World {
 /// Writes one effect row through the layer's transaction, then answers as the headers say:
 /// `x-hold` (wait at the gate after the write), `x-status`, `x-panic`, `x-defer-violation` (write a
 /// row that breaks a deferred constraint, so the commit fails), `x-abort` (run a failing statement
-/// afterwards, leaving the transaction aborted), `x-keep` (keep the transaction beyond the answer).
+/// afterwards, leaving the transaction aborted), `x-keep` (keep the transaction beyond the answer),
+/// `x-before=ms` (wait that long before the first statement, as a provider call would) and
+/// `x-between=ms` (wait that long after the effect, then write a second row).
 async fn charge(
     State(world): State<World>,
     ctx: IdempotencyContext,
@@ -60,6 +62,16 @@ async fn charge(
     } else {
         format!("run {run}")
     };
+    let millis = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+            .map(Duration::from_millis)
+    };
+    if let Some(before) = millis("x-before") {
+        tokio::time::sleep(before).await;
+    }
     for _ in 0..if duplicate { 2 } else { 1 } {
         sqlx::query(sqlx::AssertSqlSafe(effect.as_str()))
             .bind(ctx.derived_key())
@@ -67,6 +79,15 @@ async fn charge(
             .execute(tx.conn().await.expect("begin"))
             .await
             .expect("the effect is written");
+    }
+    if let Some(between) = millis("x-between") {
+        tokio::time::sleep(between).await;
+        sqlx::query(sqlx::AssertSqlSafe(effect.as_str()))
+            .bind(ctx.derived_key())
+            .bind(format!("run {run}, second"))
+            .execute(tx.conn().await.expect("begun"))
+            .await
+            .expect("the second row is written");
     }
     world.written.fetch_add(1, Ordering::SeqCst);
     if headers.contains_key("x-hold") {
@@ -579,5 +600,47 @@ async fn a_long_transaction_still_records_a_replayable_answer() {
         replayed(&retry),
         "the record outlives its transaction's start"
     );
+    assert_eq!(s.runs(), 1);
+}
+
+/// A live transactional handler is never failed for being slow (SPEC 3): idle 3x the in-progress
+/// TTL before its first statement (a provider call) and again between its statements, it
+/// completes, commits both rows with its record, and replays; a duplicate meanwhile gets `409`,
+/// never a retake. The transaction begins at its first use, and no idle timeout shorter than the
+/// maximum hold ends it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transactional_handler_idle_three_ttls_completes_and_replays() {
+    let s = Setup::new().await;
+    let ttl = Duration::from_secs(1);
+    let store = s.store.clone().with_timeout(Duration::from_millis(400));
+    let layer = IdempotencyLayer::builder(store)
+        .in_progress_ttl(ttl)
+        .transactions(true)
+        .build()
+        .expect("layer");
+    let router = s.router_on(layer);
+    let idle = format!("{}", (ttl * 3).as_millis());
+    let slow = tokio::spawn({
+        let router = router.clone();
+        let (before, between) = (format!("x-before={idle}"), format!("x-between={idle}"));
+        async move { send(&router, "slow", &[&before, &between]).await }
+    });
+    // While it idles before its first statement, and again between its statements.
+    for wait in [ttl * 2, ttl * 3] {
+        tokio::time::sleep(wait).await;
+        let duplicate = send(&router, "slow", &[]).await;
+        assert_eq!(duplicate.status, StatusCode::CONFLICT, "never retaken");
+    }
+    let slow = slow.await.expect("slow");
+    assert_eq!(
+        slow.status,
+        StatusCode::CREATED,
+        "{}",
+        String::from_utf8_lossy(&slow.body)
+    );
+    assert_eq!(s.effects().await, 2, "both rows committed with the record");
+    let retry = send(&router, "slow", &[]).await;
+    assert!(replayed(&retry));
+    assert_eq!(retry.body, slow.body);
     assert_eq!(s.runs(), 1);
 }
