@@ -88,6 +88,7 @@ macro_rules! store_suite {
             a_released_answer_ends_the_wait_with_409,
             answers_say_when_their_record_expires,
             a_waiter_is_told_the_holders_expiry,
+            renew_many_answers_each_lease_on_its_own,
         );
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
@@ -1709,4 +1710,79 @@ pub async fn a_burst_of_duplicates_costs_the_store_one_claim<S: IdempotencyStore
         assert_eq!(counting.claims() - before, 1, "one claim reached the store");
     }
     assert_eq!(counters.started(), 3);
+}
+
+/// `renew_many` renews each lease as `renew` would, each with its own answer in the order asked:
+/// a held lease is renewed (its record not stale a TTL after its claim), a released, finished,
+/// superseded or unknown one answers `LeaseLost` and changes nothing.
+pub async fn renew_many_answers_each_lease_on_its_own<S: IdempotencyStore>(store: S) {
+    let ttl = Duration::from_millis(400);
+    let lifetime = ttl + Duration::from_secs(60);
+    let claimed = |key: &'static str| {
+        let request = claim_request(key, ttl);
+        let store = &store;
+        async move {
+            let outcome = store.claim(&request).await.expect("claim");
+            assert!(
+                matches!(outcome, ClaimOutcome::Claimed { .. }),
+                "{outcome:?}"
+            );
+            request
+        }
+    };
+    assert!(store.renew_many(&[], lifetime).await.is_empty());
+    let held = claimed("rm-held").await;
+    let released = claimed("rm-released").await;
+    let done = store.release(&released.key, released.lease).await;
+    assert_eq!(done.expect("release"), Fenced::Done);
+    let finished = claimed("rm-finished").await;
+    let done = store
+        .complete(
+            &finished.key,
+            finished.lease,
+            &finished.fingerprint,
+            stored("{}"),
+            Duration::from_secs(60),
+        )
+        .await;
+    assert_eq!(done.expect("complete"), Fenced::Done);
+    let other = claimed("rm-other").await;
+    let also_held = claimed("rm-also-held").await;
+    let unknown = record_key("rm-never-claimed");
+    tokio::time::sleep(ttl * 3 / 4).await;
+    let answers = store
+        .renew_many(
+            &[
+                (&held.key, held.lease),
+                (&released.key, released.lease),
+                (&finished.key, finished.lease),
+                (&other.key, LeaseToken::generate()),
+                (&unknown, LeaseToken::generate()),
+                (&also_held.key, also_held.lease),
+            ],
+            lifetime,
+        )
+        .await;
+    let answers: Vec<Fenced> = answers
+        .into_iter()
+        .map(|answer| answer.expect("renewed or lost"))
+        .collect();
+    use Fenced::{Done, LeaseLost};
+    assert_eq!(
+        answers,
+        vec![Done, LeaseLost, LeaseLost, LeaseLost, LeaseLost, Done]
+    );
+    // Past the TTL from the claims: the renewed records are not stale, the other one is.
+    tokio::time::sleep(ttl / 2).await;
+    for request in [&held, &also_held] {
+        let duplicate = claim_request(&request.key.key, ttl);
+        let outcome = store.claim(&duplicate).await.expect("claim");
+        assert_eq!(outcome, ClaimOutcome::InProgress, "{}", request.key.key);
+    }
+    let retaker = claim_request("rm-other", ttl);
+    let outcome = store.claim(&retaker).await.expect("claim");
+    assert!(outcome.is_retake(&retaker), "not renewed: {outcome:?}");
+    // The finished record is still finished; the released one still taken at once.
+    let replay = store.claim(&claim_request("rm-finished", ttl)).await;
+    assert!(matches!(replay.expect("claim"), ClaimOutcome::Finished(_)));
 }

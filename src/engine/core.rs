@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use super::coalesce::{self, LocalClaims, Scope};
 use super::drain::Drain;
+use super::keeper::Keeper;
 use super::settings::{ConfigError, Settings};
 use super::shares::{InFlight, Shares};
 use super::waiters::Waiters;
@@ -22,6 +23,8 @@ pub(crate) struct Engine<St> {
     store: St,
     settings: Arc<Settings>,
     pub(super) state: Arc<State>,
+    /// The task that renews every lease this engine holds.
+    pub(super) keeper: Arc<Keeper<St>>,
 }
 
 impl<St: Clone> Clone for Engine<St> {
@@ -30,6 +33,7 @@ impl<St: Clone> Clone for Engine<St> {
             store: self.store.clone(),
             settings: self.settings.clone(),
             state: self.state.clone(),
+            keeper: self.keeper.clone(),
         }
     }
 }
@@ -73,6 +77,7 @@ impl<St: IdempotencyStore> Engine<St> {
                 waiters: Waiters::default(),
                 shares: Arc::default(),
             }),
+            keeper: Arc::default(),
         })
     }
 
@@ -154,6 +159,34 @@ impl<St: IdempotencyStore> Engine<St> {
             Ok(Fenced::Done) => self.state.local.renewed(&Scope::of(key), lease),
             Ok(Fenced::LeaseLost) => self.let_go(key, lease),
             Err(_) => {}
+        }
+        renewed
+    }
+
+    /// Renews `leases` in one call to the store (see [`Keeper`](super::keeper::Keeper)), each
+    /// answer kept current in this process's holds as [`store_renew`](Self::store_renew) does.
+    pub(super) async fn store_renew_many(
+        &self,
+        leases: &[(&RecordKey, LeaseToken)],
+    ) -> Vec<Result<Fenced, StoreError>> {
+        let lifetime = self.settings.in_progress_ttl + self.settings.retention;
+        // Timed as one operation, an error when any renewal failed.
+        let renewed = timed("renew", async {
+            let answers = self.store.renew_many(leases, lifetime).await;
+            if answers.iter().all(Result::is_ok) {
+                Ok(answers)
+            } else {
+                Err(answers)
+            }
+        })
+        .await
+        .unwrap_or_else(|answers| answers);
+        for ((key, lease), answer) in leases.iter().zip(&renewed) {
+            match answer {
+                Ok(Fenced::Done) => self.state.local.renewed(&Scope::of(key), *lease),
+                Ok(Fenced::LeaseLost) => self.let_go(key, *lease),
+                Err(_) => {}
+            }
         }
         renewed
     }

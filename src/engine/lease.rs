@@ -21,12 +21,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use tokio::task::AbortHandle;
 use tokio::time::Instant;
-use tracing::Instrument;
 
 use super::core::Engine;
-use super::heartbeat::{Held, heartbeat};
+use super::keeper::{Held, Registration};
 use super::outcome::Outcome;
 use crate::store::{
     Fenced, Fingerprint, IdempotencyStore, LeaseToken, RecordKey, StoreError, StoredResponse,
@@ -44,8 +42,8 @@ pub(crate) struct Lease<St: IdempotencyStore> {
     done: bool,
     /// The answer's status and headers, once the work answered with a result to record.
     answered: Option<StoredResponse>,
-    /// The heartbeat's task, aborted when the lease is dropped.
-    heartbeat: Option<AbortHandle>,
+    /// The lease keeper renews the record until this is dropped.
+    _kept: Registration<St>,
     /// When the work and its body must be done: the claim plus the maximum hold.
     deadline: Instant,
 }
@@ -77,7 +75,8 @@ pub(crate) enum Settled {
 }
 
 impl<St: IdempotencyStore> Lease<St> {
-    /// The lease of a claim sent (or last proven held) at `held_since`, with its heartbeat started.
+    /// The lease of a claim sent (or last proven held) at `held_since`, kept renewed by the
+    /// engine's lease keeper.
     pub(crate) fn new(
         engine: Engine<St>,
         label: Label,
@@ -86,7 +85,20 @@ impl<St: IdempotencyStore> Lease<St> {
         token: LeaseToken,
         held_since: Instant,
     ) -> Self {
+        Self::kept(engine, label, key, fingerprint, token, held_since).0
+    }
+
+    /// [`new`](Self::new), and whether the keeper's task was started for it.
+    fn kept(
+        engine: Engine<St>,
+        label: Label,
+        key: Arc<RecordKey>,
+        fingerprint: Fingerprint,
+        token: LeaseToken,
+        held_since: Instant,
+    ) -> (Self, bool) {
         let deadline = held_since + engine.settings().max_hold();
+        let keeper = engine.keeper.clone();
         let held = Arc::new(Held {
             engine,
             key,
@@ -95,28 +107,25 @@ impl<St: IdempotencyStore> Lease<St> {
             renewals: AtomicU64::new(0),
             held_since: std::sync::Mutex::new(held_since),
         });
-        let heartbeat = tokio::runtime::Handle::try_current().ok().map(|runtime| {
-            runtime
-                .spawn(heartbeat(held.clone(), held_since).in_current_span())
-                .abort_handle()
-        });
-        Lease {
+        let registered = keeper.register(held.clone(), held_since);
+        let lease = Lease {
             held,
             label,
             done: false,
             answered: None,
-            heartbeat,
+            _kept: registered.registration,
             deadline,
-        }
+        };
+        (lease, registered.started_task)
     }
 
-    /// The lease of a claim held since `held_since`, once its heartbeat has started: for work
-    /// about to run under it.
+    /// The lease of a claim held since `held_since`, kept renewed: for work about to run under it.
     ///
-    /// The heartbeat's task was just spawned into this worker's LIFO slot, which other workers
-    /// cannot steal from: were the work to block this thread at its first poll, the heartbeat
-    /// would never start. Yielding once lets it run (and arm its timer) first; its later wake-ups
-    /// come from the timer and the store's sockets, on whichever worker drives them.
+    /// When the keeper's task was just spawned (the first lease of the engine, or the first after
+    /// a pause), it sits in this worker's LIFO slot, which other workers cannot steal from: were
+    /// the work to block this thread at its first poll, the keeper would never start. Yielding
+    /// once lets it run (and arm its timer) first; its later wake-ups come from the timer and the
+    /// store's sockets, on whichever worker drives them. No yield otherwise.
     pub(crate) async fn started(
         engine: Engine<St>,
         label: Label,
@@ -125,8 +134,10 @@ impl<St: IdempotencyStore> Lease<St> {
         token: LeaseToken,
         held_since: Instant,
     ) -> Self {
-        let lease = Lease::new(engine, label, key, fingerprint, token, held_since);
-        tokio::task::yield_now().await;
+        let (lease, started_task) = Lease::kept(engine, label, key, fingerprint, token, held_since);
+        if started_task {
+            tokio::task::yield_now().await;
+        }
         lease
     }
 
@@ -323,9 +334,7 @@ impl<St: IdempotencyStore> Lease<St> {
 
 impl<St: IdempotencyStore> Drop for Lease<St> {
     fn drop(&mut self) {
-        if let Some(heartbeat) = self.heartbeat.take() {
-            heartbeat.abort();
-        }
+        // The registration, dropped with the lease, stops its renewals.
         if self.done {
             return;
         }
@@ -438,6 +447,40 @@ pub(crate) mod tests {
         // The heartbeat stops with its lease.
         tokio::time::sleep(TTL * 2).await;
         assert_eq!(store.renewals().len(), 9);
+    }
+
+    /// One keeper renews every lease of the engine, those due about together in one call, and
+    /// stops when none is left: no task per lease.
+    #[tokio::test(start_paused = true)]
+    async fn one_keeper_renews_the_leases_due_together_in_one_call() {
+        let (engine, store) = engine();
+        let mut leases = Vec::new();
+        for n in 0..10 {
+            leases.push(claimed(&engine, &format!("k{n}")).await.1);
+            // Claimed over a twentieth of the TTL: all within the early window of the first.
+            tokio::time::sleep(TTL / 200).await;
+        }
+        tokio::time::sleep(TTL / 3).await;
+        assert_eq!(
+            store.batches(),
+            vec![10],
+            "the ten due together, in one call"
+        );
+        tokio::time::sleep(TTL).await;
+        assert_eq!(store.batches(), vec![10; 4]);
+        assert!(
+            leases
+                .iter()
+                .all(|l| l.held.renewals.load(Ordering::Relaxed) == 4)
+        );
+        drop(leases);
+        tokio::time::sleep(TTL).await;
+        assert_eq!(
+            store.batches().len(),
+            4,
+            "no renewal once the leases are gone"
+        );
+        assert!(!engine.keeper.task_running(), "the keeper's task ended");
     }
 
     #[tokio::test(start_paused = true)]

@@ -22,7 +22,7 @@ mod coalesce;
 mod context;
 mod core;
 mod drain;
-mod heartbeat;
+mod keeper;
 mod lease;
 mod outcome;
 mod report;

@@ -342,6 +342,14 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         self.inner.renew(key, lease, lifetime).await
     }
 
+    async fn renew_many(
+        &self,
+        leases: &[(&RecordKey, LeaseToken)],
+        lifetime: Duration,
+    ) -> Vec<Result<Fenced, StoreError>> {
+        self.inner.renew_many(leases, lifetime).await
+    }
+
     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
         self.inner.release(key, lease).await
     }

@@ -181,6 +181,23 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         lifetime: Duration,
     ) -> impl Future<Output = Result<Fenced, StoreError>> + Send;
 
+    /// Renews many leases at once, as [`renew`](Self::renew) renews one (each with its own
+    /// answer, in the order asked): the engine's lease keeper renews every lease of this process
+    /// that is due in one call. The default renews them concurrently, one call each; a store that
+    /// can renew many in one statement or script (the Postgres store does) overrides it. An error
+    /// for one lease must not be reported for another that was renewed.
+    fn renew_many(
+        &self,
+        leases: &[(&RecordKey, LeaseToken)],
+        lifetime: Duration,
+    ) -> impl Future<Output = Vec<Result<Fenced, StoreError>>> + Send {
+        futures_util::future::join_all(
+            leases
+                .iter()
+                .map(|(key, lease)| self.renew(key, *lease, lifetime)),
+        )
+    }
+
     /// Releases a claimed record so that a retry runs again: **not deleted**, but kept, held by
     /// no lease, until its expiry, with its fingerprint and generation. The next claim takes it at
     /// once: the same request (same fingerprint) keeps the record's generation (the retry of a

@@ -17,6 +17,8 @@ use crate::util::lock::lock;
 pub(crate) struct Faulty {
     pub(crate) inner: MemoryStore,
     renewals: Arc<Mutex<Vec<Instant>>>,
+    /// How many leases each call to `renew_many` renewed.
+    batches: Arc<Mutex<Vec<usize>>>,
     panic_renewal: Arc<AtomicBool>,
     panic_completion: Arc<AtomicBool>,
     operation_timeout: Option<Duration>,
@@ -34,6 +36,11 @@ impl Faulty {
     /// When each renewal reached the store (on the test's clock).
     pub(crate) fn renewals(&self) -> Vec<Instant> {
         lock(&self.renewals).clone()
+    }
+
+    /// How many leases each call to `renew_many` renewed, in order.
+    pub(crate) fn batches(&self) -> Vec<usize> {
+        lock(&self.batches).clone()
     }
 
     /// The next renewal panics.
@@ -79,6 +86,19 @@ impl IdempotencyStore for Faulty {
             panic!("a store bug in renew");
         }
         self.inner.renew(key, lease, lifetime).await
+    }
+
+    async fn renew_many(
+        &self,
+        leases: &[(&RecordKey, LeaseToken)],
+        lifetime: Duration,
+    ) -> Vec<Result<Fenced, StoreError>> {
+        lock(&self.batches).push(leases.len());
+        let mut answers = Vec::with_capacity(leases.len());
+        for (key, lease) in leases {
+            answers.push(self.renew(key, *lease, lifetime).await);
+        }
+        answers
     }
 
     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {

@@ -289,6 +289,23 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
             .await
     }
 
+    async fn renew_many(
+        &self,
+        leases: &[(&RecordKey, LeaseToken)],
+        lifetime: Duration,
+    ) -> Vec<Result<Fenced, StoreError>> {
+        let scopes: Vec<RecordKey> = leases
+            .iter()
+            .map(|(key, _)| self.secret.scope(key))
+            .collect();
+        let hidden: Vec<(&RecordKey, LeaseToken)> = scopes
+            .iter()
+            .zip(leases)
+            .map(|(scope, (_, lease))| (scope, *lease))
+            .collect();
+        self.inner.renew_many(&hidden, lifetime).await
+    }
+
     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
         self.inner.release(&self.secret.scope(key), lease).await
     }

@@ -399,6 +399,49 @@ impl IdempotencyStore for PostgresStore {
         Ok(Fenced::from_held(done.rows_affected() == 1))
     }
 
+    /// One statement for all: the rows it renewed are `Done`, the others `LeaseLost`; an error
+    /// (a lock timeout, a deadlock with another statement) is every lease's, none renewed.
+    async fn renew_many(
+        &self,
+        leases: &[(&RecordKey, LeaseToken)],
+        lifetime: Duration,
+    ) -> Vec<Result<Fenced, StoreError>> {
+        if let [(key, lease)] = leases {
+            return vec![self.renew(key, *lease, lifetime).await];
+        }
+        let scopes: Vec<Vec<u8>> = leases
+            .iter()
+            .map(|(key, _)| key.digest().to_vec())
+            .collect();
+        let tokens: Vec<i64> = leases.iter().map(|(_, lease)| lease.0).collect();
+        let renewed = on_connection!(self, "renew", conn => {
+            sqlx::query_as::<_, (Vec<u8>, i64)>(sqlx::AssertSqlSafe(self.sql().renew_many.as_str()))
+                .bind(&scopes)
+                .bind(&tokens)
+                .bind(micros(lifetime))
+                .bind(&*self.lock_timeout)
+                .fetch_all(&mut *conn)
+        })
+        .and_then(|done| done.map_err(db("renew")));
+        match renewed {
+            Ok(rows) => {
+                let held: std::collections::HashSet<(Vec<u8>, i64)> = rows.into_iter().collect();
+                scopes
+                    .into_iter()
+                    .zip(tokens)
+                    .map(|pair| Ok(Fenced::from_held(held.contains(&pair))))
+                    .collect()
+            }
+            Err(e) => {
+                let message = e.to_string();
+                leases
+                    .iter()
+                    .map(|_| Err(StoreError::msg(message.clone())))
+                    .collect()
+            }
+        }
+    }
+
     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
         let scope = key.digest();
         let done = on_connection!(self, "release", conn => {

@@ -36,6 +36,8 @@ pub(super) struct Statements {
     pub(super) claim_direct: String,
     pub(super) retake: String,
     pub(super) renew: String,
+    /// The lease keeper's renewal of many leases in one statement.
+    pub(super) renew_many: String,
     pub(super) complete: String,
     /// The completion in a handler's transaction: `complete`, bounding the transaction's idle
     /// time from then on by `$10`.
@@ -154,6 +156,17 @@ impl Statements {
                    expires_at = now() + $3::float8 * interval '1 microsecond' \
                  WHERE scope = $1 AND lease_token = $2 AND lease_token <> {RELEASED} \
                    AND status = 'in_progress' AND {LOCK_BOUND}",
+                lock_bound_cte(4)
+            ),
+            // The lease keeper's: every pair of `$1` scopes and `$2` leases renewed as `renew`
+            // renews one; the rows renewed come back. $3 lifetime (µs), $4 lock timeout.
+            renew_many: format!(
+                "{} UPDATE {t} AS r SET updated_at = now(), \
+                   expires_at = now() + $3::float8 * interval '1 microsecond' \
+                 FROM unnest($1::bytea[], $2::bigint[]) AS l(scope, lease_token) \
+                 WHERE r.scope = l.scope AND r.lease_token = l.lease_token \
+                   AND r.lease_token <> {RELEASED} AND r.status = 'in_progress' AND {LOCK_BOUND} \
+                 RETURNING r.scope, r.lease_token",
                 lock_bound_cte(4)
             ),
             // Finish the record if the lease holds it in progress; a record this lease already

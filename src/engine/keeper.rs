@@ -1,0 +1,273 @@
+//! The lease keeper: one task per engine renews every lease this process holds, instead of a timer
+//! task per request. Each lease is due a third of the in-progress TTL after the last renewal that
+//! got through (or after its claim), and, when a renewal fails, again a twentieth of the TTL later;
+//! the keeper wakes at the earliest due lease and renews, in one call to the store
+//! ([`IdempotencyStore::renew_many`]: one statement on Postgres), every lease due by then or within
+//! a twelfth of the TTL (renewing a little early costs nothing and gathers more per call). A call
+//! may take at most the engine's renewal bound.
+//!
+//! The keeper is not the work's task: a handler that blocks its thread (a synchronous SDK,
+//! `block_in_place`, a CPU loop) does not stop it on a multi-threaded runtime. So "older than the
+//! TTL" still means "no renewal for a TTL": the holder died. A live holder, however slow, is never
+//! retaken while the store can be reached. The task ends when no lease is left, and starts again
+//! with the next one (on the runtime of that lease, should the first one be gone).
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use futures_util::FutureExt;
+use tokio::sync::Notify;
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+
+use super::core::Engine;
+use crate::store::{Fenced, Fingerprint, IdempotencyStore, LeaseToken, RecordKey, StoreError};
+use crate::util::lock::lock;
+
+/// What a lease and the keeper share.
+pub(super) struct Held<St> {
+    pub(super) engine: Engine<St>,
+    /// Shared with the work's `IdempotencyContext` rather than copied for it.
+    pub(super) key: Arc<RecordKey>,
+    /// The claim's fingerprint, which the completion passes on to the store.
+    pub(super) fingerprint: Fingerprint,
+    pub(super) token: LeaseToken,
+    /// Renewals that got through.
+    pub(super) renewals: AtomicU64,
+    /// When the lease was last proven held (the claim, or the last renewal that got through, as
+    /// sent): a lease made anew for the same claim (on the drop path) starts its schedule there.
+    pub(super) held_since: Mutex<Instant>,
+}
+
+/// The leases this process holds under one engine, and the task that renews them.
+pub(crate) struct Keeper<St> {
+    inner: Mutex<Kept<St>>,
+    /// Wakes the task when a lease is due before the time it sleeps to.
+    wake: Notify,
+}
+
+struct Kept<St> {
+    leases: HashMap<u64, Entry<St>>,
+    next_id: u64,
+    /// The task, while it runs.
+    task: Option<AbortHandle>,
+    /// When the task wakes next, as it last decided.
+    wakes_at: Option<Instant>,
+}
+
+struct Entry<St> {
+    held: Arc<Held<St>>,
+    due: Instant,
+    /// Whether it may be renewed before it is due, with others (not when retrying a failure: the
+    /// retry waits its twentieth of the TTL).
+    early: bool,
+}
+
+impl<St> Default for Keeper<St> {
+    fn default() -> Self {
+        Keeper {
+            inner: Mutex::new(Kept {
+                leases: HashMap::new(),
+                next_id: 0,
+                task: None,
+                wakes_at: None,
+            }),
+            wake: Notify::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+impl<St> Keeper<St> {
+    /// Whether the task runs, as the keeper has it.
+    pub(super) fn task_running(&self) -> bool {
+        lock(&self.inner).task.is_some()
+    }
+}
+
+/// A lease kept by the keeper until this is dropped.
+pub(super) struct Registration<St: IdempotencyStore> {
+    keeper: Arc<Keeper<St>>,
+    id: u64,
+}
+
+impl<St: IdempotencyStore> Drop for Registration<St> {
+    fn drop(&mut self) {
+        lock(&self.keeper.inner).leases.remove(&self.id);
+    }
+}
+
+/// What registering a lease did: whether the keeper's task was started for it (the caller may
+/// yield once so that it runs before work that could block the thread).
+pub(super) struct Registered<St: IdempotencyStore> {
+    pub(super) registration: Registration<St>,
+    pub(super) started_task: bool,
+}
+
+impl<St: IdempotencyStore> Keeper<St> {
+    /// Keeps `held` renewed, its first renewal due a third of the TTL after `since`, until the
+    /// returned registration is dropped. Outside a runtime nothing renews it.
+    pub(super) fn register(
+        self: &Arc<Self>,
+        held: Arc<Held<St>>,
+        since: Instant,
+    ) -> Registered<St> {
+        let due = since + held.engine.settings().in_progress_ttl / 3;
+        let engine = held.engine.clone();
+        let mut kept = lock(&self.inner);
+        let id = kept.next_id;
+        kept.next_id += 1;
+        kept.leases.insert(
+            id,
+            Entry {
+                held,
+                due,
+                early: true,
+            },
+        );
+        let running = kept.task.as_ref().is_some_and(|task| !task.is_finished());
+        let mut started_task = false;
+        if !running {
+            kept.task = tokio::runtime::Handle::try_current().ok().map(|runtime| {
+                started_task = true;
+                runtime.spawn(run(self.clone(), engine)).abort_handle()
+            });
+            kept.wakes_at = None;
+        } else if kept.wakes_at.is_none_or(|at| due < at) {
+            self.wake.notify_one();
+        }
+        drop(kept);
+        Registered {
+            registration: Registration {
+                keeper: self.clone(),
+                id,
+            },
+            started_task,
+        }
+    }
+}
+
+/// The keeper's task: renews the due leases, sleeps to the next due one; ends when none is left.
+async fn run<St: IdempotencyStore>(keeper: Arc<Keeper<St>>, engine: Engine<St>) {
+    let ttl = engine.settings().in_progress_ttl;
+    loop {
+        match next_step(&keeper, ttl) {
+            Step::End => return,
+            Step::Sleep(until) => {
+                tokio::select! {
+                    () = tokio::time::sleep_until(until) => {}
+                    () = keeper.wake.notified() => {}
+                }
+            }
+            Step::Renew(due) => renew(&keeper, &engine, due).await,
+        }
+    }
+}
+
+enum Step<St> {
+    /// No lease is left: the task ends (and says so, under the lock).
+    End,
+    /// Nothing is due before this.
+    Sleep(Instant),
+    /// These are due now, or within a twelfth of the TTL: renewed together.
+    Renew(Vec<(u64, Arc<Held<St>>)>),
+}
+
+fn next_step<St>(keeper: &Keeper<St>, ttl: std::time::Duration) -> Step<St> {
+    let mut kept = lock(&keeper.inner);
+    let horizon = Instant::now() + ttl / 12;
+    let mut next = None::<Instant>;
+    let mut due = Vec::new();
+    let now = Instant::now();
+    for (id, entry) in &kept.leases {
+        if entry.due <= now || (entry.early && entry.due <= horizon) {
+            due.push((*id, entry.held.clone()));
+        } else if next.is_none_or(|at| entry.due < at) {
+            next = Some(entry.due);
+        }
+    }
+    if !due.is_empty() {
+        return Step::Renew(due);
+    }
+    kept.wakes_at = next;
+    match next {
+        Some(at) => Step::Sleep(at),
+        None => {
+            kept.task = None;
+            Step::End
+        }
+    }
+}
+
+/// Renews `due` in one call; records what each renewal found.
+async fn renew<St: IdempotencyStore>(
+    keeper: &Keeper<St>,
+    engine: &Engine<St>,
+    due: Vec<(u64, Arc<Held<St>>)>,
+) {
+    let ttl = engine.settings().in_progress_ttl;
+    let started = Instant::now();
+    let leases: Vec<(&RecordKey, LeaseToken)> = due
+        .iter()
+        .map(|(_, held)| (&*held.key, held.token))
+        .collect();
+    // A store whose renewal panics must not end the keeper (every live handler would be retaken
+    // after the TTL): a panic counts as a failed renewal of the whole call.
+    let renewal = AssertUnwindSafe(engine.store_renew_many(&leases))
+        .catch_unwind()
+        .map(|renewed| {
+            renewed.unwrap_or_else(|_| {
+                leases
+                    .iter()
+                    .map(|_| Err(StoreError::msg("the store's renewal panicked")))
+                    .collect()
+            })
+        });
+    let answers = match tokio::time::timeout(engine.renewal_bound(), renewal).await {
+        Ok(answers) => answers,
+        Err(_) => {
+            tracing::warn!(
+                leases = due.len(),
+                "the lease renewal timed out; will retry"
+            );
+            Vec::new()
+        }
+    };
+    let mut kept = lock(&keeper.inner);
+    for (at, (id, held)) in due.iter().enumerate() {
+        let next = match answers.get(at) {
+            Some(Ok(Fenced::Done)) => {
+                tracing::trace!("lease renewed");
+                held.renewals.fetch_add(1, Ordering::Relaxed);
+                *lock(&held.held_since) = started;
+                Some((started + ttl / 3, true))
+            }
+            Some(Ok(Fenced::LeaseLost)) => {
+                tracing::info!(
+                    "the lease was lost while the work or its recording was running (the record \
+                     was retaken after a TTL without renewal)"
+                );
+                None
+            }
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "the lease could not be renewed; will retry");
+                Some((Instant::now() + ttl / 20, false))
+            }
+            // Timed out, or a store that answered fewer renewals than it was asked.
+            None => Some((Instant::now() + ttl / 20, false)),
+        };
+        match next {
+            Some((due, early)) => {
+                if let Some(entry) = kept.leases.get_mut(id) {
+                    entry.due = due;
+                    entry.early = early;
+                }
+            }
+            None => {
+                kept.leases.remove(id);
+            }
+        }
+    }
+}
