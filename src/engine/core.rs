@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::coalesce::{self, LocalClaims, Scope};
 use super::drain::Drain;
-use super::keeper::Keeper;
+use super::keeper::{Keeper, Renewer};
 use super::settings::{ConfigError, Settings};
 use super::shares::{InFlight, Shares};
 use super::waiters::Waiters;
@@ -24,7 +24,7 @@ pub(crate) struct Engine<St> {
     settings: Arc<Settings>,
     pub(super) state: Arc<State>,
     /// The task that renews every lease this engine holds.
-    pub(super) keeper: Arc<Keeper<St>>,
+    pub(super) keeper: Arc<Keeper<Engine<St>>>,
 }
 
 impl<St: Clone> Clone for Engine<St> {
@@ -212,5 +212,22 @@ impl<St: IdempotencyStore> Engine<St> {
     /// This process no longer holds `key` by `lease` (finished, released or lost).
     pub(super) fn let_go(&self, key: &RecordKey, lease: LeaseToken) {
         self.state.local.let_go(&Scope::of(key), lease);
+    }
+}
+
+impl<St: IdempotencyStore> Renewer for Engine<St> {
+    fn in_progress_ttl(&self) -> Duration {
+        self.settings.in_progress_ttl
+    }
+
+    fn renewal_bound(&self) -> Duration {
+        Engine::renewal_bound(self)
+    }
+
+    fn renew_many<'a>(
+        &'a self,
+        leases: &'a [(&'a RecordKey, LeaseToken)],
+    ) -> impl Future<Output = Vec<Result<Fenced, StoreError>>> + Send + 'a {
+        self.store_renew_many(leases)
     }
 }

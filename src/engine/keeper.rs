@@ -16,19 +16,32 @@ use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use futures_util::FutureExt;
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
-use super::core::Engine;
-use crate::store::{Fenced, Fingerprint, IdempotencyStore, LeaseToken, RecordKey, StoreError};
+use crate::store::{Fenced, Fingerprint, LeaseToken, RecordKey, StoreError};
 use crate::util::lock::lock;
 
+/// What the keeper needs of the engine (the engine implements it; the keeper knows no more).
+pub(super) trait Renewer: Clone + Send + Sync + 'static {
+    /// The in-progress TTL.
+    fn in_progress_ttl(&self) -> Duration;
+    /// How long one call renewing leases may take.
+    fn renewal_bound(&self) -> Duration;
+    /// Renews `leases` in one call to the store, each with its own answer.
+    fn renew_many<'a>(
+        &'a self,
+        leases: &'a [(&'a RecordKey, LeaseToken)],
+    ) -> impl Future<Output = Vec<Result<Fenced, StoreError>>> + Send + 'a;
+}
+
 /// What a lease and the keeper share.
-pub(super) struct Held<St> {
-    pub(super) engine: Engine<St>,
+pub(super) struct Held<E> {
+    pub(super) engine: E,
     /// Shared with the work's `IdempotencyContext` rather than copied for it.
     pub(super) key: Arc<RecordKey>,
     /// The claim's fingerprint, which the completion passes on to the store.
@@ -42,14 +55,14 @@ pub(super) struct Held<St> {
 }
 
 /// The leases this process holds under one engine, and the task that renews them.
-pub(crate) struct Keeper<St> {
-    inner: Mutex<Kept<St>>,
+pub(crate) struct Keeper<E> {
+    inner: Mutex<Kept<E>>,
     /// Wakes the task when a lease is due before the time it sleeps to.
     wake: Notify,
 }
 
-struct Kept<St> {
-    leases: HashMap<u64, Entry<St>>,
+struct Kept<E> {
+    leases: HashMap<u64, Entry<E>>,
     next_id: u64,
     /// The task, while it runs.
     task: Option<AbortHandle>,
@@ -57,15 +70,15 @@ struct Kept<St> {
     wakes_at: Option<Instant>,
 }
 
-struct Entry<St> {
-    held: Arc<Held<St>>,
+struct Entry<E> {
+    held: Arc<Held<E>>,
     due: Instant,
     /// Whether it may be renewed before it is due, with others (not when retrying a failure: the
     /// retry waits its twentieth of the TTL).
     early: bool,
 }
 
-impl<St> Default for Keeper<St> {
+impl<E> Default for Keeper<E> {
     fn default() -> Self {
         Keeper {
             inner: Mutex::new(Kept {
@@ -80,7 +93,7 @@ impl<St> Default for Keeper<St> {
 }
 
 #[cfg(test)]
-impl<St> Keeper<St> {
+impl<E> Keeper<E> {
     /// Whether the task runs, as the keeper has it.
     pub(super) fn task_running(&self) -> bool {
         lock(&self.inner).task.is_some()
@@ -88,12 +101,12 @@ impl<St> Keeper<St> {
 }
 
 /// A lease kept by the keeper until this is dropped.
-pub(super) struct Registration<St: IdempotencyStore> {
-    keeper: Arc<Keeper<St>>,
+pub(super) struct Registration<E> {
+    keeper: Arc<Keeper<E>>,
     id: u64,
 }
 
-impl<St: IdempotencyStore> Drop for Registration<St> {
+impl<E> Drop for Registration<E> {
     fn drop(&mut self) {
         lock(&self.keeper.inner).leases.remove(&self.id);
     }
@@ -101,20 +114,16 @@ impl<St: IdempotencyStore> Drop for Registration<St> {
 
 /// What registering a lease did: whether the keeper's task was started for it (the caller may
 /// yield once so that it runs before work that could block the thread).
-pub(super) struct Registered<St: IdempotencyStore> {
-    pub(super) registration: Registration<St>,
+pub(super) struct Registered<E> {
+    pub(super) registration: Registration<E>,
     pub(super) started_task: bool,
 }
 
-impl<St: IdempotencyStore> Keeper<St> {
+impl<E: Renewer> Keeper<E> {
     /// Keeps `held` renewed, its first renewal due a third of the TTL after `since`, until the
     /// returned registration is dropped. Outside a runtime nothing renews it.
-    pub(super) fn register(
-        self: &Arc<Self>,
-        held: Arc<Held<St>>,
-        since: Instant,
-    ) -> Registered<St> {
-        let due = since + held.engine.settings().in_progress_ttl / 3;
+    pub(super) fn register(self: &Arc<Self>, held: Arc<Held<E>>, since: Instant) -> Registered<E> {
+        let due = since + held.engine.in_progress_ttl() / 3;
         let engine = held.engine.clone();
         let mut kept = lock(&self.inner);
         let id = kept.next_id;
@@ -150,8 +159,8 @@ impl<St: IdempotencyStore> Keeper<St> {
 }
 
 /// The keeper's task: renews the due leases, sleeps to the next due one; ends when none is left.
-async fn run<St: IdempotencyStore>(keeper: Arc<Keeper<St>>, engine: Engine<St>) {
-    let ttl = engine.settings().in_progress_ttl;
+async fn run<E: Renewer>(keeper: Arc<Keeper<E>>, engine: E) {
+    let ttl = engine.in_progress_ttl();
     loop {
         match next_step(&keeper, ttl) {
             Step::End => return,
@@ -166,16 +175,16 @@ async fn run<St: IdempotencyStore>(keeper: Arc<Keeper<St>>, engine: Engine<St>) 
     }
 }
 
-enum Step<St> {
+enum Step<E> {
     /// No lease is left: the task ends (and says so, under the lock).
     End,
     /// Nothing is due before this.
     Sleep(Instant),
     /// These are due now, or within a twelfth of the TTL: renewed together.
-    Renew(Vec<(u64, Arc<Held<St>>)>),
+    Renew(Vec<(u64, Arc<Held<E>>)>),
 }
 
-fn next_step<St>(keeper: &Keeper<St>, ttl: std::time::Duration) -> Step<St> {
+fn next_step<E>(keeper: &Keeper<E>, ttl: Duration) -> Step<E> {
     let mut kept = lock(&keeper.inner);
     let horizon = Instant::now() + ttl / 12;
     let mut next = None::<Instant>;
@@ -202,12 +211,8 @@ fn next_step<St>(keeper: &Keeper<St>, ttl: std::time::Duration) -> Step<St> {
 }
 
 /// Renews `due` in one call; records what each renewal found.
-async fn renew<St: IdempotencyStore>(
-    keeper: &Keeper<St>,
-    engine: &Engine<St>,
-    due: Vec<(u64, Arc<Held<St>>)>,
-) {
-    let ttl = engine.settings().in_progress_ttl;
+async fn renew<E: Renewer>(keeper: &Keeper<E>, engine: &E, due: Vec<(u64, Arc<Held<E>>)>) {
+    let ttl = engine.in_progress_ttl();
     let started = Instant::now();
     let leases: Vec<(&RecordKey, LeaseToken)> = due
         .iter()
@@ -215,7 +220,7 @@ async fn renew<St: IdempotencyStore>(
         .collect();
     // A store whose renewal panics must not end the keeper (every live handler would be retaken
     // after the TTL): a panic counts as a failed renewal of the whole call.
-    let renewal = AssertUnwindSafe(engine.store_renew_many(&leases))
+    let renewal = AssertUnwindSafe(engine.renew_many(&leases))
         .catch_unwind()
         .map(|renewed| {
             renewed.unwrap_or_else(|_| {

@@ -36,14 +36,14 @@ use crate::util::metrics::Label;
 /// the answer without its body if it had ([`Lease::answered`]): an effect that happened is never
 /// released.
 pub(crate) struct Lease<St: IdempotencyStore> {
-    held: Arc<Held<St>>,
+    held: Arc<Held<Engine<St>>>,
     /// The endpoint label of the outcomes this lease reports.
     label: Label,
     done: bool,
     /// The answer's status and headers, once the work answered with a result to record.
     answered: Option<StoredResponse>,
     /// The lease keeper renews the record until this is dropped.
-    _kept: Registration<St>,
+    _kept: Registration<Engine<St>>,
     /// When the work and its body must be done: the claim plus the maximum hold.
     deadline: Instant,
 }
