@@ -69,7 +69,8 @@ impl Outcome {
         Outcome::QuotaExceeded,
     ];
 
-    /// A stable snake_case name, as logged in the span's `outcome` field and fit for a metric label.
+    /// A stable snake_case name, as logged in the `outcome` field of the outcome's DEBUG event and
+    /// fit for a metric label.
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Claimed => "claimed",

@@ -65,7 +65,7 @@ impl<Store: IdempotencyStore> IdempotencyLayer<Store> {
 /// | `body_timeout` | 10 s | how long the request body may take to arrive; past it `408 request_timeout`, nothing claimed. 100 ms to 10 min |
 /// | `on_outcome` | none | a hook called with every [`Outcome`] (claimed, replayed, 409, 422, recorded, released, ...) |
 /// | `derived_key_secret` | none | a deployment secret (16 bytes or more) mixed into [`IdempotencyContext::derived_key`](crate::IdempotencyContext::derived_key) by HMAC |
-/// | `log_scope` | `false` | log subjects and endpoints as they are (`true`) or only their hashes (`false`) |
+/// | `log_scope` | `false` | log subjects and endpoints as they are (`true`) or only their keyed hashes (`false`) |
 /// | `min_key_length` | 1 | the shortest `Idempotency-Key` accepted, up to 255; raise it where keys must be unguessable (anonymous routes) |
 /// | `problem_type_base` | this crate's docs | the base of the `type` URI of the layer's errors, followed by the error code |
 /// | `max_waiters_per_subject` | 64 | duplicates of one subject that may wait at this instance; the others get `409` at once |
@@ -309,9 +309,12 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
         self
     }
 
-    /// With `true`, the request's span logs the subject and the endpoint as they are; by default
-    /// it logs their hashes (the first 8 bytes of their SHA-256), since subjects and paths are
-    /// personal data and a forged one could fake log lines.
+    /// With `true`, the request's span (`idempotency`) logs the subject and the endpoint as they
+    /// are (`subject`, `endpoint`); by default it logs only their keyed hashes (`subject_hash`,
+    /// `endpoint_hash`: the first 8 bytes of an HMAC-SHA-256 under
+    /// [`derived_key_secret`](Self::derived_key_secret) when it is set, else under a key drawn once
+    /// per process), since subjects and paths are personal data and a forged one could fake log
+    /// lines. The idempotency key is always hashed (`key_hash`).
     pub fn log_scope(mut self, raw: bool) -> Self {
         self.engine.log_scope = raw;
         self

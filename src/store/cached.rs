@@ -31,8 +31,8 @@ const ENTRY_OVERHEAD: usize = 160;
 ///   they expire). `in_progress` records, claims, completions, renewals and releases always go to
 ///   the store.
 /// - **Filled by reads.** An entry is made when a claim reads a finished record from the store
-///   and the store says how long the record has left ([`StoredResponse::expires_in`]; the Postgres
-///   and Redis stores do). So the first replay of a record on each instance reads the store, and the
+///   and the store says how long the record has left ([`StoredResponse::expires_in`]; the memory,
+///   Postgres and Redis stores do). So the first replay of a record on each instance reads the store, and the
 ///   next ones do not.
 /// - **Never outlives its record.** An entry expires when its record does (counted from before the
 ///   read, so never later), or after `max_age` (5 minutes by default), whichever is first. The

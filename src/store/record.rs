@@ -172,9 +172,9 @@ pub struct StoredResponse {
     /// stream failed after the handler answered): a replay sends the status and headers with an empty
     /// body and `Idempotency-Replay: omitted`.
     pub body_omitted: bool,
-    /// How long the record had left when its store read it for a claim, if the store tells
-    /// (the Postgres and Redis stores do; [`MemoryStore`](crate::store::MemoryStore) answers `None`). A
-    /// [`CachedStore`](crate::store::CachedStore) keeps a record no longer than this. Ignored by
+    /// How long the record had left when its store read it for a claim, if the store tells (the
+    /// memory, Postgres and Redis stores do). A [`CachedStore`](crate::store::CachedStore) keeps a
+    /// record no longer than this. Ignored by
     /// [`complete`](crate::store::IdempotencyStore::complete): retention decides there.
     pub expires_in: Option<Duration>,
 }

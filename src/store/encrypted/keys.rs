@@ -12,8 +12,8 @@ use aes_gcm::aead::KeyInit;
 /// reused for other key material while records sealed under it may still be read.
 pub type KeyId = u32;
 
-/// The keys an [`EncryptedStore`] seals and opens records with: the newest seals every new record,
-/// all of them open the records they sealed.
+/// The keys an [`EncryptedStore`](super::EncryptedStore) seals and opens records with: the newest
+/// seals every new record, all of them open the records they sealed.
 ///
 /// Key material never appears in `Debug` output (only the key ids do).
 ///
@@ -30,7 +30,8 @@ pub type KeyId = u32;
 /// the new key and old ones still open. Once the retention of the layer has passed since the
 /// rotation (no record sealed under an old key is still replayed), drop the old key. A record whose
 /// key is no longer configured cannot be read: the layer answers
-/// `503 idempotency_store_unavailable` for it until it expires (see [`EncryptedStore`]).
+/// `503 idempotency_store_unavailable` for it until it expires (see
+/// [`EncryptedStore`](super::EncryptedStore)).
 ///
 /// Nonces are random (96 bits): seal at most 2³² records under one key, as NIST SP 800-38D advises,
 /// and rotate long before.
