@@ -9,8 +9,9 @@
 //! The keeper is not the work's task: a handler that blocks its thread (a synchronous SDK,
 //! `block_in_place`, a CPU loop) does not stop it on a multi-threaded runtime. So "older than the
 //! TTL" still means "no renewal for a TTL": the holder died. A live holder, however slow, is never
-//! retaken while the store can be reached. The task ends when no lease is left, and starts again
-//! with the next one (on the runtime of that lease, should the first one be gone).
+//! retaken while the store can be reached. The task ends once no lease has been left for a third
+//! of the TTL, and starts again with the next one (on the runtime of that lease, should the first
+//! one be gone).
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -68,6 +69,9 @@ struct Kept<E> {
     task: Option<AbortHandle>,
     /// When the task wakes next, as it last decided.
     wakes_at: Option<Instant>,
+    /// Since when no lease is left (the task lingers a third of the TTL for the next one, rather
+    /// than end and be spawned again for every request of a sequential load).
+    idle_since: Option<Instant>,
 }
 
 struct Entry<E> {
@@ -86,6 +90,7 @@ impl<E> Default for Keeper<E> {
                 next_id: 0,
                 task: None,
                 wakes_at: None,
+                idle_since: None,
             }),
             wake: Notify::new(),
         }
@@ -186,10 +191,10 @@ enum Step<E> {
 
 fn next_step<E>(keeper: &Keeper<E>, ttl: Duration) -> Step<E> {
     let mut kept = lock(&keeper.inner);
-    let horizon = Instant::now() + ttl / 12;
+    let now = Instant::now();
+    let horizon = now + ttl / 12;
     let mut next = None::<Instant>;
     let mut due = Vec::new();
-    let now = Instant::now();
     for (id, entry) in &kept.leases {
         if entry.due <= now || (entry.early && entry.due <= horizon) {
             due.push((*id, entry.held.clone()));
@@ -200,13 +205,22 @@ fn next_step<E>(keeper: &Keeper<E>, ttl: Duration) -> Step<E> {
     if !due.is_empty() {
         return Step::Renew(due);
     }
+    if kept.leases.is_empty() {
+        let idle_since = *kept.idle_since.get_or_insert(now);
+        if now >= idle_since + ttl / 3 {
+            kept.task = None;
+            kept.wakes_at = None;
+            kept.idle_since = None;
+            return Step::End;
+        }
+        next = Some(idle_since + ttl / 3);
+    } else {
+        kept.idle_since = None;
+    }
     kept.wakes_at = next;
     match next {
         Some(at) => Step::Sleep(at),
-        None => {
-            kept.task = None;
-            Step::End
-        }
+        None => Step::End,
     }
 }
 
