@@ -161,8 +161,9 @@ pub struct PrivateMySql {
 }
 
 impl PrivateMySql {
-    /// Restarts the server: stops it (a clean shutdown), then starts it on the same port and data.
-    pub fn restart(&self) {
+    /// Restarts the server: stops it (a clean shutdown), leaves it down for `down`, then starts it
+    /// on the same port and data.
+    pub fn restart(&self, down: Duration) {
         let pid = std::fs::read_to_string(&self.pidfile).expect("the server's pid file");
         run(Command::new("kill").arg(pid.trim()));
         let stopped = Instant::now();
@@ -173,6 +174,7 @@ impl PrivateMySql {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+        std::thread::sleep(down);
         self.launch();
     }
 
