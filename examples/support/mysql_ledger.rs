@@ -23,7 +23,8 @@ pub(crate) async fn router(url: &str, settings: Settings) -> Result<Router, Box<
             .max_connections(max)
             .connect(url)
     };
-    let (records, transactions, ledger) = (pool(5, 10).await?, pool(0, 20).await?, pool(0, 10).await?);
+    let (records, transactions, ledger) =
+        (pool(5, 10).await?, pool(0, 20).await?, pool(0, 10).await?);
     let store = MySqlStore::new(records)
         .with_transaction_pool(transactions)
         .with_timeout(store_timeout(&settings));
@@ -104,10 +105,11 @@ pub(crate) async fn record(
     amount: i64,
     tx: Option<&mut IdempotencyTx<sqlx::MySql>>,
 ) -> Result<i64, sqlx::Error> {
-    let insert = sqlx::query("INSERT INTO checkout_charges (subject, kind, amount) VALUES (?, ?, ?)")
-        .bind(subject)
-        .bind(kind)
-        .bind(amount);
+    let insert =
+        sqlx::query("INSERT INTO checkout_charges (subject, kind, amount) VALUES (?, ?, ?)")
+            .bind(subject)
+            .bind(kind)
+            .bind(amount);
     let done = match tx {
         Some(tx) => insert.execute(tx.conn().await?).await?,
         None => insert.execute(pool).await?,

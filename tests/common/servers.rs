@@ -180,13 +180,17 @@ impl PrivateMySql {
 
     /// Starts the server in the background and waits until it takes connections.
     fn launch(&self) {
-        Command::new(&self.start[0])
-            .args(&self.start[1..])
+        // `setsid --fork`: the server is no child of this process (nothing to wait for, no zombie
+        // once it stops), and the watchdog stops it by its pid file.
+        let status = Command::new(binary("setsid", "setsid (Debian: util-linux)"))
+            .arg("--fork")
+            .args(&self.start)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
-            .spawn()
+            .status()
             .expect("start the MySQL server");
+        assert!(status.success(), "the MySQL server did not start");
         let started = Instant::now();
         while !answers(&format!("127.0.0.1:{}", self.port)) || !self.pidfile.exists() {
             assert!(

@@ -765,7 +765,11 @@ mod mysql {
         .await
         .expect("databases");
         for (old,) in stale {
-            let made: u64 = old.split('_').nth(2).and_then(|s| s.parse().ok()).unwrap_or(now);
+            let made: u64 = old
+                .split('_')
+                .nth(2)
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(now);
             if made + 3600 < now {
                 let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP DATABASE `{old}`")))
                     .execute(&admin)
@@ -851,7 +855,10 @@ mod mysql {
         const TTL: Duration = Duration::from_secs(4);
         let env = |hold: &str| {
             vec![
-                ("IDEMPOTENCY_IN_PROGRESS_TTL_SECS", TTL.as_secs().to_string()),
+                (
+                    "IDEMPOTENCY_IN_PROGRESS_TTL_SECS",
+                    TTL.as_secs().to_string(),
+                ),
                 ("CHECKOUT_HOLD_MS", hold.to_owned()),
                 ("CHECKOUT_TRANSACTIONAL", "1".to_owned()),
             ]

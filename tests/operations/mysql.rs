@@ -249,7 +249,10 @@ async fn client_sees_nothing_before_the_commit() {
     s.until_written(1).await;
     // Written, not committed: nobody else sees it, and duplicates get 409.
     assert_eq!(s.effects().await, 0);
-    assert_eq!(send(&router, charge_req("k")).await.status, StatusCode::CONFLICT);
+    assert_eq!(
+        send(&router, charge_req("k")).await.status,
+        StatusCode::CONFLICT
+    );
     s.world.gate.add_permits(1);
     assert_eq!(first.await.expect("first").status, StatusCode::CREATED);
     assert_eq!(s.effects().await, 1);
@@ -342,28 +345,34 @@ async fn connections_go_back_to_the_pool_with_their_own_session_values() {
         .expect("table")
         .with_transaction_pool(one.clone());
     let router = s.router_on(store.clone());
-    assert_eq!(send(&router, charge_req("a")).await.status, StatusCode::CREATED);
     assert_eq!(
-        send(&router, charge_req("b").header("x-end", "1")).await.status,
+        send(&router, charge_req("a")).await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(
+        send(&router, charge_req("b").header("x-end", "1"))
+            .await
+            .status,
         StatusCode::INTERNAL_SERVER_ERROR
     );
     let missing = MySqlStore::with_table(one.clone(), "never_made").expect("table");
     assert!(missing.purge_expired().await.is_err(), "a failed batch");
     // Kept connections go back to the pool once idle.
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let (wait, lock): (u64, u64) = sqlx::query_as(
-        "SELECT @@session.wait_timeout, @@session.innodb_lock_wait_timeout",
-    )
-    .fetch_one(&one)
-    .await
-    .expect("the session's values");
+    let (wait, lock): (u64, u64) =
+        sqlx::query_as("SELECT @@session.wait_timeout, @@session.innodb_lock_wait_timeout")
+            .fetch_one(&one)
+            .await
+            .expect("the session's values");
     assert_eq!((wait, lock), (12345, 77));
 }
 
 // ---- faults ----
 
 /// A store reached through a proxy, with short timeouts so that faults show quickly.
-async fn through_proxy(in_progress_ttl: Duration) -> (Proxy, Router, common::Counters, OutcomeCounters) {
+async fn through_proxy(
+    in_progress_ttl: Duration,
+) -> (Proxy, Router, common::Counters, OutcomeCounters) {
     let url = mysql_url();
     let proxy = Proxy::start(upstream(&url).await).await;
     let pool = MySqlPoolOptions::new()
@@ -389,7 +398,12 @@ async fn through_proxy(in_progress_ttl: Duration) -> (Proxy, Router, common::Cou
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_connection_cut_mid_request_records_later_and_runs_once() {
     let (proxy, router, counters, outcomes) = through_proxy(Duration::from_secs(30)).await;
-    let req = || post("/pay").key("k").user("alice").header("x-delay-ms", "400");
+    let req = || {
+        post("/pay")
+            .key("k")
+            .user("alice")
+            .header("x-delay-ms", "400")
+    };
     let first = tokio::spawn({
         let router = router.clone();
         async move { send(&router, req()).await }
@@ -413,7 +427,12 @@ async fn a_connection_cut_mid_request_records_later_and_runs_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_stall_mid_statement_times_out_then_records() {
     let (proxy, router, counters, outcomes) = through_proxy(Duration::from_secs(30)).await;
-    let req = || post("/pay").key("k").user("alice").header("x-delay-ms", "300");
+    let req = || {
+        post("/pay")
+            .key("k")
+            .user("alice")
+            .header("x-delay-ms", "300")
+    };
     let first = tokio::spawn({
         let router = router.clone();
         async move { send(&router, req()).await }
@@ -470,7 +489,11 @@ async fn a_transaction_frozen_before_its_commit_blocks_its_key_for_a_moment_only
     let again = settle(&router, || charge_req("k")).await;
     assert_eq!(again.status, StatusCode::CREATED, "{again:?}");
     assert!(!again.replayed());
-    assert_eq!(s.runs(), 2, "the frozen run rolled back, the retry ran once");
+    assert_eq!(
+        s.runs(),
+        2,
+        "the frozen run rolled back, the retry ran once"
+    );
     assert_eq!(s.effects().await, 1);
 }
 
@@ -496,7 +519,11 @@ async fn a_database_restarted_under_load_runs_nothing_twice() {
         State(runs): State<Arc<Mutex<HashMap<String, usize>>>>,
         ctx: IdempotencyContext,
     ) -> StatusCode {
-        *runs.lock().expect("lock").entry(ctx.key().to_owned()).or_default() += 1;
+        *runs
+            .lock()
+            .expect("lock")
+            .entry(ctx.key().to_owned())
+            .or_default() += 1;
         tokio::time::sleep(Duration::from_millis(20)).await;
         StatusCode::CREATED
     }
@@ -535,15 +562,26 @@ async fn a_database_restarted_under_load_runs_nothing_twice() {
     let load: Vec<_> = load.collect();
     tokio::time::sleep(Duration::from_millis(200)).await;
     let before = runs.lock().expect("lock").len();
-    tokio::task::spawn_blocking(|| common::servers::private_mysql().restart(Duration::from_secs(1)))
-        .await
-        .expect("restart");
+    tokio::task::spawn_blocking(|| {
+        common::servers::private_mysql().restart(Duration::from_secs(1))
+    })
+    .await
+    .expect("restart");
     for client in load {
-        assert!(client.await.expect("client"), "every key answered in the end");
+        assert!(
+            client.await.expect("client"),
+            "every key answered in the end"
+        );
     }
     let runs = runs.lock().expect("lock");
-    assert!(before < KEYS, "the restart came under load ({before} keys ran before it)");
-    assert!(refused.load(Ordering::SeqCst) > 0, "requests met the restart");
+    assert!(
+        before < KEYS,
+        "the restart came under load ({before} keys ran before it)"
+    );
+    assert!(
+        refused.load(Ordering::SeqCst) > 0,
+        "requests met the restart"
+    );
     assert_eq!(runs.len(), KEYS, "every key ran: the store recovered");
     let twice: Vec<_> = runs.iter().filter(|(_, n)| **n > 1).collect();
     assert!(twice.is_empty(), "keys run twice: {twice:?}");

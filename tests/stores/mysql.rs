@@ -20,11 +20,11 @@ use common::{app, post, send};
 use sqlx::Connection;
 use sqlx::mysql::{MySqlConnection, MySqlPool, MySqlPoolOptions};
 
-pub fn mysql_url() -> String {
+fn mysql_url() -> String {
     common::servers::mysql_url()
 }
 
-pub async fn pool(connections: u32) -> MySqlPool {
+async fn pool(connections: u32) -> MySqlPool {
     MySqlPoolOptions::new()
         .max_connections(connections)
         .acquire_timeout(Duration::from_secs(30))
@@ -35,7 +35,7 @@ pub async fn pool(connections: u32) -> MySqlPool {
 
 /// A table name no other test uses; tables that earlier runs left behind are dropped after an
 /// hour.
-pub async fn fresh_table(pool: &MySqlPool) -> String {
+async fn fresh_table(pool: &MySqlPool) -> String {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -49,7 +49,11 @@ pub async fn fresh_table(pool: &MySqlPool) -> String {
     .await
     .expect("list tables");
     for (old,) in stale {
-        let made: u64 = old.split('_').nth(2).and_then(|s| s.parse().ok()).unwrap_or(now);
+        let made: u64 = old
+            .split('_')
+            .nth(2)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(now);
         if made + 3600 < now {
             let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS `{old}`")))
                 .execute(pool)
@@ -186,7 +190,10 @@ async fn table_names_are_validated() {
         "`records`",
         &"r".repeat(41),
     ] {
-        assert!(MySqlStore::with_table(pool.clone(), bad).is_err(), "{bad:?}");
+        assert!(
+            MySqlStore::with_table(pool.clone(), bad).is_err(),
+            "{bad:?}"
+        );
     }
     assert!(MySqlStore::with_table(pool.clone(), "billing.idempotency_v2").is_ok());
     assert!(MySqlStore::with_table(pool, "order").is_ok(), "quoted");
@@ -453,9 +460,7 @@ async fn claim_racing_an_uncommitted_insert(
     // A timeout long enough that the claim is seen waiting before the server gives up.
     let store = store().await.with_timeout(Duration::from_secs(10));
     let request = claim_request("race", b"{}");
-    let mut other = MySqlConnection::connect(&mysql_url())
-        .await
-        .expect("MySQL");
+    let mut other = MySqlConnection::connect(&mysql_url()).await.expect("MySQL");
     let mut tx = other.begin().await.expect("begin");
     let key = &request.key;
     let headers: Vec<u8> = [
@@ -561,13 +566,17 @@ async fn a_lock_wait_is_503_and_never_a_second_run() {
     // A record in progress whose holder died, locked by another session.
     let mut claim = claim_request("locked", b"{}");
     claim.in_progress_ttl = Duration::from_millis(200);
-    let mut admin = MySqlConnection::connect(&mysql_url())
-        .await
-        .expect("MySQL");
+    let mut admin = MySqlConnection::connect(&mysql_url()).await.expect("MySQL");
     let ClaimOutcome::Claimed { lease, .. } = store.claim(&claim).await.expect("claim") else {
         panic!("claimed");
     };
-    assert!(store.release(&claim.key, lease).await.expect("release").is_done());
+    assert!(
+        store
+            .release(&claim.key, lease)
+            .await
+            .expect("release")
+            .is_done()
+    );
     let mut tx = admin.begin().await.expect("begin");
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "SELECT * FROM `{}` FOR UPDATE",
@@ -577,7 +586,11 @@ async fn a_lock_wait_is_503_and_never_a_second_run() {
     .await
     .expect("lock the row");
     let refused = send(&router, req()).await;
-    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE, "{refused:?}");
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{refused:?}"
+    );
     assert_eq!(counters.started(), 0);
     tx.rollback().await.expect("let go");
     let charged = common::until_not_in_progress(&router, req, 100).await;
@@ -613,7 +626,11 @@ async fn deadlocks_and_full_tables_are_errors_and_never_a_second_run() {
         let key = format!("e{number}");
         let req = || post("/pay").key(&key).user("alice").json("{}");
         let refused = send(&router, req()).await;
-        assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE, "{refused:?}");
+        assert_eq!(
+            refused.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{refused:?}"
+        );
         assert_eq!(refused.problem(), problem, "{number}");
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TRIGGER `{trigger}`")))
             .execute(&admin)
@@ -651,6 +668,12 @@ async fn delete_spares_a_record_in_progress() {
             .expect("complete")
             .is_done()
     );
-    assert_eq!(store.delete(&claim.key).await.expect("delete"), Deleted::Deleted);
-    assert_eq!(store.delete(&claim.key).await.expect("delete"), Deleted::NotFound);
+    assert_eq!(
+        store.delete(&claim.key).await.expect("delete"),
+        Deleted::Deleted
+    );
+    assert_eq!(
+        store.delete(&claim.key).await.expect("delete"),
+        Deleted::NotFound
+    );
 }

@@ -27,7 +27,9 @@ impl MySqlStore {
         &self,
         key: &RecordKey,
     ) -> Result<Option<RecordInfo>, StoreError> {
-        let answers = self.answers("lookup", &self.sql.lookup(&key.digest())).await?;
+        let answers = self
+            .answers("lookup", &self.sql.lookup(&key.digest()))
+            .await?;
         match answers.first().and_then(|a| a.rows.first()) {
             None => Ok(None),
             Some(row) => {
@@ -44,7 +46,9 @@ impl MySqlStore {
     }
 
     pub(super) async fn delete_record(&self, key: &RecordKey) -> Result<Deleted, StoreError> {
-        let answers = self.answers("delete", &self.sql.delete(&key.digest())).await?;
+        let answers = self
+            .answers("delete", &self.sql.delete(&key.digest()))
+            .await?;
         Ok(if answers.get(1).is_some_and(|a| a.affected == 1) {
             Deleted::Deleted
         } else if first_integer(answers.get(2))?.unwrap_or(0) > 0 {
@@ -70,7 +74,11 @@ impl MySqlStore {
             limit,
         );
         let answers = self.answers("list", &batch).await?;
-        let rows = answers.into_iter().next().map(|a| a.rows).unwrap_or_default();
+        let rows = answers
+            .into_iter()
+            .next()
+            .map(|a| a.rows)
+            .unwrap_or_default();
         let read = rows.len();
         let mut last = None;
         let mut records = Vec::with_capacity(read);
@@ -128,8 +136,9 @@ fn info(
     created_us: i64,
     expires_us: i64,
 ) -> Result<RecordInfo, StoreError> {
-    let state = RecordState::from_name(status)
-        .ok_or_else(|| StoreError::msg(format!("mysql inspection: unexpected status {status:?}")))?;
+    let state = RecordState::from_name(status).ok_or_else(|| {
+        StoreError::msg(format!("mysql inspection: unexpected status {status:?}"))
+    })?;
     let status = if state.is_finished() {
         response.and_then(|s| u16::try_from(s).ok())
     } else {

@@ -374,13 +374,17 @@ impl IdempotencyStore for MySqlStore {
     ) -> Result<Fenced, StoreError> {
         let batch = self.sql.renew(&key.digest(), lease, lifetime);
         let answers = self.answers("renew", &batch).await?;
-        Ok(Fenced::from_held(answers.first().is_some_and(|a| a.affected == 1)))
+        Ok(Fenced::from_held(
+            answers.first().is_some_and(|a| a.affected == 1),
+        ))
     }
 
     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
         let batch = self.sql.release(&key.digest(), lease);
         let answers = self.answers("release", &batch).await?;
-        Ok(Fenced::from_held(answers.first().is_some_and(|a| a.affected == 1)))
+        Ok(Fenced::from_held(
+            answers.first().is_some_and(|a| a.affected == 1),
+        ))
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {

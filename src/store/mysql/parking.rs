@@ -20,8 +20,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sqlx::MySqlPool;
-use sqlx::pool::PoolConnection;
 use sqlx::mysql::MySql;
+use sqlx::pool::PoolConnection;
 use tokio::time::Instant;
 
 use crate::util::lock::lock;

@@ -148,7 +148,11 @@ mod tests {
     #[test]
     fn bounds_are_under_the_timeout() {
         let mariadb = Bounds::new(Flavor::MariaDb, Duration::from_millis(500));
-        assert!(mariadb.open.contains("@@session.max_statement_time = 0.400000"));
+        assert!(
+            mariadb
+                .open
+                .contains("@@session.max_statement_time = 0.400000")
+        );
         assert!(mariadb.open.contains("innodb_lock_wait_timeout = 1"));
         let mysql = Bounds::new(Flavor::MySql, Duration::from_secs(5));
         assert!(mysql.open.contains("@@session.max_execution_time = 4000"));

@@ -14,7 +14,8 @@ pub(super) const PURGE_BATCH: u64 = 10_000;
 const READ_COMMITTED: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
 /// A record inspection shows: not past its expiry, not released.
-const LIVE: &str = "expires_at > UTC_TIMESTAMP(6) AND NOT (status = 'in_progress' AND lease_token = 0)";
+const LIVE: &str =
+    "expires_at > UTC_TIMESTAMP(6) AND NOT (status = 'in_progress' AND lease_token = 0)";
 
 /// Statements sent together, in one round trip.
 #[derive(Debug, Default)]
