@@ -2,11 +2,16 @@
 //! same run, on the same machine, over loopback.
 //!
 //! `cargo bench --bench load` (PostgreSQL at `DATABASE_URL`, default
-//! `postgres://postgres@127.0.0.1:5432/test`; `LOAD_SCALE=0.2` for a quick run). Every loop is bounded
+//! `postgres://postgres@127.0.0.1:5432/test`; `LOAD_SCALE=0.2` for a quick run). With the `mysql`
+//! feature, the part `mysql` measures the MySQL store too (`MYSQL_URL`, default
+//! `mysql://root@127.0.0.1:3306/test`): `cargo bench --bench load --features mysql -- mysql`. Every loop is bounded
 //! by a request count; the servers listen on 127.0.0.1 only and stop with the process.
 
 #[path = "load/cpu.rs"]
 mod cpu;
+#[cfg(feature = "mysql")]
+#[path = "load/mysql.rs"]
+mod mysql;
 mod support;
 #[path = "load/wait.rs"]
 mod wait;
@@ -639,6 +644,7 @@ async fn main() {
     let parts = [
         "cpu",
         "memory",
+        "mysql",
         "postgres",
         "replays",
         "burst",
@@ -652,6 +658,11 @@ async fn main() {
     let run = |part: &str| chosen.is_empty() || chosen.iter().any(|c| c == part);
     if run("memory") {
         memory_vs_bare().await;
+    }
+    // Feature `mysql`: MySQL or MariaDB at `MYSQL_URL`.
+    #[cfg(feature = "mysql")]
+    if run("mysql") {
+        mysql::mysql_vs_direct_sql().await;
     }
     if ![
         "cpu",

@@ -6,8 +6,8 @@
 //!      -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' -d '{"amount":1999}'
 //! ```
 //!
-//! Environment: `BIND` (default `127.0.0.1:3000`), `DATABASE_URL` (Postgres; the memory store when
-//! unset), `IDEMPOTENCY_IN_PROGRESS_TTL_SECS` (default 90), `CHECKOUT_DELAY_MS` (simulated payment
+//! Environment: `BIND` (default `127.0.0.1:3000`), `DATABASE_URL` (`postgres://...`, or with the
+//! `mysql` feature `mysql://...` for MySQL or MariaDB; the memory store when unset), `IDEMPOTENCY_IN_PROGRESS_TTL_SECS` (default 90), `CHECKOUT_DELAY_MS` (simulated payment
 //! latency, default 0), `CHECKOUT_HOLD_MS` (a pause after the charge is written, before the answer,
 //! to watch a crash at that point; default 0), `CHECKOUT_TRANSACTIONAL` (on Postgres, write the
 //! charge in the layer's transaction so it commits with its record; default 1, 0 to write it on its
@@ -71,6 +71,10 @@ use sqlx::{PgConnection, PgPool};
 #[path = "support/prometheus.rs"]
 mod prometheus;
 
+#[cfg(feature = "mysql")]
+#[path = "support/mysql_ledger.rs"]
+pub(crate) mod mysql_ledger;
+
 /// What the example is configured with.
 #[derive(Clone, Copy)]
 pub(crate) struct Settings {
@@ -118,11 +122,45 @@ impl Settings {
 /// not the layer's: the two set-ups need not wait for each other.
 const LEDGER_LOCK: i64 = 0x6368_6563_6b6f_7574; // "checkout" in ASCII
 
-/// Charges and handler runs, per subject: in memory, or in Postgres tables that survive restarts.
+/// Charges and handler runs, per subject: in memory, or in Postgres (or MySQL) tables that
+/// survive restarts.
 #[derive(Clone)]
 pub(crate) enum Ledger {
     Memory(Arc<Mutex<MemoryLedger>>),
     Postgres(PgPool),
+    #[cfg(feature = "mysql")]
+    MySql(sqlx::MySqlPool),
+}
+
+/// The layer's transaction, on whichever database the records are in: `None` where the layer
+/// offers none (memory, Redis, `CHECKOUT_TRANSACTIONAL=0`).
+#[derive(Default)]
+pub(crate) struct Tx {
+    postgres: Option<IdempotencyTx>,
+    #[cfg(feature = "mysql")]
+    mysql: Option<IdempotencyTx<sqlx::MySql>>,
+}
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Tx {
+    type Rejection = axum_idempotency::layer::IdempotencyRejection;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        use axum::extract::OptionalFromRequestParts;
+        Ok(Tx {
+            postgres: <IdempotencyTx as OptionalFromRequestParts<S>>::from_request_parts(
+                parts, state,
+            )
+            .await?,
+            #[cfg(feature = "mysql")]
+            mysql: <IdempotencyTx<sqlx::MySql> as OptionalFromRequestParts<S>>::from_request_parts(
+                parts, state,
+            )
+            .await?,
+        })
+    }
 }
 
 #[derive(Default)]
@@ -180,6 +218,8 @@ impl Ledger {
                 .execute(pool)
                 .await?;
             }
+            #[cfg(feature = "mysql")]
+            Ledger::MySql(pool) => mysql_ledger::count_attempt(pool, subject).await?,
         }
         Ok(())
     }
@@ -216,16 +256,19 @@ impl Ledger {
                 .await?;
                 Ok(id)
             }
+            #[cfg(feature = "mysql")]
+            Ledger::MySql(pool) => mysql_ledger::provider_charge(pool, key, subject, amount).await,
         }
     }
 
-    /// Records a charge: in `tx` (the layer's transaction, committed with the record) when given.
+    /// Records a charge: in the layer's transaction (committed with the record) when there is one;
+    /// the transaction begins here, at its first use.
     async fn record(
         &self,
         subject: &str,
         kind: &str,
         amount: i64,
-        tx: Option<&mut PgConnection>,
+        tx: &mut Tx,
     ) -> Result<i64, sqlx::Error> {
         let insert = sqlx::query_as(
             "INSERT INTO checkout_charges (subject, kind, amount) VALUES ($1, $2, $3) RETURNING id",
@@ -233,8 +276,9 @@ impl Ledger {
         .bind(subject)
         .bind(kind)
         .bind(amount);
-        if let (Ledger::Postgres(_), Some(tx)) = (self, tx) {
-            let (id,): (i64,) = insert.fetch_one(tx).await?;
+        if let (Ledger::Postgres(_), Some(tx)) = (self, tx.postgres.as_mut()) {
+            let conn: &mut PgConnection = tx.conn().await?;
+            let (id,): (i64,) = insert.fetch_one(conn).await?;
             return Ok(id);
         }
         match self {
@@ -249,6 +293,10 @@ impl Ledger {
             Ledger::Postgres(pool) => {
                 let (id,): (i64,) = insert.fetch_one(pool).await?;
                 Ok(id)
+            }
+            #[cfg(feature = "mysql")]
+            Ledger::MySql(pool) => {
+                mysql_ledger::record(pool, subject, kind, amount, tx.mysql.as_mut()).await
             }
         }
     }
@@ -291,6 +339,8 @@ impl Ledger {
                     .collect();
                 Ok((charges, attempts, payments))
             }
+            #[cfg(feature = "mysql")]
+            Ledger::MySql(pool) => mysql_ledger::list(pool, subject).await,
         }
     }
 }
@@ -483,13 +533,13 @@ async fn demo_auth(mut request: Request, next: Next) -> Response {
     }
 }
 
-/// `POST /checkout`. `IdempotencyTx` is `None` on the memory and Redis stores, where there is no
-/// transaction.
+/// `POST /checkout`. `Tx` holds no transaction on the memory and Redis stores, where there is
+/// none.
 async fn checkout(
     State(state): State<AppState>,
     Extension(subject): Extension<Subject>,
     context: IdempotencyContext,
-    tx: Option<IdempotencyTx>,
+    tx: Tx,
     body: axum::body::Bytes,
 ) -> Response {
     pay(&state, &subject.0, "charge", &context, tx, &body).await
@@ -499,7 +549,7 @@ async fn refund(
     State(state): State<AppState>,
     Extension(subject): Extension<Subject>,
     context: IdempotencyContext,
-    tx: Option<IdempotencyTx>,
+    tx: Tx,
     body: axum::body::Bytes,
 ) -> Response {
     pay(&state, &subject.0, "refund", &context, tx, &body).await
@@ -511,7 +561,7 @@ async fn checkout_separately(
     context: IdempotencyContext,
     body: axum::body::Bytes,
 ) -> Response {
-    pay(&state, &subject.0, "charge", &context, None, &body).await
+    pay(&state, &subject.0, "charge", &context, Tx::default(), &body).await
 }
 
 async fn refund_separately(
@@ -520,7 +570,7 @@ async fn refund_separately(
     context: IdempotencyContext,
     body: axum::body::Bytes,
 ) -> Response {
-    pay(&state, &subject.0, "refund", &context, None, &body).await
+    pay(&state, &subject.0, "refund", &context, Tx::default(), &body).await
 }
 
 /// The simulated payment: wait, count the attempt (outside any transaction, so handler runs are
@@ -531,7 +581,7 @@ async fn pay(
     subject: &str,
     kind: &str,
     context: &IdempotencyContext,
-    mut tx: Option<IdempotencyTx>,
+    mut tx: Tx,
     body: &[u8],
 ) -> Response {
     let request: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
@@ -563,18 +613,9 @@ async fn pay(
             return error(StatusCode::SERVICE_UNAVAILABLE, "provider_unavailable");
         }
     };
-    // The layer's transaction begins here, at its first use: the provider call above held none.
-    let conn = match tx.as_mut() {
-        Some(tx) => match tx.conn().await {
-            Ok(conn) => Some(conn),
-            Err(e) => {
-                tracing::error!(error = %e, "could not begin the transaction");
-                return error(StatusCode::SERVICE_UNAVAILABLE, "ledger_unavailable");
-            }
-        },
-        None => None,
-    };
-    let recorded = state.ledger.record(subject, kind, amount, conn).await;
+    // The layer's transaction begins in `record`, at its first use: the provider call above held
+    // none.
+    let recorded = state.ledger.record(subject, kind, amount, &mut tx).await;
     tokio::time::sleep(state.settings.checkout_hold).await;
     match recorded {
         Ok(id) => (
@@ -620,6 +661,10 @@ pub(crate) async fn router_from_env(settings: Settings) -> Result<Router, Box<dy
         return redis_router(&url, settings).await;
     }
     match std::env::var("DATABASE_URL") {
+        #[cfg(feature = "mysql")]
+        Ok(url) if url.starts_with("mysql:") || url.starts_with("mariadb:") => {
+            mysql_ledger::router(&url, settings).await
+        }
         Ok(url) => {
             // Three pools, so none can starve another: the layer's own statements (claims,
             // heartbeats, completions), the handlers' transactions (each held while its checkout

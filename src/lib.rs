@@ -127,6 +127,7 @@
 //! | feature | default | what it adds |
 //! |---|---|---|
 //! | `postgres` | on | `store::PostgresStore` (sqlx 0.9, re-exported as `axum_idempotency::sqlx`) and the handler transaction `IdempotencyTx` |
+//! | `mysql` | off | `store::MySqlStore` on MySQL 8 or MariaDB 10.6+ (sqlx 0.9), and the handler transaction `IdempotencyTx<sqlx::MySql>` |
 //! | `redis` | off | `store::RedisStore` on one server or a Redis Cluster (redis 1, re-exported as `axum_idempotency::redis`) |
 //! | `encryption` | off | `store::EncryptedStore`: recorded headers and bodies sealed with AES-256-GCM over any store |
 //! | `metrics` | off | outcome counters by route and store latency histograms through the `metrics` facade |

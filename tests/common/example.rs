@@ -41,6 +41,9 @@ pub fn binary() -> std::path::PathBuf {
                     features.push(name);
                 }
             }
+            if cfg!(feature = "mysql") {
+                features.push("mysql");
+            }
             let status = std::process::Command::new(cargo)
                 .args(["build", "--quiet", "--example", "checkout", "--features"])
                 .arg(features.join(","))
@@ -65,7 +68,11 @@ pub async fn start(schema: &str, env: &[(&str, String)]) -> (Child, SocketAddr) 
 
 /// [`start`] on the PostgreSQL at `database`.
 pub async fn start_on(database: &str, schema: &str, env: &[(&str, String)]) -> (Child, SocketAddr) {
-    let url = format!("{database}?options[search_path]={schema}");
+    start_url(format!("{database}?options[search_path]={schema}"), env).await
+}
+
+/// The example on the database at `url` (any `DATABASE_URL` it takes) with `env`.
+pub async fn start_url(url: String, env: &[(&str, String)]) -> (Child, SocketAddr) {
     let mut command = Command::new(binary());
     command
         .env("DATABASE_URL", url)

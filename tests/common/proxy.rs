@@ -2,7 +2,6 @@
 //! a store and its server (PostgreSQL, Redis).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -25,9 +24,9 @@ pub struct Proxy {
     pub addr: SocketAddr,
     mode: watch::Sender<Mode>,
     connections: Arc<Mutex<Vec<AbortHandle>>>,
-    /// When set, the next client bytes that hold `COMMIT` are never delivered, and nothing after them
-    /// on that connection: a connection that dies quietly just before its commit.
-    freeze_at_commit: Arc<AtomicBool>,
+    /// When set, the next client bytes that hold this pattern are never delivered, and nothing
+    /// after them on that connection: a connection that dies quietly just before its commit.
+    freeze_at: Arc<Mutex<Option<Vec<u8>>>>,
 }
 
 impl Proxy {
@@ -38,8 +37,8 @@ impl Proxy {
         let (mode, _) = watch::channel(Mode::Pass);
         let connections: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
         let (tx, conns) = (mode.clone(), connections.clone());
-        let freeze_at_commit = Arc::new(AtomicBool::new(false));
-        let freeze = freeze_at_commit.clone();
+        let freeze_at: Arc<Mutex<Option<Vec<u8>>>> = Arc::default();
+        let freeze = freeze_at.clone();
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 if *tx.borrow() == Mode::Cut {
@@ -62,7 +61,7 @@ impl Proxy {
             addr,
             mode,
             connections,
-            freeze_at_commit,
+            freeze_at,
         }
     }
 
@@ -71,7 +70,14 @@ impl Proxy {
     /// idle in its transaction, holding its locks).
     #[allow(dead_code)]
     pub fn freeze_at_commit(&self) {
-        self.freeze_at_commit.store(true, Ordering::SeqCst);
+        // PostgreSQL's simple query: the statement's text ends in NUL.
+        self.freeze_at(b"COMMIT\0");
+    }
+
+    /// The next connection that sends `pattern` freezes there (once), as `freeze_at_commit` does.
+    #[allow(dead_code)]
+    pub fn freeze_at(&self, pattern: &[u8]) {
+        *self.freeze_at.lock().expect("lock") = Some(pattern.to_vec());
     }
 
     /// The port clients connect to.
@@ -94,7 +100,7 @@ async fn pipe(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     mut mode: watch::Receiver<Mode>,
-    freeze_at_commit: Option<Arc<AtomicBool>>,
+    freeze_at: Option<Arc<Mutex<Option<Vec<u8>>>>>,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -102,14 +108,17 @@ async fn pipe(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        if freeze_at_commit
-            .as_ref()
-            .is_some_and(|f| f.load(Ordering::SeqCst))
-            && buf[..n].windows(7).any(|w| w == b"COMMIT\0")
-            && freeze_at_commit
-                .as_ref()
-                .is_some_and(|f| f.swap(false, Ordering::SeqCst))
-        {
+        let frozen = freeze_at.as_ref().is_some_and(|f| {
+            let mut pattern = f.lock().expect("lock");
+            let found = pattern
+                .as_deref()
+                .is_some_and(|p| buf[..n].windows(p.len()).any(|w| w == p));
+            if found {
+                *pattern = None;
+            }
+            found
+        });
+        if frozen {
             // Hold the connection open, delivering nothing more, until the proxy is dropped.
             let _to = to;
             std::future::pending::<()>().await;

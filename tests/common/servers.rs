@@ -1,5 +1,5 @@
 //! The servers the tests talk to: the one an environment variable names (`DATABASE_URL`,
-//! `REDIS_URL`, `REDIS_CLUSTER_URLS`); else the one on its usual local address, if it answers;
+//! `MYSQL_URL`, `REDIS_URL`, `REDIS_CLUSTER_URLS`); else the one on its usual local address, if it answers;
 //! else a private one that this test process starts from the server binaries (its own data
 //! directory under the temporary directory, free loopback ports) and that a watchdog stops, and
 //! whose files it removes, as soon as this process ends, however it ends (a panic, an interrupt,
@@ -27,6 +27,22 @@ pub fn database_url() -> String {
             "postgres://postgres@127.0.0.1:5432/test".to_owned()
         } else {
             private_postgres().url.clone()
+        }
+    })
+    .clone()
+}
+
+/// The MySQL (or MariaDB) URL of the tests.
+pub fn mysql_url() -> String {
+    if let Ok(url) = std::env::var("MYSQL_URL") {
+        return url;
+    }
+    static URL: OnceLock<String> = OnceLock::new();
+    URL.get_or_init(|| {
+        if answers("127.0.0.1:3306") {
+            "mysql://root@127.0.0.1:3306/test".to_owned()
+        } else {
+            private_mysql().url.clone()
         }
     })
     .clone()
@@ -133,6 +149,158 @@ fn start_postgres() -> PrivatePostgres {
         url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
         data,
     }
+}
+
+/// A MariaDB (or MySQL) server of this test process's own, for tests that restart it.
+pub struct PrivateMySql {
+    pub url: String,
+    /// The server binary and its arguments, to start it again.
+    start: Vec<String>,
+    pidfile: PathBuf,
+    port: u16,
+}
+
+impl PrivateMySql {
+    /// Restarts the server: stops it (a clean shutdown), leaves it down for `down`, then starts it
+    /// on the same port and data.
+    pub fn restart(&self, down: Duration) {
+        let pid = std::fs::read_to_string(&self.pidfile).expect("the server's pid file");
+        run(Command::new("kill").arg(pid.trim()));
+        let stopped = Instant::now();
+        while answers(&format!("127.0.0.1:{}", self.port)) || self.pidfile.exists() {
+            assert!(
+                stopped.elapsed() < Duration::from_secs(60),
+                "the private MySQL did not stop within 60 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::thread::sleep(down);
+        self.launch();
+    }
+
+    /// Starts the server in the background and waits until it takes connections.
+    fn launch(&self) {
+        // `setsid --fork`: the server is no child of this process (nothing to wait for, no zombie
+        // once it stops), and the watchdog stops it by its pid file.
+        let status = Command::new(binary("setsid", "setsid (Debian: util-linux)"))
+            .arg("--fork")
+            .args(&self.start)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("start the MySQL server");
+        assert!(status.success(), "the MySQL server did not start");
+        let started = Instant::now();
+        while !answers(&format!("127.0.0.1:{}", self.port)) || !self.pidfile.exists() {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "the private MySQL on port {} did not start within 60 s",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// The process's private MariaDB (or MySQL), started on first use.
+pub fn private_mysql() -> &'static PrivateMySql {
+    static SERVER: OnceLock<PrivateMySql> = OnceLock::new();
+    SERVER.get_or_init(start_mysql)
+}
+
+fn start_mysql() -> PrivateMySql {
+    let install = "MariaDB's server (Debian: apt-get install mariadb-server), or set MYSQL_URL";
+    let dir = scratch_dir("mysql");
+    let data = dir.join("data");
+    let pidfile = dir.join("server.pid");
+    watchdog(&format!(
+        "kill $(cat '{}' 2>/dev/null) 2>/dev/null; sleep 2; kill -9 $(cat '{}' 2>/dev/null) \
+         2>/dev/null; rm -rf '{}'",
+        pidfile.display(),
+        pidfile.display(),
+        dir.display()
+    ));
+    let user = if running_as_root() { "root" } else { "" };
+    let mariadb = on_path("mariadbd").or_else(|| {
+        let sbin = PathBuf::from("/usr/sbin/mariadbd");
+        sbin.exists().then_some(sbin)
+    });
+    let server = match mariadb {
+        Some(server) => {
+            let mut init = Command::new(binary("mariadb-install-db", install));
+            init.arg("--no-defaults")
+                .arg(format!("--datadir={}", data.display()))
+                .args(["--auth-root-authentication-method=normal", "--skip-test-db"]);
+            if !user.is_empty() {
+                init.arg(format!("--user={user}"));
+            }
+            run(&mut init);
+            server
+        }
+        None => {
+            // MySQL: `mysqld --initialize-insecure` makes a root without a password.
+            let server = on_path("mysqld")
+                .or_else(|| {
+                    let sbin = PathBuf::from("/usr/sbin/mysqld");
+                    sbin.exists().then_some(sbin)
+                })
+                .unwrap_or_else(|| {
+                    panic!(
+                        "no MySQL is reachable (set MYSQL_URL, or run one on 127.0.0.1:3306) and \
+                         no server binary (mariadbd, mysqld) to start a private one is \
+                         installed: install {install}"
+                    )
+                });
+            let mut init = Command::new(&server);
+            init.arg("--no-defaults")
+                .arg("--initialize-insecure")
+                .arg(format!("--datadir={}", data.display()));
+            if !user.is_empty() {
+                init.arg(format!("--user={user}"));
+            }
+            run(&mut init);
+            server
+        }
+    };
+    let port = free_port();
+    let mut start = vec![
+        server.display().to_string(),
+        "--no-defaults".to_owned(),
+        format!("--datadir={}", data.display()),
+        format!("--port={port}"),
+        "--bind-address=127.0.0.1".to_owned(),
+        format!("--socket={}", dir.join("server.sock").display()),
+        format!("--pid-file={}", pidfile.display()),
+        format!("--log-error={}", dir.join("error.log").display()),
+        "--skip-name-resolve".to_owned(),
+        "--max-connections=400".to_owned(),
+        "--innodb-flush-log-at-trx-commit=0".to_owned(),
+    ];
+    if !user.is_empty() {
+        start.push(format!("--user={user}"));
+    }
+    let server = PrivateMySql {
+        url: format!("mysql://root@127.0.0.1:{port}/test"),
+        start,
+        pidfile,
+        port,
+    };
+    server.launch();
+    // Root may connect over TCP from anywhere, without a password, and the tests' database exists.
+    let socket = dir.join("server.sock");
+    let client = on_path("mariadb")
+        .or_else(|| on_path("mysql"))
+        .unwrap_or_else(|| panic!("no mariadb or mysql client is installed: install {install}"));
+    run(Command::new(client)
+        .arg(format!("--socket={}", socket.display()))
+        .args(["-uroot", "-e"])
+        .arg(
+            "CREATE USER IF NOT EXISTS 'root'@'%'; \
+             GRANT ALL PRIVILEGES ON *.* TO 'root'@'%' WITH GRANT OPTION; \
+             CREATE DATABASE IF NOT EXISTS test",
+        ));
+    server
 }
 
 fn private_redis() -> String {

@@ -847,3 +847,162 @@ async fn inspection_routes_and_the_wait() {
     assert_eq!(duplicate.body, first.body);
     assert!(duplicate.header("idempotency-expires").is_some());
 }
+
+// ---- the same scenarios on MySQL (feature `mysql`) ----
+
+#[cfg(feature = "mysql")]
+mod mysql {
+    use super::*;
+    use axum_idempotency::store::MySqlStore;
+    use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
+
+    /// A fresh database, its URL, and a pool on it; databases earlier runs left are dropped after
+    /// an hour.
+    async fn database() -> (String, MySqlPool) {
+        let server = common::servers::mysql_url();
+        let admin = MySqlPool::connect(&server).await.expect("MySQL");
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_secs();
+        let stale: Vec<(String,)> = sqlx::query_as(
+            "SELECT CAST(schema_name AS CHAR) FROM information_schema.schemata \
+             WHERE schema_name LIKE 'idem\\_e2e\\_%'",
+        )
+        .fetch_all(&admin)
+        .await
+        .expect("databases");
+        for (old,) in stale {
+            let made: u64 = old
+                .split('_')
+                .nth(2)
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(now);
+            if made + 3600 < now {
+                let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP DATABASE `{old}`")))
+                    .execute(&admin)
+                    .await;
+            }
+        }
+        let name = format!("idem_e2e_{now}_{}_{}", std::process::id(), rand_suffix());
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE `{name}`")))
+            .execute(&admin)
+            .await
+            .expect("database");
+        let (base, _) = server.rsplit_once('/').expect("a URL with a database");
+        let url = format!("{base}/{name}");
+        let pool = MySqlPoolOptions::new()
+            .max_connections(30)
+            .connect(&url)
+            .await
+            .expect("pool");
+        (url, pool)
+    }
+
+    async fn serve_mysql(delay_ms: u64) -> SocketAddr {
+        let (_, pool) = database().await;
+        let store = MySqlStore::new(pool.clone());
+        store.migrate().await.expect("migrate");
+        let ledger = checkout::mysql_ledger::ledger_in(pool)
+            .await
+            .expect("ledger");
+        let settings = settings(delay_ms);
+        let idempotency = checkout::idempotency(store, &settings)
+            .transactions(settings.transactional)
+            .build()
+            .expect("valid settings");
+        serve_layer(idempotency, ledger, settings).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn mysql_duplicates_during_a_slow_checkout() {
+        duplicates_during_a_slow_checkout(serve_mysql(1500).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn mysql_outcomes_and_isolation() {
+        outcomes_and_isolation(serve_mysql(0).await).await;
+    }
+
+    /// The inspection routes on MySQL: a checkout's state while it runs and once finished, 409
+    /// for a delete while it runs, 204 then a new key after a delete of a finished one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn mysql_inspection_routes() {
+        let addr = serve_mysql(400).await;
+        let path = "/checkout/idempotency/order-9";
+        let none = http(addr, "GET", path, "alice", None, "").await;
+        assert_eq!(none.status, StatusCode::NOT_FOUND);
+        let body = r#"{"amount":500}"#;
+        let first = tokio::spawn(async move { checkout_req(addr, "alice", "order-9", body).await });
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let running = http(addr, "GET", path, "alice", None, "").await;
+        assert_eq!(running.json()["state"], "in_progress");
+        let refused = http(addr, "DELETE", path, "alice", None, "").await;
+        assert_eq!(refused.status, StatusCode::CONFLICT);
+        assert_eq!(first.await.expect("task").status, StatusCode::CREATED);
+        let done = http(addr, "GET", path, "alice", None, "").await;
+        assert_eq!(done.json()["state"], "completed");
+        assert_eq!(done.json()["status"], 201);
+        let theirs = http(addr, "GET", path, "mallory", None, "").await;
+        assert_eq!(theirs.status, StatusCode::NOT_FOUND);
+        let deleted = http(addr, "DELETE", path, "alice", None, "").await;
+        assert_eq!(deleted.status, StatusCode::NO_CONTENT);
+        let again = checkout_req(addr, "alice", "order-9", body).await;
+        assert_eq!(again.status, StatusCode::CREATED);
+        assert!(!again.replayed());
+        assert_eq!(charges(addr, "alice").await, (2, 2));
+    }
+
+    /// The example process killed after the charge was written in the layer's transaction, before
+    /// the commit: the charge rolls back with the process's connection, the record is retaken
+    /// after the TTL, and the retaker charges once; the provider is paid once across both runs.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn mysql_transactional_checkout_killed_before_the_commit_charges_once() {
+        let (url, pool) = database().await;
+        let body = r#"{"amount":700}"#;
+        const TTL: Duration = Duration::from_secs(4);
+        let env = |hold: &str| {
+            vec![
+                (
+                    "IDEMPOTENCY_IN_PROGRESS_TTL_SECS",
+                    TTL.as_secs().to_string(),
+                ),
+                ("CHECKOUT_HOLD_MS", hold.to_owned()),
+                ("CHECKOUT_TRANSACTIONAL", "1".to_owned()),
+            ]
+        };
+        let (mut first, addr) = example::start_url(url.clone(), &env("20000")).await;
+        let in_flight = tokio::spawn(async move {
+            try_http(addr, "POST", "/checkout", "hana", Some("tx-1"), body).await
+        });
+        // The handler ran up to its pause: the attempt and the provider payment are on record.
+        let mut paid = false;
+        for _ in 0..500 {
+            let (n,): (i64,) =
+                sqlx::query_as("SELECT COUNT(*) FROM provider_payments WHERE subject = 'hana'")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap_or((0,));
+            if n == 1 {
+                paid = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(paid, "the provider was paid");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        first.kill().await.expect("kill -9 before the commit");
+        let killed_at = Instant::now();
+        assert!(in_flight.await.expect("client").is_err());
+        let (_second, addr) = example::start_url(url, &env("0")).await;
+        let early = checkout_req(addr, "hana", "tx-1", body).await;
+        assert_eq!(early.status, StatusCode::CONFLICT, "held until the TTL");
+        tokio::time::sleep(TTL.saturating_sub(killed_at.elapsed()) + Duration::from_millis(500))
+            .await;
+        let retaken = checkout_req(addr, "hana", "tx-1", body).await;
+        assert_eq!(retaken.status, StatusCode::CREATED, "{retaken:?}");
+        assert!(checkout_req(addr, "hana", "tx-1", body).await.replayed());
+        assert_eq!(charges(addr, "hana").await, (1, 2), "one charge, two runs");
+        assert_eq!(provider_payments(addr, "hana").await, 1);
+    }
+}

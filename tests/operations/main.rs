@@ -10,6 +10,7 @@ mod common;
 
 mod faults;
 mod instances;
+mod mysql;
 mod once;
 mod redis_faults;
 mod tenants;

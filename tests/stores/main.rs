@@ -10,6 +10,7 @@ mod common;
 
 mod encryption;
 mod memory;
+mod mysql;
 mod postgres;
 mod properties;
 mod redis_cluster;

@@ -1,0 +1,98 @@
+//! The claim: one batch (insert, take, read; see `Statements::claim`), read into an outcome.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use sqlx::Row;
+use sqlx::mysql::MySqlRow;
+
+use super::{MySqlStore, db, error_number, subject_digest};
+use crate::store::header_list;
+use crate::store::{ClaimOutcome, ClaimRequest, Finished, Generation, StoreError, StoredResponse};
+
+impl MySqlStore {
+    pub(super) async fn claim_record(
+        &self,
+        request: &ClaimRequest,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let scope = request.key.digest();
+        let batch = self
+            .sql
+            .claim(request, &scope, &subject_digest(&request.key.subject));
+        let answers = match self.batch("claim", &batch).await? {
+            Ok(answers) => answers,
+            // The table lacks a column this version writes (made by hand, or by another
+            // version): nothing was claimed; never a reason to run unguarded.
+            Err(e) if error_number(&e) == Some(1054) => {
+                return Err(StoreError::refused_claim(format!(
+                    "mysql claim: the table {} lacks a column this version needs; run \
+                     MySqlStore::migrate(), or compare it with migrations/mysql: {e}",
+                    self.sql.table
+                )));
+            }
+            Err(e) => return Err(db("claim")(e)),
+        };
+        match answers.last().and_then(|a| a.rows.first()) {
+            Some(row) => decide(request, row),
+            // The row was there a moment ago and is gone again (deleted, purged): `409`, and the
+            // client's retry settles it.
+            None => Ok(ClaimOutcome::InProgress),
+        }
+    }
+}
+
+/// The outcome of a claim from the record as its batch left it: held by this claim's lease (it
+/// inserted the record, took it, or had it already: a claim sent twice), or someone else's.
+fn decide(request: &ClaimRequest, row: &MySqlRow) -> Result<ClaimOutcome, StoreError> {
+    let get = |e| StoreError::new("mysql claim: unexpected row", e);
+    let status: String = row.try_get("status").map_err(get)?;
+    let lease: i64 = row.try_get("lease_token").map_err(get)?;
+    let generation = row
+        .try_get::<Option<Vec<u8>>, _>("generation")
+        .map_err(get)?
+        .and_then(|g| Generation::from_slice(&g));
+    if lease == request.lease.0 && status == "in_progress" {
+        return Ok(ClaimOutcome::Claimed {
+            lease: request.lease,
+            generation,
+        });
+    }
+    let same_fp: i64 = row.try_get("same_fp").map_err(get)?;
+    if same_fp != 1 {
+        return Ok(ClaimOutcome::KeyReuse);
+    }
+    let outcome = match status.as_str() {
+        "completed" => Finished::Completed,
+        "failed" => Finished::Failed,
+        // Held by another lease (or released meanwhile, or past its expiry since the batch
+        // looked): never granted here.
+        _ => return Ok(ClaimOutcome::InProgress),
+    };
+    // A finished record that cannot be read (a row edited by hand) is never a reason to run the
+    // operation again, even for a layer that fails open.
+    let unreadable = |what: &str| {
+        StoreError::unreadable_record(format!(
+            "mysql claim: a finished record is unreadable: {what}"
+        ))
+    };
+    let status: i16 = row
+        .try_get::<Option<i16>, _>("response_status")
+        .map_err(|e| unreadable(&e.to_string()))?
+        .ok_or_else(|| unreadable("no status"))?;
+    let headers: Option<Vec<u8>> = row
+        .try_get("response_headers")
+        .map_err(|e| unreadable(&e.to_string()))?;
+    let headers = header_list::read(&mut headers.as_deref().unwrap_or_default())
+        .ok_or_else(|| unreadable("its headers"))?;
+    let body: Option<Vec<u8>> = row.try_get("response_body").map_err(get)?;
+    let expires_in: Option<i64> = row.try_get("expires_in_us").map_err(get)?;
+    Ok(ClaimOutcome::Finished(Arc::new(StoredResponse {
+        outcome,
+        status: u16::try_from(status).unwrap_or(500),
+        headers,
+        body_omitted: body.is_none(),
+        body: body.map(Bytes::from).unwrap_or_default(),
+        expires_in: expires_in.map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0))),
+    })))
+}

@@ -1,0 +1,481 @@
+//! The MySQL and MariaDB store: one InnoDB table shared by every instance of an application.
+
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use futures_util::TryStreamExt;
+use sqlx::mysql::{MySqlConnection, MySqlDatabaseError, MySqlRow};
+use sqlx::pool::PoolConnection;
+use sqlx::{Either, MySql, MySqlPool};
+use tokio::time::Instant;
+
+mod claim;
+mod in_flight;
+mod inspect;
+mod migrate;
+mod parking;
+mod sql;
+mod statements;
+mod transactional;
+
+use sql::{Bounds, DEFAULT_TABLE, Flavor};
+use statements::{Batch, PURGE_BATCH, Statements};
+
+use super::{IdempotencyStore, StoreError};
+use crate::store::{
+    ClaimOutcome, ClaimRequest, Fenced, Fingerprint, LeaseToken, RecordKey, StoredResponse,
+};
+
+/// The shortest time `migrate()` may take (it may wait for another instance's migration).
+const MIN_MIGRATE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long one store operation may take before it counts as failed (`503`), by default.
+const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
+/// The shortest operation timeout [`MySqlStore::with_timeout`] sets.
+const MIN_OPERATION_TIMEOUT: Duration = Duration::from_millis(10);
+
+/// Records in a MySQL 8 or MariaDB 10.6+ table (InnoDB), shared by every instance of the
+/// application.
+///
+/// Every statement autocommits, so a claim is visible to every other connection before the
+/// handler starts, and no lock or transaction is held while the handler runs. Each operation is
+/// one round trip: its statements go together, as text, with their values written as hexadecimal
+/// or decimal literals (a prepared statement holds one statement only; no text of a client ever
+/// reaches the SQL). A claim inserts the record or leaves the row that is there, takes that row by
+/// compare-and-swap when it is there to take (expired, released, or stale), and reads it back:
+/// one round trip for a fresh key, a replay, a `409`, a `422` and a retake alike. Its read is a
+/// statement of its own, so it sees the row of a claim it raced, committed, whatever the isolation
+/// level (REPEATABLE READ by default).
+///
+/// Times are the database's (`UTC_TIMESTAMP(6)`), so the clocks of application machines do not
+/// matter. Requirements of the pool's connections: autocommit on (the default), and
+/// `max_allowed_packet` at least twice the largest recorded body (it is sent in hexadecimal).
+///
+/// **Bounds on the server.** Each batch sets, for itself, `innodb_lock_wait_timeout` (whole
+/// seconds, at least 1) and the statement time limit (`max_statement_time` on MariaDB, which
+/// bounds every statement; `max_execution_time` on MySQL, which bounds reads) to four fifths of the
+/// operation timeout, and puts the session's own values back at its end, so connections shared
+/// with the application keep theirs. A lock wait timeout (1205) or a deadlock (1213) is a
+/// retryable error, never a reason to run a handler twice.
+///
+/// **Connections between operations.** As the Postgres store does, the store keeps the connection
+/// of an operation that succeeded for its next operation (for 100 to 200 ms idle, at most 30 s
+/// after it came from the pool, at most the pool's size, or half of it when handlers' transactions
+/// come from the same pool), so that under load an operation costs its one round trip and not the
+/// pool's pings too. A kept connection that died meanwhile (a restart) fails its statement, which
+/// then goes once more on a connection from the pool. A connection whose batch failed or was cut
+/// by the timeout is closed rather than given back with the store's session values.
+#[derive(Clone)]
+pub struct MySqlStore {
+    pool: MySqlPool,
+    /// Where handlers' transactions come from, when not `pool`.
+    transactions: Option<MySqlPool>,
+    sql: Arc<Statements>,
+    timeout: Duration,
+    /// The statements that bound each batch, once the server's flavor is known. Shared by clones.
+    bounds: Arc<OnceLock<Bounds>>,
+    /// Connections kept between operations (see `parking.rs`). Shared by clones.
+    parking: Arc<parking::Parking>,
+}
+
+impl fmt::Debug for MySqlStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MySqlStore")
+            .field("table", &self.sql.table)
+            .field("timeout", &self.timeout)
+            .field("transaction_pool", &self.transactions.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// An invalid table name given to [`MySqlStore::with_table`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MySqlStoreError(String);
+
+impl fmt::Display for MySqlStoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for MySqlStoreError {}
+
+/// What one statement of a batch answered: the rows it changed (or matched), and its rows.
+struct Answer {
+    affected: u64,
+    rows: Vec<MySqlRow>,
+}
+
+impl MySqlStore {
+    /// A store on the `idempotency_records` table of the pool's database.
+    pub fn new(pool: MySqlPool) -> Self {
+        MySqlStore {
+            pool,
+            transactions: None,
+            sql: Arc::new(Statements::new(DEFAULT_TABLE)),
+            timeout: DEFAULT_OPERATION_TIMEOUT,
+            bounds: Arc::default(),
+            parking: Arc::default(),
+        }
+    }
+
+    /// A store on another table: a lower-case identifier (`[a-z_][a-z0-9_]*`, at most 40
+    /// characters), optionally in another database of the same form (`billing.idempotency`).
+    /// Names are quoted in every statement, so reserved words such as `order` work too.
+    pub fn with_table(pool: MySqlPool, table: &str) -> Result<Self, MySqlStoreError> {
+        let parts: Vec<&str> = table.split('.').collect();
+        let valid = |part: &str| {
+            !part.is_empty()
+                && part.len() <= 40
+                && part.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+                && part
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        };
+        if parts.len() > 2 || !parts.iter().all(|p| valid(p)) {
+            return Err(MySqlStoreError(format!(
+                "{table:?} is not a valid table name: use [a-z_][a-z0-9_]* (at most 40 characters), \
+                 optionally as database.table"
+            )));
+        }
+        Ok(MySqlStore {
+            sql: Arc::new(Statements::new(table)),
+            ..MySqlStore::new(pool)
+        })
+    }
+
+    /// How long the wait for a connection, and then one operation's statements, may each take
+    /// before it fails. Without it, a database that stops answering would hold requests forever.
+    /// Default: 5 s (at least 10 ms). The server is told four fifths of it (see the type's docs).
+    ///
+    /// A claim that times out may still have committed; its record then stays `in_progress` with
+    /// no worker and is released by its token in the background, or retaken after the in-progress
+    /// TTL: the handler still runs at most once.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout.max(MIN_OPERATION_TIMEOUT);
+        self.bounds = Arc::default();
+        self
+    }
+
+    /// Takes the handlers' transactions ([`IdempotencyTx<sqlx::MySql>`](crate::IdempotencyTx))
+    /// from `pool` rather than from the store's own pool, so that transactions held while
+    /// handlers run can never use up the connections that claims, heartbeats and completions need.
+    /// Both pools must reach the same database.
+    pub fn with_transaction_pool(mut self, pool: MySqlPool) -> Self {
+        self.transactions = Some(pool);
+        // Kept connections are bounded by what this store shares: its own set from here on.
+        self.parking = Arc::default();
+        self
+    }
+
+    /// The connection pool.
+    pub fn pool(&self) -> &MySqlPool {
+        &self.pool
+    }
+
+    /// The table name, as configured.
+    pub fn table(&self) -> &str {
+        &self.sql.table
+    }
+
+    fn no_answer(&self, what: &str) -> StoreError {
+        StoreError::msg(format!("mysql {what}: no answer within {:?}", self.timeout))
+    }
+
+    /// A connection for one operation: one kept from an earlier operation (unless `from_pool`), or
+    /// one from the pool within the operation timeout; with when it first came from the pool.
+    async fn connection(
+        &self,
+        what: &'static str,
+        from_pool: bool,
+    ) -> Result<(PoolConnection<MySql>, Option<Instant>), StoreError> {
+        if !from_pool && let Some((connection, since)) = self.parking.take(&self.pool) {
+            return Ok((connection, Some(since)));
+        }
+        match tokio::time::timeout(self.timeout, self.pool.acquire()).await {
+            Err(_) => Err(self.no_answer(what)),
+            Ok(result) => result.map(|c| (c, None)).map_err(db(what)),
+        }
+    }
+
+    /// Keeps the connection of an operation that succeeded for the next one (see `parking.rs`).
+    fn keep(&self, connection: PoolConnection<MySql>, since: Option<Instant>) {
+        let size = self.pool.options().get_max_connections() as usize;
+        let capacity = if self.transactions.is_some() {
+            size
+        } else {
+            size / 2
+        };
+        self.parking.keep(
+            connection,
+            since.unwrap_or_else(Instant::now),
+            &self.pool,
+            capacity,
+        );
+    }
+
+    /// The bounds of a batch on this server, asking it its version the first time.
+    async fn bounds(&self, conn: &mut MySqlConnection) -> Result<&Bounds, sqlx::Error> {
+        if let Some(bounds) = self.bounds.get() {
+            return Ok(bounds);
+        }
+        let version: String = sqlx::query_scalar("SELECT VERSION()")
+            .fetch_one(&mut *conn)
+            .await?;
+        Ok(self
+            .bounds
+            .get_or_init(|| Bounds::new(Flavor::of(&version), self.timeout)))
+    }
+
+    /// Sends `batch` between the session's bounds, in one round trip within the operation timeout,
+    /// on a kept connection or one from the pool, and answers what each of its statements did.
+    ///
+    /// A connection whose batch failed is given back only once the session's own values are put
+    /// back (else closed); one cut by the timeout is closed (sqlx would keep it out of the pool
+    /// until the server answered, for a stalled connection hours). A kept connection found dead
+    /// is closed and the batch goes once more on one from the pool: every operation is safe to
+    /// repeat under its lease (a claim by its own lease is granted again, a completion by it is
+    /// done already, a renewal renews again, a release answers the lease lost).
+    async fn batch(
+        &self,
+        what: &'static str,
+        batch: &Batch,
+    ) -> Result<Result<Vec<Answer>, sqlx::Error>, StoreError> {
+        let mut from_pool = false;
+        loop {
+            let (taken, kept) = self.connection(what, from_pool).await?;
+            // Closed if this future is dropped mid-statement (see `in_flight.rs`).
+            let mut flight = in_flight::InFlight::new(taken);
+            let done = tokio::time::timeout(self.timeout, async {
+                let conn = flight.connection()?;
+                let bounds = self.bounds(conn).await?;
+                let sql = format!("{};\n{};\n{}", bounds.open, batch.sql, bounds.close);
+                run(conn, sql).await
+            })
+            .await;
+            let Some(conn) = flight.landed() else {
+                return Err(self.no_answer(what));
+            };
+            match done {
+                Ok(Err(e)) if kept.is_some() && parking::lost_connection(&e) => {
+                    drop(conn.detach());
+                    from_pool = true;
+                }
+                Ok(Ok(mut answers)) => {
+                    if answers.len() != batch.statements + 2 {
+                        drop(conn.detach());
+                        return Ok(Err(sqlx::Error::Protocol(format!(
+                            "{} answers to {} statements",
+                            answers.len(),
+                            batch.statements + 2
+                        ))));
+                    }
+                    self.keep(conn, kept);
+                    answers.pop();
+                    answers.remove(0);
+                    return Ok(Ok(answers));
+                }
+                Ok(Err(e)) => {
+                    self.settle_failed(conn, &e).await;
+                    return Ok(Err(e));
+                }
+                Err(_) => {
+                    drop(conn.detach());
+                    return Err(self.no_answer(what));
+                }
+            }
+        }
+    }
+
+    /// A connection whose batch failed part way: the session's own bounds put back, then given
+    /// back to the pool; closed if that fails too, or if the connection itself failed.
+    async fn settle_failed(&self, mut conn: PoolConnection<MySql>, error: &sqlx::Error) {
+        let restore = match (error, self.bounds.get()) {
+            (sqlx::Error::Database(_), Some(bounds)) => bounds.close.clone(),
+            _ => {
+                drop(conn.detach());
+                return;
+            }
+        };
+        let restored = tokio::time::timeout(
+            self.timeout,
+            sqlx::raw_sql(sqlx::AssertSqlSafe(restore)).execute(&mut *conn),
+        )
+        .await;
+        if !matches!(restored, Ok(Ok(_))) {
+            drop(conn.detach());
+        }
+    }
+
+    /// `batch`, its errors as the store answers them.
+    async fn answers(&self, what: &'static str, batch: &Batch) -> Result<Vec<Answer>, StoreError> {
+        self.batch(what, batch).await?.map_err(db(what))
+    }
+}
+
+/// Runs `sql` (several statements) and answers what each did: a statement's rows come before its
+/// result.
+async fn run(conn: &mut MySqlConnection, sql: String) -> Result<Vec<Answer>, sqlx::Error> {
+    let mut answers = Vec::new();
+    let mut rows = Vec::new();
+    let mut stream = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).fetch_many(conn);
+    while let Some(item) = stream.try_next().await? {
+        match item {
+            Either::Right(row) => rows.push(row),
+            Either::Left(done) => answers.push(Answer {
+                affected: done.rows_affected(),
+                rows: std::mem::take(&mut rows),
+            }),
+        }
+    }
+    Ok(answers)
+}
+
+/// The first column of the first row of `answer` as an integer, if any.
+fn first_integer(answer: Option<&Answer>) -> Result<Option<i64>, StoreError> {
+    use sqlx::Row;
+    match answer.and_then(|a| a.rows.first()) {
+        None => Ok(None),
+        Some(row) => row
+            .try_get::<Option<i64>, _>(0)
+            .map_err(|e| StoreError::new("mysql: unexpected row", e)),
+    }
+}
+
+/// SHA-256 of a subject: the subject index's key, whatever the subject's length.
+fn subject_digest(subject: &str) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(subject.as_bytes()).into()
+}
+
+impl IdempotencyStore for MySqlStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        self.claim_record(request).await
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        _fingerprint: &Fingerprint,
+        response: Arc<StoredResponse>,
+        retention: Duration,
+    ) -> Result<Fenced, StoreError> {
+        let batch = self.completion(key, lease, &response, retention)?;
+        let answers = self.answers("complete", &batch).await?;
+        held_after_completion(&answers)
+    }
+
+    async fn renew(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        lifetime: Duration,
+    ) -> Result<Fenced, StoreError> {
+        let batch = self.sql.renew(&key.digest(), lease, lifetime);
+        let answers = self.answers("renew", &batch).await?;
+        Ok(Fenced::from_held(
+            answers.first().is_some_and(|a| a.affected == 1),
+        ))
+    }
+
+    async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
+        let batch = self.sql.release(&key.digest(), lease);
+        let answers = self.answers("release", &batch).await?;
+        Ok(Fenced::from_held(
+            answers.first().is_some_and(|a| a.affected == 1),
+        ))
+    }
+
+    async fn purge_expired(&self) -> Result<u64, StoreError> {
+        let batch = self.sql.purge();
+        let mut total = 0;
+        loop {
+            let answers = self.answers("purge", &batch).await?;
+            let deleted = answers.last().map_or(0, |a| a.affected);
+            total += deleted;
+            if deleted < PURGE_BATCH {
+                return Ok(total);
+            }
+        }
+    }
+
+    async fn lookup(&self, key: &RecordKey) -> Result<Option<super::RecordInfo>, StoreError> {
+        self.lookup_record(key).await
+    }
+
+    async fn delete(&self, key: &RecordKey) -> Result<super::Deleted, StoreError> {
+        self.delete_record(key).await
+    }
+
+    async fn list(
+        &self,
+        subject: &str,
+        request: super::ListRequest,
+    ) -> Result<super::RecordPage, StoreError> {
+        self.list_records(subject, request).await
+    }
+
+    /// A bounded count on the subject index.
+    async fn count_records(&self, subject: &str, up_to: u64) -> Result<Option<u64>, StoreError> {
+        self.count_subject(subject, up_to).await.map(Some)
+    }
+
+    fn operation_timeout(&self) -> Option<Duration> {
+        Some(self.timeout)
+    }
+}
+
+impl MySqlStore {
+    /// The completion's statements (see `Statements::complete`).
+    fn completion(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        response: &StoredResponse,
+        retention: Duration,
+    ) -> Result<Batch, StoreError> {
+        let mut headers = Vec::new();
+        super::header_list::write(&response.headers, &mut headers)
+            .ok_or_else(|| StoreError::msg("mysql complete: too many headers"))?;
+        Ok(self
+            .sql
+            .complete(&key.digest(), lease, response, &headers, retention))
+    }
+
+    /// Whether `lease` finished the record (see `Statements::finished_by`).
+    async fn finished_by(&self, key: &RecordKey, lease: LeaseToken) -> Result<bool, StoreError> {
+        let batch = Batch::default().push(&self.sql.finished_by(&key.digest(), lease));
+        let answers = self.answers("complete", &batch).await?;
+        Ok(first_integer(answers.first())? == Some(1))
+    }
+}
+
+/// A completion's answers: its update matched, or the lease had finished the record already.
+fn held_after_completion(answers: &[Answer]) -> Result<Fenced, StoreError> {
+    let updated = answers.first().is_some_and(|a| a.affected == 1);
+    let finished = first_integer(answers.get(1))? == Some(1);
+    Ok(Fenced::from_held(updated || finished))
+}
+
+/// The server's error number, for a database error.
+fn error_number(e: &sqlx::Error) -> Option<u16> {
+    e.as_database_error()
+        .and_then(|d| d.try_downcast_ref::<MySqlDatabaseError>())
+        .map(MySqlDatabaseError::number)
+}
+
+/// A database error as the store answers it. A write refused for lack of room (the table or the
+/// disk full, 1114 and 1021; the server out of memory, 1037 and 1041) wrote nothing, and the layer
+/// must not run unguarded for it. A lock wait timeout (1205), a deadlock (1213) and a statement
+/// cut by the server's time limit (1969 on MariaDB, 3024 on MySQL) are retryable failures like any
+/// other.
+fn db(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
+    move |e| match error_number(&e) {
+        Some(1114 | 1021 | 1037 | 1041) => {
+            StoreError::store_full(format!("mysql {what}: the database has no room: {e}"))
+        }
+        Some(1205 | 1213) => StoreError::new(format!("mysql {what}: busy, retry"), e),
+        _ => StoreError::new(format!("mysql {what}"), e),
+    }
+}

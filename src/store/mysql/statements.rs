@@ -1,0 +1,304 @@
+//! The statements on the table, written per call with their values as literals (see `sql.rs`), and
+//! batched: several statements, one round trip.
+
+use std::time::Duration;
+
+use super::sql::{NOW, RELEASED, epoch_micros, hex, hex_or_null, micros, now_plus, quote_ident};
+use crate::store::{ClaimRequest, LeaseToken, StoredResponse};
+
+/// Rows removed per statement by `purge_expired`, so no single statement holds locks for long.
+pub(super) const PURGE_BATCH: u64 = 10_000;
+
+/// A statement that runs at READ COMMITTED whatever the session's level, so that it takes no gap
+/// lock (the next transaction only, which for an autocommitted statement is that statement).
+const READ_COMMITTED: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
+
+/// A record inspection shows: not past its expiry, not released.
+const LIVE: &str =
+    "expires_at > UTC_TIMESTAMP(6) AND NOT (status = 'in_progress' AND lease_token = 0)";
+
+/// Statements sent together, in one round trip.
+#[derive(Debug, Default)]
+pub(super) struct Batch {
+    pub(super) sql: String,
+    /// How many statements (each answers once).
+    pub(super) statements: usize,
+}
+
+impl Batch {
+    pub(super) fn push(mut self, statement: &str) -> Self {
+        if !self.sql.is_empty() {
+            self.sql.push_str(";\n");
+        }
+        self.sql.push_str(statement);
+        self.statements += 1;
+        self
+    }
+}
+
+/// The statements of one store on its table.
+#[derive(Debug)]
+pub(super) struct Statements {
+    /// The table's name as configured, for messages.
+    pub(super) table: String,
+    /// The table's own name, without its database.
+    pub(super) name: String,
+    /// The database named with it, if any.
+    pub(super) database: Option<String>,
+    /// The table as written in SQL: every part quoted.
+    pub(super) quoted: String,
+}
+
+impl Statements {
+    /// The statements on `table` (`database.table` or `table`, validated).
+    pub(super) fn new(table: &str) -> Self {
+        let (database, name) = match table.split_once('.') {
+            Some((database, name)) => (Some(database.to_owned()), name.to_owned()),
+            None => (None, table.to_owned()),
+        };
+        let quoted = match &database {
+            Some(database) => format!("{}.{}", quote_ident(database), quote_ident(&name)),
+            None => quote_ident(&name),
+        };
+        Statements {
+            table: table.to_owned(),
+            name,
+            database,
+            quoted,
+        }
+    }
+
+    /// The claim, in one round trip whatever it finds:
+    ///
+    /// 1. insert the record, or leave the row that is there as it is (`ON DUPLICATE KEY UPDATE`
+    ///    a column to itself: no error, no change; a concurrent insert of the key is waited for);
+    /// 2. take the row by compare-and-swap if it is there to take: past its expiry, released, or
+    ///    in progress with this fingerprint and not renewed for the longer of the two TTLs. The
+    ///    row is locked and its newest committed version read, so of concurrent takers exactly
+    ///    one matches: the others then find it renewed. The creation time and the generation are
+    ///    assigned first, from the row as it was (whether the server assigns in order or all at
+    ///    once, `SIMULTANEOUS_ASSIGNMENT`), and kept by the retake of the same operation;
+    /// 3. read the row as it is now: each statement autocommits, so this read sees every commit
+    ///    before it, the winner's of a race included, whatever the isolation level.
+    ///
+    /// The caller holds the record when its lease is the row's. Columns of the read: status,
+    /// lease_token, same_fp, response_status, response_headers, response_body (for the same
+    /// fingerprint only), expires_in_us, generation.
+    pub(super) fn claim(
+        &self,
+        request: &ClaimRequest,
+        scope: &[u8; 32],
+        subject_digest: &[u8; 32],
+    ) -> Batch {
+        let t = &self.quoted;
+        let key = &request.key;
+        let scope = hex(scope);
+        let fingerprint = hex(request.fingerprint.as_bytes());
+        let generation = hex(&request.generation.0);
+        let lease = request.lease.0;
+        let ttl = micros(request.in_progress_ttl);
+        let expires = now_plus(request.in_progress_ttl + request.retention);
+        let insert = format!(
+            "INSERT INTO {t} (scope, idempotency_key, subject, subject_digest, endpoint, \
+               fingerprint, status, lease_token, generation, in_progress_ttl_us, created_at, \
+               updated_at, expires_at) \
+             VALUES ({scope}, {}, {}, {}, {}, {fingerprint}, 'in_progress', {lease}, \
+               {generation}, {ttl}, {NOW}, {NOW}, {expires}) \
+             ON DUPLICATE KEY UPDATE scope = scope",
+            hex(key.key.as_bytes()),
+            hex(key.subject.as_bytes()),
+            hex(subject_digest),
+            hex(key.endpoint.as_bytes()),
+        );
+        let take = format!(
+            "UPDATE {t} SET \
+               created_at = IF(status = 'in_progress' AND expires_at > {NOW} \
+                               AND lease_token <> {RELEASED}, created_at, {NOW}), \
+               generation = IF(status = 'in_progress' AND expires_at > {NOW} \
+                               AND fingerprint = {fingerprint}, generation, {generation}), \
+               fingerprint = {fingerprint}, status = 'in_progress', lease_token = {lease}, \
+               response_status = NULL, response_headers = NULL, response_body = NULL, \
+               updated_at = {NOW}, expires_at = {expires}, in_progress_ttl_us = {ttl} \
+             WHERE scope = {scope} AND (expires_at <= {NOW} OR (lease_token <> {lease} \
+               AND status = 'in_progress' AND (lease_token = {RELEASED} \
+                 OR (fingerprint = {fingerprint} AND updated_at <= {NOW} \
+                     - INTERVAL GREATEST({ttl}, in_progress_ttl_us) MICROSECOND))))"
+        );
+        let read = format!(
+            "SELECT status, lease_token, fingerprint = {fingerprint} AS same_fp, \
+               response_status, response_headers, \
+               IF(fingerprint = {fingerprint}, response_body, NULL) AS response_body, \
+               TIMESTAMPDIFF(MICROSECOND, {NOW}, expires_at) AS expires_in_us, generation \
+             FROM {t} WHERE scope = {scope}"
+        );
+        Batch::default()
+            .push(READ_COMMITTED)
+            .push(&insert)
+            .push(READ_COMMITTED)
+            .push(&take)
+            .push(&read)
+    }
+
+    /// The completion, fenced by the lease, then whether the lease has finished the record (also
+    /// when an earlier attempt of this lease finished it and its answer was lost). `headers` are
+    /// the response's, encoded.
+    pub(super) fn complete(
+        &self,
+        scope: &[u8; 32],
+        lease: LeaseToken,
+        response: &StoredResponse,
+        headers: &[u8],
+        retention: Duration,
+    ) -> Batch {
+        let t = &self.quoted;
+        let body = (!response.body_omitted).then_some(&response.body[..]);
+        let update = format!(
+            "UPDATE {t} SET status = '{}', response_status = {}, response_headers = {}, \
+               response_body = {}, updated_at = {NOW}, expires_at = {} \
+             WHERE {}",
+            response.outcome.as_str(),
+            response.status,
+            hex(headers),
+            hex_or_null(body),
+            now_plus(retention),
+            held(scope, lease),
+        );
+        Batch::default()
+            .push(&update)
+            .push(&self.finished_by(scope, lease))
+    }
+
+    /// One row, `1` when `lease` finished the record, `0` when not; none without a record.
+    pub(super) fn finished_by(&self, scope: &[u8; 32], lease: LeaseToken) -> String {
+        format!(
+            "SELECT lease_token = {} AND status <> 'in_progress' FROM {} WHERE scope = {}",
+            lease.0,
+            self.quoted,
+            hex(scope)
+        )
+    }
+
+    /// The heartbeat: restarts the in-progress clock and pushes the expiry.
+    pub(super) fn renew(&self, scope: &[u8; 32], lease: LeaseToken, lifetime: Duration) -> Batch {
+        Batch::default().push(&format!(
+            "UPDATE {} SET updated_at = {NOW}, expires_at = {} WHERE {}",
+            self.quoted,
+            now_plus(lifetime),
+            held(scope, lease)
+        ))
+    }
+
+    /// Not deleted: left in progress under no lease (`RELEASED`) and stale at once (renewed at the
+    /// earliest time a `DATETIME` holds), so the next claim takes it.
+    pub(super) fn release(&self, scope: &[u8; 32], lease: LeaseToken) -> Batch {
+        Batch::default().push(&format!(
+            "UPDATE {} SET lease_token = {RELEASED}, updated_at = '1000-01-01 00:00:00' WHERE {}",
+            self.quoted,
+            held(scope, lease)
+        ))
+    }
+
+    /// One batch of expired records deleted, through the expiry index.
+    pub(super) fn purge(&self) -> Batch {
+        Batch::default().push(READ_COMMITTED).push(&format!(
+            "DELETE FROM {} WHERE expires_at <= {NOW} LIMIT {PURGE_BATCH}",
+            self.quoted
+        ))
+    }
+
+    /// Columns: status, response_status, created_us, expires_us.
+    pub(super) fn lookup(&self, scope: &[u8; 32]) -> Batch {
+        Batch::default().push(&format!(
+            "SELECT status, response_status, {}, {} FROM {} WHERE scope = {} AND {LIVE}",
+            epoch_micros("created_at"),
+            epoch_micros("expires_at"),
+            self.quoted,
+            hex(scope)
+        ))
+    }
+
+    /// Only a finished, live record is deleted: the row is locked and its newest version checked,
+    /// so one taken back in progress meanwhile is left alone. Then whether a record is held in
+    /// progress (one row, its count).
+    pub(super) fn delete(&self, scope: &[u8; 32]) -> Batch {
+        let (t, scope) = (&self.quoted, hex(scope));
+        Batch::default()
+            .push(READ_COMMITTED)
+            .push(&format!(
+                "DELETE FROM {t} WHERE scope = {scope} AND status <> 'in_progress' \
+                 AND expires_at > {NOW}"
+            ))
+            .push(&format!(
+                "SELECT COUNT(*) FROM {t} WHERE scope = {scope} AND status = 'in_progress' \
+                 AND lease_token <> {RELEASED} AND expires_at > {NOW}"
+            ))
+    }
+
+    /// A subject's live records (released ones included), counted up to `limit` on the subject
+    /// index.
+    pub(super) fn count(&self, subject_digest: &[u8; 32], limit: u64) -> Batch {
+        Batch::default().push(&format!(
+            "SELECT COUNT(*) FROM (SELECT 1 FROM {} WHERE subject_digest = {} \
+               AND expires_at > {NOW} LIMIT {limit}) live",
+            self.quoted,
+            hex(subject_digest)
+        ))
+    }
+
+    /// A page of a subject's records after `after` (microseconds since the epoch, scope), in the
+    /// subject index's order. Columns: scope, idempotency_key, endpoint, status, response_status,
+    /// created_us, expires_us.
+    pub(super) fn list(
+        &self,
+        subject_digest: &[u8; 32],
+        after: Option<(i64, &[u8; 32])>,
+        limit: usize,
+    ) -> Batch {
+        // The range a `DATETIME` holds (the years 1000 to 9999): only a forged cursor lies
+        // outside, and clamped it lists what it would have.
+        const FIRST_US: i64 = -30_610_224_000_000_000;
+        const LAST_US: i64 = 253_402_300_799_999_999;
+        let after = match after {
+            None => String::new(),
+            Some((created_us, scope)) => {
+                let at = format!(
+                    "TIMESTAMPADD(MICROSECOND, {}, '1970-01-01 00:00:00')",
+                    created_us.clamp(FIRST_US, LAST_US)
+                );
+                format!(
+                    " AND (created_at > {at} OR (created_at = {at} AND scope > {}))",
+                    hex(scope)
+                )
+            }
+        };
+        Batch::default().push(&format!(
+            "SELECT scope, idempotency_key, endpoint, status, response_status, {}, {} FROM {} \
+             WHERE subject_digest = {} AND {LIVE}{after} ORDER BY created_at, scope LIMIT {limit}",
+            epoch_micros("created_at"),
+            epoch_micros("expires_at"),
+            self.quoted,
+            hex(subject_digest)
+        ))
+    }
+
+    /// A query that fails when the table lacks a column this version reads or writes.
+    pub(super) fn check_shape(&self) -> String {
+        format!(
+            "SELECT scope, idempotency_key, subject, subject_digest, endpoint, fingerprint, \
+               status, lease_token, generation, in_progress_ttl_us, response_status, \
+               response_headers, response_body, created_at, updated_at, expires_at \
+             FROM {} LIMIT 0",
+            self.quoted
+        )
+    }
+}
+
+/// The condition of a write fenced by the lease: the record is in progress under `lease`, which is
+/// a claim's (never the released mark).
+fn held(scope: &[u8; 32], lease: LeaseToken) -> String {
+    format!(
+        "scope = {} AND lease_token = {} AND lease_token <> {RELEASED} AND status = 'in_progress'",
+        hex(scope),
+        lease.0
+    )
+}
