@@ -142,7 +142,10 @@ fn micros(t: SystemTime) -> i64 {
 }
 
 /// The time `us` microseconds after the Unix epoch.
-#[cfg_attr(not(any(feature = "postgres", feature = "redis")), allow(dead_code))]
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "redis", feature = "sqlite")),
+    allow(dead_code)
+)]
 pub(crate) fn from_micros(us: i64) -> SystemTime {
     if us >= 0 {
         UNIX_EPOCH + Duration::from_micros(us.unsigned_abs())

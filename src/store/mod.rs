@@ -13,7 +13,7 @@ use std::time::Duration;
 mod cached;
 mod error;
 mod fingerprint;
-#[cfg(any(feature = "redis", feature = "encryption"))]
+#[cfg(any(feature = "redis", feature = "encryption", feature = "sqlite"))]
 mod header_list;
 mod inspection;
 mod memory;
@@ -26,7 +26,7 @@ mod transactional;
 pub use cached::CachedStore;
 pub use error::StoreError;
 pub use fingerprint::Fingerprint;
-#[cfg(any(feature = "postgres", feature = "redis"))]
+#[cfg(any(feature = "postgres", feature = "redis", feature = "sqlite"))]
 pub(crate) use inspection::from_micros;
 pub use inspection::{
     Deleted, InvalidCursor, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage,
@@ -45,6 +45,11 @@ pub use transactional::{FailedCommit, TransactionalStore};
 mod postgres;
 #[cfg(feature = "postgres")]
 pub use postgres::{PostgresStore, PostgresStoreError};
+
+#[cfg(feature = "sqlite")]
+mod sqlite;
+#[cfg(feature = "sqlite")]
+pub use sqlite::{SqliteStore, SqliteStoreError};
 
 #[cfg(feature = "encryption")]
 mod encrypted;
