@@ -33,6 +33,9 @@ pub fn binary() -> std::path::PathBuf {
             if cfg!(feature = "metrics") {
                 features.push("metrics");
             }
+            if cfg!(feature = "sqlite") {
+                features.push("sqlite");
+            }
             let status = std::process::Command::new(cargo)
                 .args(["build", "--quiet", "--example", "checkout", "--features"])
                 .arg(features.join(","))
@@ -57,7 +60,12 @@ pub async fn start(schema: &str, env: &[(&str, String)]) -> (Child, SocketAddr) 
 
 /// [`start`] on the PostgreSQL at `database`.
 pub async fn start_on(database: &str, schema: &str, env: &[(&str, String)]) -> (Child, SocketAddr) {
-    let url = format!("{database}?options[search_path]={schema}");
+    start_with_url(&format!("{database}?options[search_path]={schema}"), env).await
+}
+
+/// Starts the example with `DATABASE_URL` set to `url` (`postgres://...`, `sqlite://PATH`) and
+/// `env`, and returns it with its address.
+pub async fn start_with_url(url: &str, env: &[(&str, String)]) -> (Child, SocketAddr) {
     let mut command = Command::new(binary());
     command
         .env("DATABASE_URL", url)

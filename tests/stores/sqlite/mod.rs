@@ -1,14 +1,12 @@
 #![cfg(feature = "sqlite")]
 //! The layer on the SQLite store, on real SQLite files: every test works in a file of its own
-//! (files that earlier runs left behind are removed after an hour), so tests run in parallel and
-//! leave each other alone. Several pools on one file stand for several processes: each connection
+//! (`common::sqlite`), so tests run in parallel and leave each other alone. Several pools on one file stand for several processes: each connection
 //! has the file open on its own, and SQLite's locks treat them alike.
 
 use crate::common;
 use axum_idempotency::{cache_suite, store_suite};
 
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::path::Path;
 use std::time::Duration;
 
 use axum::http::StatusCode;
@@ -18,43 +16,15 @@ use axum_idempotency::store::{
     RecordKey, SqliteStore, StoredResponse,
 };
 use axum_idempotency::{Fingerprint, store::Deleted};
+pub(crate) use common::sqlite::fresh_path;
 use common::{app, post, send};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 
 mod faults;
 mod transactions;
 
-/// A path no other test uses, in a directory of the tests' own.
-pub(crate) fn fresh_path() -> PathBuf {
-    static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join("axum-idempotency-sqlite-tests");
-    std::fs::create_dir_all(&dir).expect("the tests' directory");
-    if let Ok(entries) = std::fs::read_dir(&dir) {
-        for entry in entries.flatten() {
-            let old = entry
-                .metadata()
-                .and_then(|m| m.modified())
-                .ok()
-                .and_then(|t| t.elapsed().ok())
-                .is_some_and(|age| age > Duration::from_secs(3600));
-            if old {
-                let _ = std::fs::remove_file(entry.path());
-            }
-        }
-    }
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .expect("clock")
-        .as_nanos();
-    dir.join(format!(
-        "{}-{}-{now}.db",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::SeqCst)
-    ))
-}
-
 /// A pool of `connections` on the file at `path`, with the store's connection settings.
-pub(crate) async fn pool_on(path: &PathBuf, connections: u32) -> SqlitePool {
+pub(crate) async fn pool_on(path: &Path, connections: u32) -> SqlitePool {
     SqlitePoolOptions::new()
         .max_connections(connections)
         .connect_with(SqliteStore::connect_options(
