@@ -165,8 +165,8 @@ impl SqliteStore {
         }
     }
 
-    /// A store on the SQLite file at `path`, made when absent, through a pool of its own with the
-    /// connection settings [`connect_options`](Self::connect_options) gives. Call
+    /// A store on the SQLite file at `path`, made when absent, through a pool of its own (8
+    /// connections) with the connection settings [`connect_options`](Self::connect_options) gives. Call
     /// [`migrate`](Self::migrate) before it serves claims.
     pub async fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         let options = Self::connect_options(SqliteConnectOptions::new().filename(path));
@@ -410,7 +410,6 @@ macro_rules! on_connection {
         match store.connection($what, $write).await {
             Err(e) => Err(e),
             Ok((taken, turn)) => {
-                #[allow(unused_mut)]
                 let mut $conn = $crate::store::sqlite::in_flight::InFlight::new(taken);
                 let done = tokio::time::timeout(store.timeout, $op).await;
                 let landed = $conn.landed();
