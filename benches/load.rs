@@ -4,8 +4,10 @@
 //! `cargo bench --bench load` (PostgreSQL at `DATABASE_URL`, default
 //! `postgres://postgres@127.0.0.1:5432/test`; `LOAD_SCALE=0.2` for a quick run). With the `mysql`
 //! feature, the part `mysql` measures the MySQL store too (`MYSQL_URL`, default
-//! `mysql://root@127.0.0.1:3306/test`): `cargo bench --bench load --features mysql -- mysql`. Every loop is bounded
-//! by a request count; the servers listen on 127.0.0.1 only and stop with the process.
+//! `mysql://root@127.0.0.1:3306/test`): `cargo bench --bench load --features mysql -- mysql`. With
+//! the `sqlite` feature, `-- sqlite` runs the SQLite store against its floor, on a file in the
+//! temporary directory, with no PostgreSQL needed. Every loop is bounded by a request count; the
+//! servers listen on 127.0.0.1 only and stop with the process.
 
 #[path = "load/cpu.rs"]
 mod cpu;
@@ -181,10 +183,11 @@ fn guarded<S: IdempotencyStore>(store: S) -> Router {
         .layer(middleware::from_fn(auth))
 }
 
-/// The baseline for the Postgres store: a bare route whose handler issues the store's claim and
-/// complete statements itself, through sqlx, with no layer.
-fn direct_sql(store: PostgresStore) -> Router {
-    async fn handler(State(store): State<PostgresStore>, request: Request) -> Response {
+/// The baseline for a SQL store: a bare route whose handler issues the store's claim and complete
+/// statements itself, through sqlx, with no layer (a key it recorded before is replayed from the
+/// claim's answer).
+fn direct_sql<S: IdempotencyStore>(store: S) -> Router {
+    async fn handler<S: IdempotencyStore>(State(store): State<S>, request: Request) -> Response {
         let (parts, body) = request.into_parts();
         let key = parts.headers["idempotency-key"]
             .to_str()
@@ -207,8 +210,17 @@ fn direct_sql(store: PostgresStore) -> Router {
             in_progress_ttl: Duration::from_secs(90),
             retention: Duration::from_secs(86_400),
         };
-        let ClaimOutcome::Claimed { lease, .. } = store.claim(&claim).await.expect("claim") else {
-            panic!("fresh keys only");
+        let lease = match store.claim(&claim).await.expect("claim") {
+            ClaimOutcome::Claimed { lease, .. } => lease,
+            ClaimOutcome::Finished(stored) => {
+                let mut response = Response::new(axum::body::Body::from(stored.body.clone()));
+                *response.status_mut() = StatusCode::from_u16(stored.status).expect("status");
+                response
+                    .headers_mut()
+                    .extend(stored.headers.iter().cloned());
+                return response;
+            }
+            other => panic!("fresh keys and recorded ones only: {other:?}"),
         };
         let response = StoredResponse::new(
             Finished::Completed,
@@ -241,7 +253,7 @@ fn direct_sql(store: PostgresStore) -> Router {
         created(body).await
     }
     Router::new()
-        .route("/checkout", post(handler))
+        .route("/checkout", post(handler::<S>))
         .layer(middleware::from_fn(auth))
         .with_state(store)
 }
@@ -255,6 +267,74 @@ fn fresh_keys(prefix: &str) -> MakeRequest {
             format!("{prefix}-{i}"),
         )
     })
+}
+
+// ---------------------------------------------------------------- SQLite
+
+/// Fresh keys and replays through the layer on a `SqliteStore` (a file in the temporary directory,
+/// WAL, `synchronous=FULL`, as `SqliteStore::open` makes it), against the same claim and complete
+/// statements issued by a bare handler on the same store (the floor). `cargo bench --bench load
+/// --features sqlite -- sqlite`.
+#[cfg(feature = "sqlite")]
+async fn sqlite_vs_direct_sql() {
+    use axum_idempotency::store::SqliteStore;
+    const CONCURRENCY: usize = 16;
+    let n = scale(4_000);
+    let path =
+        std::env::temp_dir().join(format!("axum-idempotency-bench-{}.db", std::process::id()));
+    let remove = |path: &std::path::Path| {
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
+    };
+    remove(&path);
+    let store = SqliteStore::open(&path).await.expect("open");
+    store.migrate().await.expect("migrate");
+    let direct_addr = serve(direct_sql(store.clone())).await;
+    let layer_addr = serve(guarded(store.clone())).await;
+    load(direct_addr, CONCURRENCY, 500, fresh_keys("warm-d")).await;
+    load(layer_addr, CONCURRENCY, 500, fresh_keys("warm-l")).await;
+
+    println!(
+        "\n### Layer + SQLite store vs the same claim and complete statements issued by the handler (WAL, synchronous=FULL, {CONCURRENCY} connections, 8 pooled SQLite connections, {}-byte JSON, {n} requests a round, median of 3 rounds)\n",
+        request_body().len()
+    );
+    table("direct SQL", "layer");
+    let (b, s) = paired(
+        3,
+        |r| {
+            load(
+                direct_addr,
+                CONCURRENCY,
+                n,
+                fresh_keys(&format!("direct{r}")),
+            )
+        },
+        |r| load(layer_addr, CONCURRENCY, n, fresh_keys(&format!("layer{r}"))),
+    )
+    .await;
+    row("fresh keys", b, s);
+    // Replays of the keys the first round of each recorded.
+    let recorded = n.min(2_000);
+    let replays = |prefix: &'static str| -> MakeRequest {
+        Arc::new(move |i| {
+            let k = i % recorded;
+            (
+                "/checkout".into(),
+                format!("user-{}", k % 1000),
+                format!("{prefix}-{k}"),
+            )
+        })
+    };
+    let (b, s) = paired(
+        3,
+        |_| load(direct_addr, CONCURRENCY, n, replays("direct0")),
+        |_| load(layer_addr, CONCURRENCY, n, replays("layer0")),
+    )
+    .await;
+    row("replays", b, s);
+    store.pool().close().await;
+    remove(&path);
 }
 
 // ---------------------------------------------------------------- Postgres
@@ -639,12 +719,13 @@ async fn main() {
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         std::env::var("LOAD_SCALE").unwrap_or_else(|_| "1".into())
     );
-    // `cargo bench --bench load -- memory growth`: only the named parts (memory, postgres,
-    // duplicate, growth); all of them by default.
+    // `cargo bench --bench load -- memory growth`: only the named parts (memory, sqlite with the
+    // `sqlite` feature, postgres, duplicate, growth); all of them by default.
     let parts = [
         "cpu",
         "memory",
         "mysql",
+        "sqlite",
         "postgres",
         "replays",
         "burst",
@@ -663,6 +744,10 @@ async fn main() {
     #[cfg(feature = "mysql")]
     if run("mysql") {
         mysql::mysql_vs_direct_sql().await;
+    }
+    #[cfg(feature = "sqlite")]
+    if run("sqlite") {
+        sqlite_vs_direct_sql().await;
     }
     if ![
         "cpu",

@@ -6,13 +6,19 @@
 //!      -H 'Idempotency-Key: order-1' -H 'Content-Type: application/json' -d '{"amount":1999}'
 //! ```
 //!
-//! Environment: `BIND` (default `127.0.0.1:3000`), `DATABASE_URL` (`postgres://...`, or with the
-//! `mysql` feature `mysql://...` for MySQL or MariaDB; the memory store when unset), `IDEMPOTENCY_IN_PROGRESS_TTL_SECS` (default 90), `CHECKOUT_DELAY_MS` (simulated payment
+//! Environment: `BIND` (default `127.0.0.1:3000`), `DATABASE_URL` (`postgres://...`;
+//! `sqlite://PATH` with the `sqlite` feature: records and charges in that SQLite file, made when
+//! absent; `mysql://...` with the `mysql` feature, for MySQL or MariaDB; the memory store when
+//! unset), `IDEMPOTENCY_IN_PROGRESS_TTL_SECS` (default 90), `CHECKOUT_DELAY_MS` (simulated payment
 //! latency, default 0), `CHECKOUT_HOLD_MS` (a pause after the charge is written, before the answer,
-//! to watch a crash at that point; default 0), `CHECKOUT_TRANSACTIONAL` (on Postgres, write the
-//! charge in the layer's transaction so it commits with its record; default 1, 0 to write it on its
-//! own as a handler without `IdempotencyTx` would). A checkout's body may add `"latency_ms"`, the
-//! simulated provider latency of that one checkout (at most a minute).
+//! to watch a crash at that point; default 0), `CHECKOUT_TRANSACTIONAL` (on the SQL stores, write
+//! the charge in the layer's transaction so it commits with its record; default 1, 0 to write it
+//! on its own as a handler without `IdempotencyTx` would). A checkout's body may add
+//! `"latency_ms"`, the simulated provider latency of that one checkout (at most a minute).
+//!
+//! ```text
+//! cargo run --example checkout --features sqlite    # with DATABASE_URL=sqlite://checkout.db
+//! ```
 //!
 //! `IDEMPOTENCY_WAIT_MS` (default 0): how long a duplicate of a checkout still in progress waits
 //! for its answer (the replay) before `409`.
@@ -51,13 +57,14 @@ use std::error::Error;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::{Path, Request, State};
+use axum::extract::{FromRequestParts, OptionalFromRequestParts, Path, Request, State};
 use axum::handler::Handler;
 use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
+use axum_idempotency::layer::IdempotencyRejection;
 use axum_idempotency::store::{Deleted, IdempotencyStore, PostgresStore, RecordKey};
 use axum_idempotency::{
     Drain, IdempotencyContext, IdempotencyLayer, IdempotencyLayerBuilder, IdempotencyTx,
@@ -122,45 +129,25 @@ impl Settings {
 /// not the layer's: the two set-ups need not wait for each other.
 const LEDGER_LOCK: i64 = 0x6368_6563_6b6f_7574; // "checkout" in ASCII
 
-/// Charges and handler runs, per subject: in memory, or in Postgres (or MySQL) tables that
+/// Charges and handler runs, per subject: in memory, or in Postgres, SQLite or MySQL tables that
 /// survive restarts.
 #[derive(Clone)]
 pub(crate) enum Ledger {
     Memory(Arc<Mutex<MemoryLedger>>),
     Postgres(PgPool),
+    #[cfg(feature = "sqlite")]
+    Sqlite(sqlx::SqlitePool),
     #[cfg(feature = "mysql")]
     MySql(sqlx::MySqlPool),
 }
 
-/// The layer's transaction, on whichever database the records are in: `None` where the layer
-/// offers none (memory, Redis, `CHECKOUT_TRANSACTIONAL=0`).
-#[derive(Default)]
-pub(crate) struct Tx {
-    postgres: Option<IdempotencyTx>,
+/// The connection of the layer's transaction, on the ledger's database.
+pub(crate) enum TxConn<'a> {
+    Postgres(&'a mut PgConnection),
+    #[cfg(feature = "sqlite")]
+    Sqlite(&'a mut sqlx::SqliteConnection),
     #[cfg(feature = "mysql")]
-    mysql: Option<IdempotencyTx<sqlx::MySql>>,
-}
-
-impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Tx {
-    type Rejection = axum_idempotency::layer::IdempotencyRejection;
-
-    async fn from_request_parts(
-        parts: &mut axum::http::request::Parts,
-        state: &S,
-    ) -> Result<Self, Self::Rejection> {
-        use axum::extract::OptionalFromRequestParts;
-        Ok(Tx {
-            postgres: <IdempotencyTx as OptionalFromRequestParts<S>>::from_request_parts(
-                parts, state,
-            )
-            .await?,
-            #[cfg(feature = "mysql")]
-            mysql: <IdempotencyTx<sqlx::MySql> as OptionalFromRequestParts<S>>::from_request_parts(
-                parts, state,
-            )
-            .await?,
-        })
-    }
+    MySql(&'a mut sqlx::MySqlConnection),
 }
 
 #[derive(Default)]
@@ -220,6 +207,8 @@ impl Ledger {
             }
             #[cfg(feature = "mysql")]
             Ledger::MySql(pool) => mysql_ledger::count_attempt(pool, subject).await?,
+            #[cfg(feature = "sqlite")]
+            Ledger::Sqlite(pool) => sqlite_ledger::count_attempt(pool, subject).await?,
         }
         Ok(())
     }
@@ -258,6 +247,10 @@ impl Ledger {
             }
             #[cfg(feature = "mysql")]
             Ledger::MySql(pool) => mysql_ledger::provider_charge(pool, key, subject, amount).await,
+            #[cfg(feature = "sqlite")]
+            Ledger::Sqlite(pool) => {
+                sqlite_ledger::provider_charge(pool, key, subject, amount).await
+            }
         }
     }
 
@@ -268,7 +261,7 @@ impl Ledger {
         subject: &str,
         kind: &str,
         amount: i64,
-        tx: &mut Tx,
+        tx: Option<TxConn<'_>>,
     ) -> Result<i64, sqlx::Error> {
         let insert = sqlx::query_as(
             "INSERT INTO checkout_charges (subject, kind, amount) VALUES ($1, $2, $3) RETURNING id",
@@ -276,13 +269,24 @@ impl Ledger {
         .bind(subject)
         .bind(kind)
         .bind(amount);
-        if let (Ledger::Postgres(_), Some(tx)) = (self, tx.postgres.as_mut()) {
-            let conn: &mut PgConnection = tx.conn().await?;
-            let (id,): (i64,) = insert.fetch_one(conn).await?;
-            return Ok(id);
-        }
-        match self {
-            Ledger::Memory(m) => {
+        match (self, tx) {
+            (Ledger::Postgres(_), Some(TxConn::Postgres(tx))) => {
+                let (id,): (i64,) = insert.fetch_one(tx).await?;
+                Ok(id)
+            }
+            #[cfg(feature = "sqlite")]
+            (Ledger::Sqlite(pool), tx) => {
+                sqlite_ledger::record(pool, subject, kind, amount, tx).await
+            }
+            #[cfg(feature = "mysql")]
+            (Ledger::MySql(pool), tx) => {
+                let tx = match tx {
+                    Some(TxConn::MySql(conn)) => Some(conn),
+                    _ => None,
+                };
+                mysql_ledger::record(pool, subject, kind, amount, tx).await
+            }
+            (Ledger::Memory(m), _) => {
                 let mut m = lock(m);
                 m.next_id += 1;
                 let id = m.next_id;
@@ -290,13 +294,9 @@ impl Ledger {
                 m.charges.push((subject.to_owned(), entry));
                 Ok(id)
             }
-            Ledger::Postgres(pool) => {
+            (Ledger::Postgres(pool), _) => {
                 let (id,): (i64,) = insert.fetch_one(pool).await?;
                 Ok(id)
-            }
-            #[cfg(feature = "mysql")]
-            Ledger::MySql(pool) => {
-                mysql_ledger::record(pool, subject, kind, amount, tx.mysql.as_mut()).await
             }
         }
     }
@@ -341,7 +341,116 @@ impl Ledger {
             }
             #[cfg(feature = "mysql")]
             Ledger::MySql(pool) => mysql_ledger::list(pool, subject).await,
+            #[cfg(feature = "sqlite")]
+            Ledger::Sqlite(pool) => sqlite_ledger::list(pool, subject).await,
         }
+    }
+}
+
+/// The ledger in a SQLite file: the file of the idempotency records, so that a charge written in
+/// the layer's transaction commits with its record.
+#[cfg(feature = "sqlite")]
+mod sqlite_ledger {
+    use super::{Ledger, TxConn, Value, json};
+    use sqlx::SqlitePool;
+
+    impl Ledger {
+        /// The ledger in `pool`'s file, its tables created if missing (SQLite runs one writer at a
+        /// time: instances setting it up at once take turns).
+        pub(crate) async fn sqlite(pool: SqlitePool) -> Result<Self, sqlx::Error> {
+            sqlx::raw_sql(
+                "CREATE TABLE IF NOT EXISTS checkout_charges (
+                     id INTEGER PRIMARY KEY AUTOINCREMENT, subject TEXT NOT NULL,
+                     kind TEXT NOT NULL, amount INTEGER NOT NULL,
+                     created_at TEXT NOT NULL DEFAULT CURRENT_TIMESTAMP);
+                 CREATE TABLE IF NOT EXISTS checkout_attempts (
+                     subject TEXT PRIMARY KEY, attempts INTEGER NOT NULL);
+                 CREATE TABLE IF NOT EXISTS provider_payments (
+                     id INTEGER PRIMARY KEY AUTOINCREMENT, idempotency_key TEXT NOT NULL UNIQUE,
+                     subject TEXT NOT NULL, amount INTEGER NOT NULL);",
+            )
+            .execute(&pool)
+            .await?;
+            Ok(Ledger::Sqlite(pool))
+        }
+    }
+
+    pub(super) async fn count_attempt(pool: &SqlitePool, subject: &str) -> sqlx::Result<()> {
+        sqlx::query(
+            "INSERT INTO checkout_attempts VALUES (?1, 1) \
+             ON CONFLICT (subject) DO UPDATE SET attempts = attempts + 1",
+        )
+        .bind(subject)
+        .execute(pool)
+        .await?;
+        Ok(())
+    }
+
+    pub(super) async fn provider_charge(
+        pool: &SqlitePool,
+        key: &str,
+        subject: &str,
+        amount: i64,
+    ) -> sqlx::Result<i64> {
+        let (id,): (i64,) = sqlx::query_as(
+            "INSERT INTO provider_payments (idempotency_key, subject, amount) VALUES (?1, ?2, ?3) \
+             ON CONFLICT (idempotency_key) DO UPDATE SET amount = amount RETURNING id",
+        )
+        .bind(key)
+        .bind(subject)
+        .bind(amount)
+        .fetch_one(pool)
+        .await?;
+        Ok(id)
+    }
+
+    /// In the layer's transaction when given, else on its own.
+    pub(super) async fn record(
+        pool: &SqlitePool,
+        subject: &str,
+        kind: &str,
+        amount: i64,
+        tx: Option<TxConn<'_>>,
+    ) -> sqlx::Result<i64> {
+        let insert = sqlx::query_as(
+            "INSERT INTO checkout_charges (subject, kind, amount) VALUES (?1, ?2, ?3) RETURNING id",
+        )
+        .bind(subject)
+        .bind(kind)
+        .bind(amount);
+        let (id,): (i64,) = match tx {
+            Some(TxConn::Sqlite(tx)) => insert.fetch_one(tx).await?,
+            _ => insert.fetch_one(pool).await?,
+        };
+        Ok(id)
+    }
+
+    pub(super) async fn list(
+        pool: &SqlitePool,
+        subject: &str,
+    ) -> sqlx::Result<(Vec<Value>, i64, i64)> {
+        let rows: Vec<(i64, String, i64)> = sqlx::query_as(
+            "SELECT id, kind, amount FROM checkout_charges WHERE subject = ?1 ORDER BY id",
+        )
+        .bind(subject)
+        .fetch_all(pool)
+        .await?;
+        let (attempts,): (i64,) = sqlx::query_as(
+            "SELECT coalesce(sum(attempts), 0) FROM checkout_attempts WHERE subject = ?1",
+        )
+        .bind(subject)
+        .fetch_one(pool)
+        .await?;
+        let (payments,): (i64,) =
+            sqlx::query_as("SELECT count(*) FROM provider_payments WHERE subject = ?1")
+                .bind(subject)
+                .fetch_one(pool)
+                .await?;
+        let charges = rows
+            .into_iter()
+            .map(|(id, kind, amount)| json!({"id": id, "kind": kind, "amount": amount}))
+            .collect();
+        Ok((charges, attempts, payments))
     }
 }
 
@@ -374,8 +483,8 @@ pub(crate) fn app<S: IdempotencyStore>(
     settings: Settings,
 ) -> Result<Router, Box<dyn Error>> {
     let store = idempotency.store().clone();
-    // On Postgres the charge is written in the layer's transaction (`IdempotencyTx`), so it commits
-    // with its record; `CHECKOUT_TRANSACTIONAL=0` writes it on its own instead, to compare.
+    // On Postgres and SQLite the charge is written in the layer's transaction (`IdempotencyTx`), so
+    // it commits with its record; `CHECKOUT_TRANSACTIONAL=0` writes it on its own instead, to compare.
     // The layer wraps each handler (`handler.layer(..)`), not the route: a method the route does not
     // serve (`PATCH /checkout`) gets the router's own 405, untouched and never recorded.
     let routes = if settings.transactional {
@@ -533,13 +642,73 @@ async fn demo_auth(mut request: Request, next: Next) -> Response {
     }
 }
 
-/// `POST /checkout`. `Tx` holds no transaction on the memory and Redis stores, where there is
-/// none.
+/// The layer's transaction on the records' database: PostgreSQL's, SQLite's or MySQL's, none on
+/// the memory and Redis stores (or with `CHECKOUT_TRANSACTIONAL=0`).
+pub(crate) enum HandlerTx {
+    None,
+    Postgres(IdempotencyTx),
+    #[cfg(feature = "sqlite")]
+    Sqlite(IdempotencyTx<sqlx::Sqlite>),
+    #[cfg(feature = "mysql")]
+    MySql(IdempotencyTx<sqlx::MySql>),
+}
+
+impl HandlerTx {
+    /// The transaction's connection (begun at the first call), if there is a transaction.
+    async fn conn(&mut self) -> Result<Option<TxConn<'_>>, sqlx::Error> {
+        Ok(match self {
+            HandlerTx::None => None,
+            HandlerTx::Postgres(tx) => Some(TxConn::Postgres(tx.conn().await?)),
+            #[cfg(feature = "sqlite")]
+            HandlerTx::Sqlite(tx) => Some(TxConn::Sqlite(tx.conn().await?)),
+            #[cfg(feature = "mysql")]
+            HandlerTx::MySql(tx) => Some(TxConn::MySql(tx.conn().await?)),
+        })
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for HandlerTx {
+    type Rejection = IdempotencyRejection;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        let postgres =
+            <IdempotencyTx as OptionalFromRequestParts<S>>::from_request_parts(parts, state);
+        if let Some(tx) = postgres.await? {
+            return Ok(HandlerTx::Postgres(tx));
+        }
+        #[cfg(feature = "sqlite")]
+        {
+            let sqlite =
+                <IdempotencyTx<sqlx::Sqlite> as OptionalFromRequestParts<S>>::from_request_parts(
+                    parts, state,
+                );
+            if let Some(tx) = sqlite.await? {
+                return Ok(HandlerTx::Sqlite(tx));
+            }
+        }
+        #[cfg(feature = "mysql")]
+        {
+            let mysql =
+                <IdempotencyTx<sqlx::MySql> as OptionalFromRequestParts<S>>::from_request_parts(
+                    parts, state,
+                );
+            if let Some(tx) = mysql.await? {
+                return Ok(HandlerTx::MySql(tx));
+            }
+        }
+        Ok(HandlerTx::None)
+    }
+}
+
+/// `POST /checkout`. There is no transaction on the memory and Redis stores.
 async fn checkout(
     State(state): State<AppState>,
     Extension(subject): Extension<Subject>,
     context: IdempotencyContext,
-    tx: Tx,
+    tx: HandlerTx,
     body: axum::body::Bytes,
 ) -> Response {
     pay(&state, &subject.0, "charge", &context, tx, &body).await
@@ -549,7 +718,7 @@ async fn refund(
     State(state): State<AppState>,
     Extension(subject): Extension<Subject>,
     context: IdempotencyContext,
-    tx: Tx,
+    tx: HandlerTx,
     body: axum::body::Bytes,
 ) -> Response {
     pay(&state, &subject.0, "refund", &context, tx, &body).await
@@ -561,7 +730,15 @@ async fn checkout_separately(
     context: IdempotencyContext,
     body: axum::body::Bytes,
 ) -> Response {
-    pay(&state, &subject.0, "charge", &context, Tx::default(), &body).await
+    pay(
+        &state,
+        &subject.0,
+        "charge",
+        &context,
+        HandlerTx::None,
+        &body,
+    )
+    .await
 }
 
 async fn refund_separately(
@@ -570,7 +747,15 @@ async fn refund_separately(
     context: IdempotencyContext,
     body: axum::body::Bytes,
 ) -> Response {
-    pay(&state, &subject.0, "refund", &context, Tx::default(), &body).await
+    pay(
+        &state,
+        &subject.0,
+        "refund",
+        &context,
+        HandlerTx::None,
+        &body,
+    )
+    .await
 }
 
 /// The simulated payment: wait, count the attempt (outside any transaction, so handler runs are
@@ -581,7 +766,7 @@ async fn pay(
     subject: &str,
     kind: &str,
     context: &IdempotencyContext,
-    mut tx: Tx,
+    mut tx: HandlerTx,
     body: &[u8],
 ) -> Response {
     let request: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
@@ -613,9 +798,15 @@ async fn pay(
             return error(StatusCode::SERVICE_UNAVAILABLE, "provider_unavailable");
         }
     };
-    // The layer's transaction begins in `record`, at its first use: the provider call above held
-    // none.
-    let recorded = state.ledger.record(subject, kind, amount, &mut tx).await;
+    // The layer's transaction begins here, at its first use: the provider call above held none.
+    let conn = match tx.conn().await {
+        Ok(conn) => conn,
+        Err(e) => {
+            tracing::error!(error = %e, "could not begin the transaction");
+            return error(StatusCode::SERVICE_UNAVAILABLE, "ledger_unavailable");
+        }
+    };
+    let recorded = state.ledger.record(subject, kind, amount, conn).await;
     tokio::time::sleep(state.settings.checkout_hold).await;
     match recorded {
         Ok(id) => (
@@ -661,6 +852,7 @@ pub(crate) async fn router_from_env(settings: Settings) -> Result<Router, Box<dy
         return redis_router(&url, settings).await;
     }
     match std::env::var("DATABASE_URL") {
+        Ok(url) if url.starts_with("sqlite:") => sqlite_router(&url, settings).await,
         #[cfg(feature = "mysql")]
         Ok(url) if url.starts_with("mysql:") || url.starts_with("mariadb:") => {
             mysql_ledger::router(&url, settings).await
@@ -700,7 +892,7 @@ pub(crate) async fn router_from_env(settings: Settings) -> Result<Router, Box<dy
         }
         Err(_) => {
             tracing::info!(
-                "idempotency records and charges in memory (set DATABASE_URL for Postgres)"
+                "idempotency records and charges in memory (set DATABASE_URL for Postgres or SQLite)"
             );
             app(
                 idempotency(MemoryStore::new(), &settings).build()?,
@@ -709,6 +901,38 @@ pub(crate) async fn router_from_env(settings: Settings) -> Result<Router, Box<dy
             )
         }
     }
+}
+
+/// Records and charges in one SQLite file (`sqlite://PATH`, made when absent): a charge written in
+/// the layer's transaction commits with its record, and both survive restarts and crashes.
+#[cfg(feature = "sqlite")]
+async fn sqlite_router(url: &str, settings: Settings) -> Result<Router, Box<dyn Error>> {
+    use axum_idempotency::store::SqliteStore;
+    use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+    use std::str::FromStr;
+    // One pool for the records, the handlers' transactions and the ledger: SQLite writes one at a
+    // time whatever the pools, and several connections let reads (replays, 409s) go on meanwhile.
+    // The busy timeout stays under the store's, so SQLite answers a wait on another writer first.
+    let timeout = store_timeout(&settings);
+    let options = SqliteStore::connect_options(SqliteConnectOptions::from_str(url)?)
+        .busy_timeout(timeout * 4 / 5);
+    let pool = SqlitePoolOptions::new()
+        .max_connections(8)
+        .connect_with(options)
+        .await?;
+    let store = SqliteStore::new(pool.clone()).with_timeout(timeout);
+    store.migrate().await?;
+    axum_idempotency::store::spawn_purge(store.clone(), Duration::from_secs(3600));
+    tracing::info!("idempotency records and charges in SQLite");
+    let idempotency = idempotency(store, &settings)
+        .transactions(settings.transactional)
+        .build()?;
+    app(idempotency, Ledger::sqlite(pool).await?, settings)
+}
+
+#[cfg(not(feature = "sqlite"))]
+async fn sqlite_router(_: &str, _: Settings) -> Result<Router, Box<dyn Error>> {
+    Err("DATABASE_URL names SQLite, but the example was built without the `sqlite` feature".into())
 }
 
 /// Idempotency records in the Redis at `url`; charges in Postgres (`DATABASE_URL`) or memory. The

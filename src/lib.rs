@@ -109,7 +109,7 @@
 //! | module | for whom | what |
 //! |---|---|---|
 //! | the root | application authors | the layer, its builder, the handler's context and transaction, the subject, the drain, outcomes and errors |
-//! | [`store`] | everyone choosing a store; store authors | the backends ([`MemoryStore`], `PostgresStore`, `RedisStore`, [`CachedStore`](store::CachedStore), `EncryptedStore`), the [`IdempotencyStore`](store::IdempotencyStore) trait and its whole vocabulary, [`TransactionalStore`](store::TransactionalStore), [`spawn_purge`](store::spawn_purge) |
+//! | [`store`] | everyone choosing a store; store authors | the backends ([`MemoryStore`], `PostgresStore`, `SqliteStore`, `RedisStore`, [`CachedStore`](store::CachedStore), `EncryptedStore`), the [`IdempotencyStore`](store::IdempotencyStore) trait and its whole vocabulary, [`TransactionalStore`](store::TransactionalStore), [`spawn_purge`](store::spawn_purge) |
 //! | [`once`] | consumers, webhooks, jobs | [`RunOnce`](once::RunOnce): the same guarantee for a function call |
 //! | [`header`] | clients and tests | the header names, as `HeaderName` constants |
 //! | [`layer`] | middleware plumbing | the tower service and its future, the extractors' rejection, the default policy, key parsing |
@@ -127,6 +127,7 @@
 //! | feature | default | what it adds |
 //! |---|---|---|
 //! | `postgres` | on | `store::PostgresStore` (sqlx 0.9, re-exported as `axum_idempotency::sqlx`) and the handler transaction `IdempotencyTx` |
+//! | `sqlite` | off | `store::SqliteStore`: records in one SQLite file (compiled in), for one machine without a database server, and `IdempotencyTx<sqlx::Sqlite>` |
 //! | `mysql` | off | `store::MySqlStore` on MySQL 8 or MariaDB 10.6+ (sqlx 0.9), and the handler transaction `IdempotencyTx<sqlx::MySql>` |
 //! | `redis` | off | `store::RedisStore` on one server or a Redis Cluster (redis 1, re-exported as `axum_idempotency::redis`) |
 //! | `encryption` | off | `store::EncryptedStore`: recorded headers and bodies sealed with AES-256-GCM over any store |

@@ -6,7 +6,6 @@ use std::error::Error;
 use std::time::Duration;
 
 use axum::Router;
-use axum_idempotency::IdempotencyTx;
 use axum_idempotency::store::MySqlStore;
 use serde_json::{Value, json};
 use sqlx::MySqlPool;
@@ -103,7 +102,7 @@ pub(crate) async fn record(
     subject: &str,
     kind: &str,
     amount: i64,
-    tx: Option<&mut IdempotencyTx<sqlx::MySql>>,
+    tx: Option<&mut sqlx::MySqlConnection>,
 ) -> Result<i64, sqlx::Error> {
     let insert =
         sqlx::query("INSERT INTO checkout_charges (subject, kind, amount) VALUES (?, ?, ?)")
@@ -111,7 +110,7 @@ pub(crate) async fn record(
             .bind(kind)
             .bind(amount);
     let done = match tx {
-        Some(tx) => insert.execute(tx.conn().await?).await?,
+        Some(conn) => insert.execute(conn).await?,
         None => insert.execute(pool).await?,
     };
     Ok(done.last_insert_id() as i64)

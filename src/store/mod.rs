@@ -13,7 +13,7 @@ use std::time::Duration;
 mod cached;
 mod error;
 mod fingerprint;
-#[cfg(any(feature = "redis", feature = "encryption", feature = "mysql"))]
+#[cfg(any(feature = "redis", feature = "encryption", feature = "mysql", feature = "sqlite"))]
 mod header_list;
 mod inspection;
 mod memory;
@@ -26,7 +26,7 @@ mod transactional;
 pub use cached::CachedStore;
 pub use error::StoreError;
 pub use fingerprint::Fingerprint;
-#[cfg(any(feature = "postgres", feature = "redis", feature = "mysql"))]
+#[cfg(any(feature = "postgres", feature = "redis", feature = "mysql", feature = "sqlite"))]
 pub(crate) use inspection::from_micros;
 pub use inspection::{
     Deleted, InvalidCursor, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage,
@@ -46,6 +46,10 @@ mod postgres;
 #[cfg(feature = "postgres")]
 pub use postgres::{PostgresStore, PostgresStoreError};
 
+#[cfg(feature = "sqlite")]
+mod sqlite;
+#[cfg(feature = "sqlite")]
+pub use sqlite::{SqliteStore, SqliteStoreError};
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "mysql")]

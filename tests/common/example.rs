@@ -41,9 +41,6 @@ pub fn binary() -> std::path::PathBuf {
                     features.push(name);
                 }
             }
-            if cfg!(feature = "mysql") {
-                features.push("mysql");
-            }
             let status = std::process::Command::new(cargo)
                 .args(["build", "--quiet", "--example", "checkout", "--features"])
                 .arg(features.join(","))
@@ -69,6 +66,12 @@ pub async fn start(schema: &str, env: &[(&str, String)]) -> (Child, SocketAddr) 
 /// [`start`] on the PostgreSQL at `database`.
 pub async fn start_on(database: &str, schema: &str, env: &[(&str, String)]) -> (Child, SocketAddr) {
     start_url(format!("{database}?options[search_path]={schema}"), env).await
+}
+
+/// Starts the example with `DATABASE_URL` set to `url` (`postgres://...`, `sqlite://PATH`,
+/// `mysql://...`) and `env`, and returns it with its address.
+pub async fn start_with_url(url: &str, env: &[(&str, String)]) -> (Child, SocketAddr) {
+    start_url(url.to_owned(), env).await
 }
 
 /// The example on the database at `url` (any `DATABASE_URL` it takes) with `env`.

@@ -6,6 +6,8 @@ pub mod cache;
 pub mod example;
 pub mod proxy;
 pub mod servers;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
 pub mod suite;
 
 // The test app, its request and answer helpers, and the behaviour suite are the crate's

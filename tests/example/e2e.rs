@@ -4,7 +4,7 @@
 
 #[path = "../../examples/checkout.rs"]
 #[allow(dead_code)]
-mod checkout;
+pub(crate) mod checkout;
 use crate::common;
 
 use std::net::SocketAddr;
@@ -56,7 +56,7 @@ fn rand_suffix() -> u64 {
     N.fetch_add(1, Ordering::SeqCst)
 }
 
-fn settings(delay_ms: u64) -> Settings {
+pub(crate) fn settings(delay_ms: u64) -> Settings {
     Settings::new(Duration::from_secs(90), Duration::from_millis(delay_ms))
 }
 
@@ -69,7 +69,7 @@ async fn serve<S: IdempotencyStore>(store: S, ledger: Ledger, settings: Settings
 }
 
 /// Serves the example's router behind `idempotency` on a loopback port of its own.
-async fn serve_layer<S: IdempotencyStore>(
+pub(crate) async fn serve_layer<S: IdempotencyStore>(
     idempotency: axum_idempotency::IdempotencyLayer<S>,
     ledger: Ledger,
     settings: Settings,
@@ -101,7 +101,7 @@ async fn serve_postgres(delay_ms: u64) -> SocketAddr {
 }
 
 /// One HTTP/1.1 request on a connection of its own.
-async fn http(
+pub(crate) async fn http(
     addr: SocketAddr,
     method: &str,
     path: &str,
@@ -114,7 +114,7 @@ async fn http(
         .expect("HTTP exchange")
 }
 
-async fn try_http(
+pub(crate) async fn try_http(
     addr: SocketAddr,
     method: &str,
     path: &str,
@@ -125,19 +125,19 @@ async fn try_http(
     example::request(addr, method, path, user, key, body, Duration::from_secs(60)).await
 }
 
-async fn checkout_req(addr: SocketAddr, user: &str, key: &str, body: &str) -> Answer {
+pub(crate) async fn checkout_req(addr: SocketAddr, user: &str, key: &str, body: &str) -> Answer {
     http(addr, "POST", "/checkout", user, Some(key), body).await
 }
 
 /// Payments the example's simulated provider took for `user`.
-async fn provider_payments(addr: SocketAddr, user: &str) -> i64 {
+pub(crate) async fn provider_payments(addr: SocketAddr, user: &str) -> i64 {
     let answer = http(addr, "GET", "/charges", user, None, "").await;
     answer.json()["provider_payments"]
         .as_i64()
         .expect("provider_payments")
 }
 
-async fn charges(addr: SocketAddr, user: &str) -> (usize, i64) {
+pub(crate) async fn charges(addr: SocketAddr, user: &str) -> (usize, i64) {
     let answer = http(addr, "GET", "/charges", user, None, "").await;
     assert_eq!(answer.status, StatusCode::OK);
     let json = answer.json();
@@ -149,7 +149,7 @@ async fn charges(addr: SocketAddr, user: &str) -> (usize, i64) {
 
 // ---- scenarios, run on both stores ----
 
-async fn duplicates_during_a_slow_checkout(addr: SocketAddr) {
+pub(crate) async fn duplicates_during_a_slow_checkout(addr: SocketAddr) {
     const CLIENTS: usize = 21;
     let gate = std::sync::Arc::new(tokio::sync::Barrier::new(CLIENTS));
     let mut tasks = tokio::task::JoinSet::new();
@@ -188,7 +188,7 @@ async fn duplicates_during_a_slow_checkout(addr: SocketAddr) {
     assert_eq!(charges(addr, "alice").await, (1, 1));
 }
 
-async fn client_closes_mid_checkout(addr: SocketAddr) {
+pub(crate) async fn client_closes_mid_checkout(addr: SocketAddr) {
     let body = r#"{"amount":500}"#;
     let mut socket = TcpStream::connect(addr).await.expect("connect");
     let raw = format!(
@@ -221,7 +221,7 @@ async fn client_closes_mid_checkout(addr: SocketAddr) {
     assert_eq!(charges(addr, "carol").await, (1, 1));
 }
 
-async fn outcomes_and_isolation(addr: SocketAddr) {
+pub(crate) async fn outcomes_and_isolation(addr: SocketAddr) {
     // A declined card is a definitive answer: replayed, not retried.
     let declined = r#"{"amount":100,"card":"declined"}"#;
     let first = checkout_req(addr, "dave", "d1", declined).await;
@@ -785,53 +785,54 @@ async fn an_unserved_method_gets_the_routers_405_untouched() {
 /// The example's inspection routes, on both stores: a checkout's state and expiry for its own
 /// subject only, 409 for a delete while it runs, 204 then a new key after a delete of a finished
 /// one; and with `IDEMPOTENCY_WAIT_MS`, a duplicate gets the replay instead of 409.
+/// The example's inspection routes on a server whose checkouts take 400 ms: a checkout's state
+/// and expiry for its own subject only, 409 for a delete while it runs, 204 then a new key after a
+/// delete of a finished one.
+pub(crate) async fn inspection_routes(addr: SocketAddr) {
+    let path = "/checkout/idempotency/order-9";
+    let none = http(addr, "GET", path, "alice", None, "").await;
+    assert_eq!(none.status, StatusCode::NOT_FOUND);
+    let body = r#"{"amount":500}"#;
+    let first = tokio::spawn(async move { checkout_req(addr, "alice", "order-9", body).await });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let running = http(addr, "GET", path, "alice", None, "").await;
+    assert_eq!(running.status, StatusCode::OK);
+    assert_eq!(running.json()["state"], "in_progress");
+    assert_eq!(running.json()["status"], serde_json::Value::Null);
+    let refused = http(addr, "DELETE", path, "alice", None, "").await;
+    assert_eq!(refused.status, StatusCode::CONFLICT);
+    assert_eq!(first.await.expect("task").status, StatusCode::CREATED);
+
+    let done = http(addr, "GET", path, "alice", None, "").await;
+    assert_eq!(done.json()["state"], "completed");
+    assert_eq!(done.json()["status"], 201);
+    let expires = done.json()["expires_at"]
+        .as_str()
+        .expect("expires_at")
+        .to_owned();
+    assert!(expires.ends_with('Z') && expires.len() == 20, "{expires}");
+    // Another subject sees nothing of alice's, and cannot delete it.
+    let theirs = http(addr, "GET", path, "mallory", None, "").await;
+    assert_eq!(theirs.status, StatusCode::NOT_FOUND);
+    let theirs = http(addr, "DELETE", path, "mallory", None, "").await;
+    assert_eq!(theirs.status, StatusCode::NOT_FOUND);
+
+    let deleted = http(addr, "DELETE", path, "alice", None, "").await;
+    assert_eq!(deleted.status, StatusCode::NO_CONTENT);
+    let gone = http(addr, "GET", path, "alice", None, "").await;
+    assert_eq!(gone.status, StatusCode::NOT_FOUND);
+    // The key is new: the same request runs again.
+    let again = checkout_req(addr, "alice", "order-9", body).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert_ne!(again.header("idempotent-replayed"), Some("true"));
+    let bad = http(addr, "GET", "/checkout/idempotency/%20", "alice", None, "").await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn inspection_routes_and_the_wait() {
-    for postgres in [false, true] {
-        let addr = if postgres {
-            serve_postgres(400).await
-        } else {
-            serve_memory(400).await
-        };
-        let path = "/checkout/idempotency/order-9";
-        let none = http(addr, "GET", path, "alice", None, "").await;
-        assert_eq!(none.status, StatusCode::NOT_FOUND, "postgres: {postgres}");
-        let body = r#"{"amount":500}"#;
-        let first = tokio::spawn(async move { checkout_req(addr, "alice", "order-9", body).await });
-        tokio::time::sleep(Duration::from_millis(150)).await;
-        let running = http(addr, "GET", path, "alice", None, "").await;
-        assert_eq!(running.status, StatusCode::OK);
-        assert_eq!(running.json()["state"], "in_progress");
-        assert_eq!(running.json()["status"], serde_json::Value::Null);
-        let refused = http(addr, "DELETE", path, "alice", None, "").await;
-        assert_eq!(refused.status, StatusCode::CONFLICT);
-        assert_eq!(first.await.expect("task").status, StatusCode::CREATED);
-
-        let done = http(addr, "GET", path, "alice", None, "").await;
-        assert_eq!(done.json()["state"], "completed");
-        assert_eq!(done.json()["status"], 201);
-        let expires = done.json()["expires_at"]
-            .as_str()
-            .expect("expires_at")
-            .to_owned();
-        assert!(expires.ends_with('Z') && expires.len() == 20, "{expires}");
-        // Another subject sees nothing of alice's, and cannot delete it.
-        let theirs = http(addr, "GET", path, "mallory", None, "").await;
-        assert_eq!(theirs.status, StatusCode::NOT_FOUND);
-        let theirs = http(addr, "DELETE", path, "mallory", None, "").await;
-        assert_eq!(theirs.status, StatusCode::NOT_FOUND);
-
-        let deleted = http(addr, "DELETE", path, "alice", None, "").await;
-        assert_eq!(deleted.status, StatusCode::NO_CONTENT);
-        let gone = http(addr, "GET", path, "alice", None, "").await;
-        assert_eq!(gone.status, StatusCode::NOT_FOUND);
-        // The key is new: the same request runs again.
-        let again = checkout_req(addr, "alice", "order-9", body).await;
-        assert_eq!(again.status, StatusCode::CREATED);
-        assert_ne!(again.header("idempotent-replayed"), Some("true"));
-        let bad = http(addr, "GET", "/checkout/idempotency/%20", "alice", None, "").await;
-        assert_eq!(bad.status, StatusCode::BAD_REQUEST);
-    }
+    inspection_routes(serve_memory(400).await).await;
+    inspection_routes(serve_postgres(400).await).await;
 
     // With a wait, a duplicate of a checkout in progress gets its replay.
     let mut waiting = settings(400);

@@ -1,6 +1,6 @@
-//! The stores under the layer: the shared behavioural suite on the memory store, Postgres, Redis and
-//! a Redis Cluster, the cache of finished records, encryption at rest, and the property tests of
-//! the fingerprint and the key grammar.
+//! The stores under the layer: the shared behavioural suite on the memory store, Postgres, SQLite,
+//! Redis and a Redis Cluster, the cache of finished records, encryption at rest, and the property
+//! tests of the fingerprint and the key grammar.
 //!
 //! One test binary for the group (each binary links the whole crate once); every module is one
 //! former test file.
@@ -15,3 +15,4 @@ mod postgres;
 mod properties;
 mod redis_cluster;
 mod redis_store;
+mod sqlite;

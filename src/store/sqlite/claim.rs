@@ -1,0 +1,211 @@
+//! The claim: a read of the record, without the write lock, that answers a replay, a `422` or a
+//! `409` on its own; then, for a fresh key, an insert, and for a record that is expired, released
+//! or abandoned, a compare-and-swap on the lease it was read with.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::statements::RELEASED;
+use super::{SqliteStore, db, micros, now_us, on_connection, statement};
+use crate::store::{ClaimOutcome, ClaimRequest, Finished, Generation, StoreError, StoredResponse};
+
+/// How many times a claim reads again after its insert met a row committed since its read (a
+/// concurrent claim of the same key won; or that row was then deleted, and the key is new again).
+const READS: usize = 3;
+
+/// The record as a claim reads it: status, lease, same fingerprint, renewed (µs), holder's TTL
+/// (µs), expires (µs), generation, response status, headers, body (when the fingerprint matches).
+type ClaimRow = (
+    String,
+    i64,
+    bool,
+    i64,
+    i64,
+    i64,
+    Vec<u8>,
+    Option<i64>,
+    Option<Vec<u8>>,
+    Option<Vec<u8>>,
+);
+
+/// What a claim does after its read.
+enum Next {
+    Answer(ClaimOutcome),
+    /// No record: insert one.
+    Insert,
+    /// A record to take by compare-and-swap on the lease it was read with.
+    Take(i64),
+}
+
+impl SqliteStore {
+    pub(super) async fn claim_record(
+        &self,
+        request: &ClaimRequest,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let scope = request.key.digest();
+        for _ in 0..READS {
+            let row = self.claim_read(request, &scope).await?;
+            match decide(request, row)? {
+                Next::Answer(outcome) => return Ok(outcome),
+                Next::Insert => {
+                    if self.insert(request, &scope).await? {
+                        return Ok(ClaimOutcome::Claimed {
+                            lease: request.lease,
+                            generation: Some(request.generation),
+                        });
+                    }
+                    // Another claim's row was committed since the read: read it.
+                }
+                Next::Take(read_lease) => {
+                    return Ok(match self.take(request, &scope, read_lease).await? {
+                        Some(generation) => ClaimOutcome::Claimed {
+                            lease: request.lease,
+                            generation,
+                        },
+                        // Another claim took it first, or its holder renewed it meanwhile.
+                        None => ClaimOutcome::InProgress,
+                    });
+                }
+            }
+        }
+        // Rows that come and go under this claim: in progress, and the client's retry settles it.
+        Ok(ClaimOutcome::InProgress)
+    }
+
+    async fn claim_read(
+        &self,
+        request: &ClaimRequest,
+        scope: &[u8; 32],
+    ) -> Result<Option<ClaimRow>, StoreError> {
+        on_connection!(self, "claim", read, conn => {
+            sqlx::query_as(statement(&self.sql.claim_read))
+                .bind(&scope[..])
+                .bind(&request.fingerprint.as_bytes()[..])
+                .fetch_optional(&mut *conn)
+        })?
+        .map_err(db("claim"))
+    }
+
+    /// Inserts the record of a fresh key; false when a row was there already.
+    async fn insert(&self, request: &ClaimRequest, scope: &[u8; 32]) -> Result<bool, StoreError> {
+        let key = &request.key;
+        let done = on_connection!(self, "claim", write, conn => {
+            let now = now_us();
+            sqlx::query(statement(&self.sql.insert))
+                .bind(&scope[..])
+                .bind(key.key.as_str())
+                .bind(key.subject.as_str())
+                .bind(key.endpoint.as_str())
+                .bind(&request.fingerprint.as_bytes()[..])
+                .bind(request.lease.0)
+                .bind(&request.generation.0[..])
+                .bind(micros(request.in_progress_ttl))
+                .bind(now)
+                .bind(now.saturating_add(micros(request.in_progress_ttl + request.retention)))
+                .execute(&mut *conn)
+        })?
+        .map_err(db("claim"))?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Takes the record read under `read_lease` (see `Statements::take`): `None` when another
+    /// claim took it first (or its holder renewed it); otherwise the record's generation as the
+    /// take left it.
+    async fn take(
+        &self,
+        request: &ClaimRequest,
+        scope: &[u8; 32],
+        read_lease: i64,
+    ) -> Result<Option<Option<Generation>>, StoreError> {
+        let row: Option<(Vec<u8>,)> = on_connection!(self, "retake", write, conn => {
+            let now = now_us();
+            sqlx::query_as(statement(&self.sql.take))
+                .bind(&scope[..])
+                .bind(&request.fingerprint.as_bytes()[..])
+                .bind(request.lease.0)
+                .bind(&request.generation.0[..])
+                .bind(now)
+                .bind(now.saturating_add(micros(request.in_progress_ttl + request.retention)))
+                .bind(micros(request.in_progress_ttl))
+                .bind(read_lease)
+                .fetch_optional(&mut *conn)
+        })?
+        .map_err(db("retake"))?;
+        Ok(row.map(|(generation,)| Generation::from_slice(&generation)))
+    }
+}
+
+/// What the claim does with the record it read (see `IdempotencyStore::claim`).
+fn decide(request: &ClaimRequest, row: Option<ClaimRow>) -> Result<Next, StoreError> {
+    let Some((
+        status,
+        lease,
+        same_fp,
+        updated_us,
+        holder_ttl_us,
+        expires_us,
+        generation,
+        response_status,
+        headers,
+        body,
+    )) = row
+    else {
+        return Ok(Next::Insert);
+    };
+    let now = now_us();
+    if expires_us <= now {
+        // Past retention: the key is new again, whatever was there (a new generation).
+        return Ok(Next::Take(lease));
+    }
+    let in_progress = status == "in_progress";
+    if in_progress && lease == RELEASED {
+        // Released for another try: the same request keeps the generation, another gets its own.
+        return Ok(Next::Take(lease));
+    }
+    if !same_fp {
+        return Ok(Next::Answer(ClaimOutcome::KeyReuse));
+    }
+    let outcome = match status.as_str() {
+        "completed" => Finished::Completed,
+        "failed" => Finished::Failed,
+        // This claim's own record: the same claim, made twice (its first answer was lost).
+        _ if lease == request.lease.0 => {
+            return Ok(Next::Answer(ClaimOutcome::Claimed {
+                lease: request.lease,
+                generation: Generation::from_slice(&generation),
+            }));
+        }
+        _ => {
+            let ttl = micros(request.in_progress_ttl).max(holder_ttl_us);
+            let stale = updated_us <= now.saturating_sub(ttl);
+            return Ok(if stale {
+                Next::Take(lease)
+            } else {
+                Next::Answer(ClaimOutcome::InProgress)
+            });
+        }
+    };
+    // A finished record that cannot be read (a row edited by hand) is never a reason to run the
+    // operation again, even for a layer that fails open.
+    let unreadable = |what: &str| {
+        StoreError::unreadable_record(format!(
+            "sqlite claim: a finished record is unreadable ({what})"
+        ))
+    };
+    let status = response_status
+        .and_then(|s| u16::try_from(s).ok())
+        .ok_or_else(|| unreadable("its status"))?;
+    let headers = headers
+        .and_then(|h| {
+            let mut rest = &h[..];
+            crate::store::header_list::read(&mut rest).filter(|_| rest.is_empty())
+        })
+        .ok_or_else(|| unreadable("its headers"))?;
+    let left = u64::try_from(expires_us.saturating_sub(now)).unwrap_or(0);
+    Ok(Next::Answer(ClaimOutcome::Finished(Arc::new(
+        StoredResponse::new(outcome, status, headers, body.map(Bytes::from))
+            .with_expires_in(Some(Duration::from_micros(left))),
+    ))))
+}

@@ -1,0 +1,120 @@
+//! `migrate()`: WAL mode for the file, then the table and its indexes
+//! (`migrations/sqlite/0001_idempotency_records.sql`) inside `BEGIN IMMEDIATE`, SQLite's write
+//! lock, which serialises concurrent migrations of every process on the file.
+
+use std::time::Duration;
+
+use sqlx::Connection;
+
+use super::{SqliteStore, db, statement};
+use crate::store::StoreError;
+
+/// The shortest time `migrate()` may take (it may wait for another process's writes).
+const MIN_MIGRATE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `PRAGMA synchronous` of FULL: each commit is flushed to disk before it returns.
+const SYNCHRONOUS_FULL: i64 = 2;
+
+impl SqliteStore {
+    /// Creates the table and its indexes if they do not exist (`migrations/sqlite/0001`), inside
+    /// `BEGIN IMMEDIATE`: SQLite's write lock serialises it with every other writer of the file,
+    /// so many processes may migrate at once, and a migration that has run already changes
+    /// nothing. It touches no migration bookkeeping of the application's (no `_sqlx_migrations`
+    /// rows), and no other table. It fails after the operation timeout or 30 s, whichever is
+    /// longer, and with a clear error when the table exists in a shape this version cannot use.
+    ///
+    /// It also puts the file in WAL mode when it is not (`journal_mode` is kept in the file), and
+    /// warns when it cannot, or when the connections do not flush each commit to disk
+    /// (`synchronous` below FULL) or do not wait for other writers (`busy_timeout` of 0).
+    ///
+    /// Call it on the `SqliteStore` itself, before wrapping it in a `CachedStore` or an
+    /// `EncryptedStore` (they have no `migrate()`).
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let limit = self.timeout.max(MIN_MIGRATE_TIMEOUT);
+        let migration = async {
+            let mut conn = self.pool.acquire().await.map_err(db("migrate"))?;
+            check_settings(&mut conn).await?;
+            let mut tx = conn
+                .begin_with("BEGIN IMMEDIATE")
+                .await
+                .map_err(db("migrate: begin"))?;
+            let created = sqlx::raw_sql(sqlx::AssertSqlSafe(self.sql.migration.as_str()))
+                .execute(&mut *tx)
+                .await;
+            // A table of another shape fails the indexes' creation first: say what is wrong.
+            sqlx::query(statement(&self.sql.check_shape))
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| {
+                    StoreError::new(
+                        format!(
+                            "sqlite migrate: the table {} exists but lacks the columns this \
+                             version needs; rename or drop it, then migrate again",
+                            self.sql.table
+                        ),
+                        e,
+                    )
+                })?;
+            created.map_err(db("migrate: create the table"))?;
+            tx.commit().await.map_err(db("migrate: commit"))
+        };
+        match tokio::time::timeout(limit, migration).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::msg(format!(
+                "sqlite migrate: not done within {limit:?}"
+            ))),
+        }
+    }
+}
+
+/// WAL mode for the file (set when it is not), and warnings for connection settings that lose
+/// records or fail writers needlessly.
+async fn check_settings(conn: &mut sqlx::SqliteConnection) -> Result<(), StoreError> {
+    let (mode,): (String,) = sqlx::query_as("PRAGMA journal_mode")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(db("migrate: journal mode"))?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        // Changing it needs the file to itself: other connections may keep it from happening.
+        let set: Result<(String,), _> = sqlx::query_as("PRAGMA journal_mode = WAL")
+            .fetch_one(&mut *conn)
+            .await;
+        match set {
+            Ok((now,)) if now.eq_ignore_ascii_case("wal") => {}
+            Ok((now,)) => tracing::warn!(
+                journal_mode = %now,
+                "sqlite migrate: the database is not in WAL mode (an in-memory database cannot \
+                 be): readers and writers wait on each other"
+            ),
+            Err(e) => tracing::warn!(
+                error = %e,
+                journal_mode = %mode,
+                "sqlite migrate: could not put the database in WAL mode (set \
+                 journal_mode=WAL on the pool's connections): readers and writers wait on each \
+                 other"
+            ),
+        }
+    }
+    let (synchronous,): (i64,) = sqlx::query_as("PRAGMA synchronous")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(db("migrate: synchronous"))?;
+    if synchronous < SYNCHRONOUS_FULL {
+        tracing::warn!(
+            synchronous,
+            "sqlite: the connections do not flush each commit to disk (synchronous below \
+             FULL): a loss of power may forget the last records, and their requests run again"
+        );
+    }
+    let (busy,): (i64,) = sqlx::query_as("PRAGMA busy_timeout")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(db("migrate: busy timeout"))?;
+    if busy == 0 {
+        tracing::warn!(
+            "sqlite: the connections have no busy timeout: a write that meets another \
+             process's (or a handler's transaction's) lock fails at once"
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,209 @@
+//! The statements on the table: written once per store, every name quoted. Times are bound as
+//! microseconds since the Unix epoch, read from the clock of the process that sends them (every
+//! process on one SQLite file shares the machine's clock).
+
+use std::sync::Arc;
+
+/// The lease token of a released record: no claim holds it (`LeaseToken::generate` never gives 0).
+pub(super) const RELEASED: i64 = 0;
+
+/// The table `SqliteStore::new` uses.
+pub(super) const DEFAULT_TABLE: &str = "idempotency_records";
+
+/// Rows removed per statement by `purge_expired`: each batch holds the file's write lock, so other
+/// writers get it between batches.
+pub(super) const PURGE_BATCH: u64 = 1_000;
+
+/// A record inspection shows: not past its expiry (`?2`, now), not released.
+const LIVE: &str = "expires_us > ?2 AND NOT (status = 'in_progress' AND lease_token = 0)";
+
+/// The statements of one store on its table.
+pub(super) struct Statements {
+    /// The table's name as configured, for messages.
+    pub(super) table: String,
+    /// The migration (`migrations/sqlite/0001`) on this table.
+    pub(super) migration: String,
+    /// ?1 scope, ?2 fingerprint: what a claim needs to decide (the body only when it can be
+    /// replayed).
+    pub(super) claim_read: Arc<str>,
+    pub(super) insert: Arc<str>,
+    pub(super) take: Arc<str>,
+    pub(super) complete: Arc<str>,
+    pub(super) finished_by: Arc<str>,
+    pub(super) renew: Arc<str>,
+    pub(super) release: Arc<str>,
+    pub(super) purge: Arc<str>,
+    pub(super) check_shape: Arc<str>,
+    pub(super) lookup: Arc<str>,
+    pub(super) count: Arc<str>,
+    pub(super) delete: Arc<str>,
+    pub(super) held: Arc<str>,
+    pub(super) list_first: Arc<str>,
+    pub(super) list_after: Arc<str>,
+}
+
+impl Statements {
+    /// The statements on `table` (validated: `[a-z_][a-z0-9_]*`).
+    pub(super) fn new(table: &str) -> Self {
+        let t = &quote_ident(table);
+        let list = |after: &str| {
+            format!(
+                "SELECT scope, idempotency_key, endpoint, status, response_status, created_us, \
+                        expires_us \
+                 FROM {t} WHERE subject = ?1 AND {LIVE}{after} \
+                 ORDER BY created_us, scope LIMIT ?3"
+            )
+        };
+        Statements {
+            table: table.to_owned(),
+            migration: include_str!("../../../migrations/sqlite/0001_idempotency_records.sql")
+                .replace("idempotency_records_expires_idx", "\u{0}e")
+                .replace("idempotency_records_subject_idx", "\u{0}s")
+                .replace(DEFAULT_TABLE, t)
+                .replace("\u{0}e", &quote_ident(&format!("{table}_expires_idx")))
+                .replace("\u{0}s", &quote_ident(&format!("{table}_subject_idx"))),
+            claim_read: format!(
+                "SELECT status, lease_token, fingerprint = ?2 AS same_fp, updated_us, \
+                        in_progress_ttl_us, expires_us, generation, response_status, \
+                        response_headers, \
+                        CASE WHEN fingerprint = ?2 THEN response_body END AS response_body \
+                 FROM {t} WHERE scope = ?1"
+            )
+            .into(),
+            // A fresh key. ?1 scope, ?2 key, ?3 subject, ?4 endpoint, ?5 fingerprint, ?6 lease,
+            // ?7 generation, ?8 in-progress TTL (µs), ?9 now, ?10 expiry. A row committed since
+            // the claim read none is left alone (the claim reads it then).
+            insert: format!(
+                "INSERT INTO {t} (scope, idempotency_key, subject, endpoint, fingerprint, status, \
+                                 lease_token, generation, in_progress_ttl_us, created_us, \
+                                 updated_us, expires_us) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, 'in_progress', ?6, ?7, ?8, ?9, ?9, ?10) \
+                 ON CONFLICT (scope) DO NOTHING"
+            )
+            .into(),
+            // Take a record that is expired, released, or in progress and abandoned (no renewal
+            // for the longer of the holder's TTL and the claimer's), by compare-and-swap on the
+            // lease the claim read (?8): SQLite runs one writer at a time, and this statement
+            // checks its conditions on the row as the last writer left it, so of many claims that
+            // read the same row exactly one takes it. The row already under the claim's own lease
+            // matches too (the same take, sent again). The generation and the creation time are
+            // kept by a retake of the same operation (a live record in progress, same
+            // fingerprint; a released one keeps only its generation), as in every store.
+            // ?1 scope, ?2 fingerprint, ?3 lease, ?4 generation, ?5 now, ?6 expiry,
+            // ?7 in-progress TTL (µs), ?8 the lease read.
+            take: format!(
+                "UPDATE {t} SET fingerprint = ?2, status = 'in_progress', lease_token = ?3, \
+                   generation = CASE WHEN status = 'in_progress' AND expires_us > ?5 \
+                                      AND fingerprint = ?2 THEN generation ELSE ?4 END, \
+                   created_us = CASE WHEN status = 'in_progress' AND expires_us > ?5 \
+                                      AND lease_token <> {RELEASED} THEN created_us ELSE ?5 END, \
+                   response_status = NULL, response_headers = NULL, response_body = NULL, \
+                   updated_us = ?5, expires_us = ?6, \
+                   in_progress_ttl_us = ?7 \
+                 WHERE scope = ?1 \
+                   AND ((lease_token = ?8 \
+                         AND (expires_us <= ?5 \
+                              OR (status = 'in_progress' AND lease_token = {RELEASED}) \
+                              OR (status = 'in_progress' AND fingerprint = ?2 \
+                                  AND updated_us <= ?5 - max(?7, in_progress_ttl_us)))) \
+                        OR (lease_token = ?3 AND status = 'in_progress')) \
+                 RETURNING generation"
+            )
+            .into(),
+            // ?1 scope, ?2 lease, ?3 state, ?4 status, ?5 headers, ?6 body, ?7 now, ?8 expiry.
+            complete: format!(
+                "UPDATE {t} SET status = ?3, response_status = ?4, response_headers = ?5, \
+                   response_body = ?6, updated_us = ?7, expires_us = ?8 \
+                 WHERE scope = ?1 AND lease_token = ?2 AND lease_token <> {RELEASED} \
+                   AND status = 'in_progress'"
+            )
+            .into(),
+            // Whether the lease finished the record (an earlier completion whose answer was lost).
+            finished_by: format!(
+                "SELECT EXISTS (SELECT 1 FROM {t} WHERE scope = ?1 AND lease_token = ?2 \
+                                AND status <> 'in_progress')"
+            )
+            .into(),
+            // ?1 scope, ?2 lease, ?3 now, ?4 expiry.
+            renew: format!(
+                "UPDATE {t} SET updated_us = ?3, expires_us = ?4 \
+                 WHERE scope = ?1 AND lease_token = ?2 AND lease_token <> {RELEASED} \
+                   AND status = 'in_progress'"
+            )
+            .into(),
+            // Not deleted: left in progress under no lease, and stale at once, so the next claim
+            // takes it (keeping its generation for the same request).
+            release: format!(
+                "UPDATE {t} SET lease_token = {RELEASED}, updated_us = 0 \
+                 WHERE scope = ?1 AND lease_token = ?2 AND lease_token <> {RELEASED} \
+                   AND status = 'in_progress'"
+            )
+            .into(),
+            // ?1 now.
+            purge: format!(
+                "DELETE FROM {t} WHERE rowid IN \
+                   (SELECT rowid FROM {t} WHERE expires_us <= ?1 LIMIT {PURGE_BATCH})"
+            )
+            .into(),
+            check_shape: format!(
+                "SELECT scope, idempotency_key, subject, endpoint, fingerprint, status, \
+                        lease_token, generation, in_progress_ttl_us, response_status, \
+                        response_headers, response_body, created_us, updated_us, expires_us \
+                 FROM {t} LIMIT 0"
+            )
+            .into(),
+            // ?1 scope, ?2 now.
+            lookup: format!(
+                "SELECT status, response_status, created_us, expires_us FROM {t} \
+                 WHERE scope = ?1 AND {LIVE}"
+            )
+            .into(),
+            // ?1 subject, ?2 now, ?3 limit: live records, released ones included (they are kept
+            // until their expiry), counted on the subject index.
+            count: format!(
+                "SELECT count(*) FROM (SELECT 1 FROM {t} WHERE subject = ?1 AND expires_us > ?2 \
+                 LIMIT ?3)"
+            )
+            .into(),
+            // ?1 scope, ?2 now: only a finished, live record.
+            delete: format!(
+                "DELETE FROM {t} WHERE scope = ?1 AND status <> 'in_progress' AND expires_us > ?2"
+            )
+            .into(),
+            // ?1 scope, ?2 now: whether a live claim holds the record.
+            held: format!(
+                "SELECT EXISTS (SELECT 1 FROM {t} WHERE scope = ?1 AND status = 'in_progress' \
+                                AND lease_token <> {RELEASED} AND expires_us > ?2)"
+            )
+            .into(),
+            // ?1 subject, ?2 now, ?3 limit; after a cursor, ?4 its time (µs), ?5 its scope. The
+            // row comparison on the subject index's columns starts a page where the last one
+            // ended in the index.
+            list_first: list("").into(),
+            list_after: list(" AND (created_us, scope) > (?4, ?5)").into(),
+        }
+    }
+}
+
+/// `ident` as a quoted SQL identifier (a `"` inside doubled).
+fn quote_ident(ident: &str) -> String {
+    format!("\"{}\"", ident.replace('"', "\"\""))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_migration_names_the_table_and_its_indexes() {
+        let sql = Statements::new("billing").migration;
+        assert!(sql.contains("CREATE TABLE IF NOT EXISTS \"billing\" ("));
+        assert!(sql.contains(
+            "CREATE INDEX IF NOT EXISTS \"billing_expires_idx\"\n    ON \"billing\" (expires_us)"
+        ));
+        assert!(sql.contains(
+            "CREATE INDEX IF NOT EXISTS \"billing_subject_idx\"\n    ON \"billing\" (subject, created_us, scope)"
+        ));
+        assert!(!sql.contains(DEFAULT_TABLE));
+    }
+}

@@ -1,0 +1,456 @@
+#![cfg(feature = "sqlite")]
+//! The layer on the SQLite store, on real SQLite files: every test works in a file of its own
+//! (`common::sqlite`), so tests run in parallel and leave each other alone. Several pools on one file stand for several processes: each connection
+//! has the file open on its own, and SQLite's locks treat them alike.
+
+use crate::common;
+use axum_idempotency::{cache_suite, store_suite};
+
+use std::path::Path;
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use axum_idempotency::IdempotencyLayer;
+use axum_idempotency::store::{
+    ClaimOutcome, ClaimRequest, Finished, Generation, IdempotencyStore, LeaseToken, ListRequest,
+    RecordKey, SqliteStore, StoredResponse,
+};
+use axum_idempotency::{Fingerprint, store::Deleted};
+pub(crate) use common::sqlite::fresh_path;
+use common::{app, post, send};
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
+
+mod faults;
+mod transactions;
+
+/// A pool of `connections` on the file at `path`, with the store's connection settings.
+pub(crate) async fn pool_on(path: &Path, connections: u32) -> SqlitePool {
+    SqlitePoolOptions::new()
+        .max_connections(connections)
+        .connect_with(SqliteStore::connect_options(
+            SqliteConnectOptions::new().filename(path),
+        ))
+        .await
+        .expect("open the SQLite file")
+}
+
+/// A migrated store on a file of its own, as `SqliteStore::open` makes it.
+pub(crate) async fn store() -> SqliteStore {
+    let store = SqliteStore::open(fresh_path())
+        .await
+        .expect("open")
+        .with_timeout(common::SUITE_STORE_TIMEOUT);
+    store.migrate().await.expect("migrate");
+    store
+}
+
+store_suite!(store());
+cache_suite!(store(), purged = 5);
+
+/// The claim of `POST /pay` by alice with `key` and `body`. Every claim in this file is built here.
+pub(crate) fn claim_request(key: &str, body: &[u8]) -> ClaimRequest {
+    ClaimRequest {
+        key: RecordKey {
+            key: key.to_owned(),
+            subject: "alice".to_owned(),
+            endpoint: "POST /pay".to_owned(),
+        },
+        fingerprint: Fingerprint::of(None, body),
+        lease: LeaseToken::generate(),
+        generation: Generation::generate(),
+        in_progress_ttl: Duration::from_secs(60),
+        retention: Duration::from_secs(3600),
+    }
+}
+
+/// A recorded `201` with `body`.
+pub(crate) fn created(body: &'static [u8]) -> std::sync::Arc<StoredResponse> {
+    std::sync::Arc::new(StoredResponse::new(
+        Finished::Completed,
+        201,
+        vec![(
+            axum::http::header::CONTENT_TYPE,
+            axum::http::HeaderValue::from_static("text/plain"),
+        )],
+        Some(axum::body::Bytes::from_static(body)),
+    ))
+}
+
+/// The names of the file's tables and indexes, in order.
+async fn schema_objects(pool: &SqlitePool) -> Vec<(String, String)> {
+    sqlx::query_as(
+        "SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%' ORDER BY type, name",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("sqlite_master")
+}
+
+/// Eight processes' worth of pools migrating one new file at once, beside an application's own
+/// tables and migration bookkeeping: every migration succeeds, the table and its two indexes are
+/// made once, and nothing of the application's is touched; migrating again changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn migrate_is_safe_from_many_processes_at_once() {
+    let path = fresh_path();
+    let app_pool = pool_on(&path, 1).await;
+    sqlx::raw_sql(
+        "CREATE TABLE _sqlx_migrations (version INTEGER PRIMARY KEY, description TEXT); \
+         INSERT INTO _sqlx_migrations VALUES (1, 'the application''s own'); \
+         CREATE TABLE orders (id INTEGER PRIMARY KEY)",
+    )
+    .execute(&app_pool)
+    .await
+    .expect("the application's tables");
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..8 {
+        let pool = pool_on(&path, 2).await;
+        tasks.spawn(async move {
+            SqliteStore::with_table(pool, "records")
+                .expect("table")
+                .migrate()
+                .await
+        });
+    }
+    while let Some(result) = tasks.join_next().await {
+        result.expect("task").expect("every migrate succeeds");
+    }
+    let store = SqliteStore::with_table(app_pool.clone(), "records").expect("table");
+    store.migrate().await.expect("migrate again");
+    let objects = schema_objects(&app_pool).await;
+    let names: Vec<&str> = objects.iter().map(|(_, n)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "records_expires_idx",
+            "records_subject_idx",
+            "_sqlx_migrations",
+            "orders",
+            "records"
+        ],
+        "{objects:?}"
+    );
+    let (rows,): (i64,) = sqlx::query_as("SELECT count(*) FROM _sqlx_migrations")
+        .fetch_one(&app_pool)
+        .await
+        .expect("bookkeeping");
+    assert_eq!(rows, 1, "the application's bookkeeping is untouched");
+    let (mode,): (String,) = sqlx::query_as("PRAGMA journal_mode")
+        .fetch_one(&app_pool)
+        .await
+        .expect("journal mode");
+    assert_eq!(mode, "wal");
+}
+
+/// A file left in rollback-journal mode by whoever made it: `migrate()` puts it in WAL mode.
+#[tokio::test]
+async fn migrate_puts_the_file_in_wal_mode() {
+    let path = fresh_path();
+    let options = SqliteConnectOptions::new()
+        .filename(&path)
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Delete);
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(options)
+        .await
+        .expect("open");
+    SqliteStore::new(pool.clone())
+        .migrate()
+        .await
+        .expect("migrate");
+    let (mode,): (String,) = sqlx::query_as("PRAGMA journal_mode")
+        .fetch_one(&pool)
+        .await
+        .expect("journal mode");
+    assert_eq!(mode, "wal");
+}
+
+#[tokio::test]
+async fn table_names_are_validated() {
+    let pool = SqlitePoolOptions::new()
+        .connect_lazy_with(SqliteConnectOptions::new().filename(fresh_path()));
+    for bad in [
+        "",
+        "Records",
+        "1records",
+        "records; DROP TABLE x",
+        "main.records",
+        "rec-ords",
+        "\"records\"",
+        "sqlite_records",
+        &"r".repeat(41),
+    ] {
+        assert!(
+            SqliteStore::with_table(pool.clone(), bad).is_err(),
+            "{bad:?}"
+        );
+    }
+    assert!(SqliteStore::with_table(pool, "order").is_ok());
+}
+
+/// A table of another shape under the store's name: `migrate()` says so, and never serves it.
+#[tokio::test]
+async fn a_table_of_another_shape_is_refused_by_migrate() {
+    let path = fresh_path();
+    let pool = pool_on(&path, 1).await;
+    sqlx::query("CREATE TABLE idempotency_records (key TEXT PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .expect("another table");
+    let refused = SqliteStore::new(pool).migrate().await.expect_err("refused");
+    assert!(
+        refused.to_string().contains("lacks the columns"),
+        "{refused}"
+    );
+}
+
+/// Subjects and endpoints as long as the layer lets through (1024 and 4096 bytes), random and
+/// incompressible, with NUL and non-ASCII characters, are stored whole: claimed, replayed, looked
+/// up, listed with their endpoint as sent, and kept apart from a subject one byte away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_longest_scopes_are_stored_whole() {
+    let store = store().await;
+    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut random = |bytes: usize| {
+        let mut text = String::from("\0é漢");
+        while text.len() < bytes {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let c = char::from_u32((seed % 0x3000) as u32).unwrap_or('\u{FFFD}');
+            if text.len() + c.len_utf8() <= bytes {
+                text.push(c);
+            } else {
+                text.push('x');
+            }
+        }
+        text
+    };
+    let subject = random(1024);
+    let endpoint = format!("POST /{}", random(4090));
+    assert_eq!((subject.len(), endpoint.len()), (1024, 4096));
+    let mut claim = claim_request("long", b"{}");
+    claim.key.subject = subject.clone();
+    claim.key.endpoint = endpoint.clone();
+    let ClaimOutcome::Claimed { lease, .. } = store.claim(&claim).await.expect("claim") else {
+        panic!("a fresh key is claimed");
+    };
+    let done = store
+        .complete(
+            &claim.key,
+            lease,
+            &claim.fingerprint,
+            created(b"stored"),
+            Duration::from_secs(60),
+        )
+        .await
+        .expect("complete");
+    assert!(done.is_done());
+    let mut again = claim_request("long", b"{}");
+    again.key = claim.key.clone();
+    let ClaimOutcome::Finished(stored) = store.claim(&again).await.expect("claim") else {
+        panic!("the replay");
+    };
+    assert_eq!(&stored.body[..], b"stored");
+    // A subject one byte away (the NUL made another character) is another scope.
+    let mut near = claim_request("long", b"{}");
+    near.key.subject = subject.replacen('\0', "\u{1}", 1);
+    near.key.endpoint = endpoint.clone();
+    assert!(matches!(
+        store.claim(&near).await.expect("claim"),
+        ClaimOutcome::Claimed { .. }
+    ));
+    assert!(store.lookup(&claim.key).await.expect("lookup").is_some());
+    let page = store
+        .list(&subject, ListRequest::first(10))
+        .await
+        .expect("list");
+    assert_eq!(page.records.len(), 1, "{page:?}");
+    assert_eq!(page.records[0].endpoint, endpoint);
+    assert_eq!(page.records[0].key, "long");
+    let (stored_subject,): (String,) =
+        sqlx::query_as("SELECT subject FROM idempotency_records WHERE scope = ?1")
+            .bind(&claim.key.digest()[..])
+            .fetch_one(store.pool())
+            .await
+            .expect("the row");
+    assert_eq!(stored_subject, subject, "kept whole, NUL included");
+    assert_eq!(
+        store.delete(&claim.key).await.expect("delete"),
+        Deleted::Deleted
+    );
+}
+
+/// Keys and subjects are bound as parameters: SQL in them is plain data.
+#[tokio::test]
+async fn hostile_keys_and_subjects_are_plain_data() {
+    let store = store().await;
+    sqlx::raw_sql("CREATE TABLE canary (n INTEGER); INSERT INTO canary VALUES (1)")
+        .execute(store.pool())
+        .await
+        .expect("canary");
+    let (router, counters) = app(IdempotencyLayer::new(store.clone()).expect("valid settings"));
+    let key = "'; DROP TABLE idempotency_records; DROP TABLE canary; --";
+    let user = "alice' OR '1'='1'; DROP TABLE canary; --";
+    let first = send(&router, post("/pay").key(key).user(user).json("{}")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(
+        send(&router, post("/pay").key(key).user(user).json("{}"))
+            .await
+            .replayed()
+    );
+    assert_eq!(counters.started(), 1);
+    let (canaries,): (i64,) = sqlx::query_as("SELECT count(*) FROM canary")
+        .fetch_one(store.pool())
+        .await
+        .expect("the canary is still there");
+    assert_eq!(canaries, 1);
+    let (subject,): (String,) =
+        sqlx::query_as("SELECT subject FROM idempotency_records WHERE idempotency_key = ?1")
+            .bind(key)
+            .fetch_one(store.pool())
+            .await
+            .expect("the record");
+    assert_eq!(subject, user);
+}
+
+/// While the handler runs, another pool on the file (another process) sees the claim in
+/// progress: it was committed before the handler started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn records_are_committed_before_the_handler_runs() {
+    let path = fresh_path();
+    let store = SqliteStore::new(pool_on(&path, 4).await);
+    store.migrate().await.expect("migrate");
+    let (router, counters) = app(IdempotencyLayer::new(store.clone()).expect("valid settings"));
+    let slow = tokio::spawn({
+        let router = router.clone();
+        async move {
+            send(
+                &router,
+                post("/pay")
+                    .key("k")
+                    .user("alice")
+                    .header("x-delay-ms", "500"),
+            )
+            .await
+        }
+    });
+    let c = counters.clone();
+    common::eventually(move || c.started() == 1).await;
+    let other = pool_on(&path, 1).await;
+    let status = || async {
+        let (status,): (String,) =
+            sqlx::query_as("SELECT status FROM idempotency_records WHERE idempotency_key = 'k'")
+                .fetch_one(&other)
+                .await
+                .expect("the claim is visible to another connection");
+        status
+    };
+    assert_eq!(status().await, "in_progress");
+    assert_eq!(slow.await.expect("request").status, StatusCode::CREATED);
+    assert_eq!(status().await, "completed");
+}
+
+/// Many claims of one key at once, from two pools on one file (two processes' worth: their writes
+/// meet on SQLite's lock, not on one store's turn), round after round: exactly one is claimed,
+/// and every other sees the winner's record (in progress). Then the record is made stale (its
+/// holder stopped renewing it an hour ago) and as many retakers race for it: exactly one takes it,
+/// with the record's generation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn claim_races_on_real_connections_have_one_winner() {
+    let path = fresh_path();
+    let stores = [
+        SqliteStore::new(pool_on(&path, 4).await),
+        SqliteStore::new(pool_on(&path, 4).await),
+    ];
+    stores[0].migrate().await.expect("migrate");
+    const TASKS: usize = 12;
+    for round in 0..15 {
+        let key = format!("race-{round}");
+        let body = format!("{{\"round\":{round}}}");
+        let mut claims = tokio::task::JoinSet::new();
+        for i in 0..TASKS {
+            let store = stores[i % 2].clone();
+            let request = claim_request(&key, body.as_bytes());
+            claims.spawn(async move { (store.claim(&request).await, request) });
+        }
+        let mut winners = Vec::new();
+        while let Some(done) = claims.join_next().await {
+            let (outcome, request) = done.expect("task");
+            match outcome.expect("every claim is answered") {
+                ClaimOutcome::Claimed { generation, .. } => {
+                    assert_eq!(generation, Some(request.generation));
+                    winners.push(request);
+                }
+                ClaimOutcome::InProgress => {}
+                other => panic!("round {round}: {other:?}"),
+            }
+        }
+        assert_eq!(winners.len(), 1, "round {round}: exactly one claim wins");
+        let first = winners.pop().expect("the winner");
+
+        // Stale once its holder stops renewing: one retaker of many takes it, keeping its
+        // generation (a retake of the same operation).
+        sqlx::query("UPDATE idempotency_records SET updated_us = updated_us - 3600000000")
+            .execute(stores[0].pool())
+            .await
+            .expect("age the record");
+        let mut retakes = tokio::task::JoinSet::new();
+        for i in 0..TASKS {
+            let store = stores[i % 2].clone();
+            let mut request = claim_request(&key, body.as_bytes());
+            request.key = first.key.clone();
+            retakes.spawn(async move { (store.claim(&request).await, request) });
+        }
+        let mut retakers = 0;
+        while let Some(done) = retakes.join_next().await {
+            let (outcome, request) = done.expect("task");
+            match outcome.expect("every retake is answered") {
+                outcome @ ClaimOutcome::Claimed { .. } => {
+                    assert!(outcome.is_retake(&request), "{outcome:?}");
+                    assert_eq!(
+                        outcome,
+                        ClaimOutcome::Claimed {
+                            lease: request.lease,
+                            generation: Some(first.generation)
+                        }
+                    );
+                    retakers += 1;
+                }
+                ClaimOutcome::InProgress => {}
+                other => panic!("round {round}: {other:?}"),
+            }
+        }
+        assert_eq!(retakers, 1, "round {round}: exactly one retaker wins");
+    }
+}
+
+/// A finished record's row edited by hand into something unreadable is answered as unreadable,
+/// never by running the operation again.
+#[tokio::test]
+async fn an_unreadable_finished_record_is_never_run_again() {
+    let store = store().await;
+    let claim = claim_request("edited", b"{}");
+    let ClaimOutcome::Claimed { lease, .. } = store.claim(&claim).await.expect("claim") else {
+        panic!("a fresh key is claimed");
+    };
+    let done = store
+        .complete(
+            &claim.key,
+            lease,
+            &claim.fingerprint,
+            created(b"x"),
+            Duration::from_secs(60),
+        )
+        .await
+        .expect("complete");
+    assert!(done.is_done());
+    sqlx::query("UPDATE idempotency_records SET response_headers = x'00ff'")
+        .execute(store.pool())
+        .await
+        .expect("edit by hand");
+    let mut again = claim_request("edited", b"{}");
+    again.key = claim.key.clone();
+    let error = store.claim(&again).await.expect_err("unreadable");
+    assert!(error.is_unreadable_record(), "{error:?}");
+}
