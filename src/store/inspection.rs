@@ -143,7 +143,12 @@ fn micros(t: SystemTime) -> i64 {
 
 /// The time `us` microseconds after the Unix epoch.
 #[cfg_attr(
-    not(any(feature = "postgres", feature = "redis", feature = "mysql", feature = "sqlite")),
+    not(any(
+        feature = "postgres",
+        feature = "redis",
+        feature = "mysql",
+        feature = "sqlite"
+    )),
     allow(dead_code)
 )]
 pub(crate) fn from_micros(us: i64) -> SystemTime {

@@ -13,7 +13,12 @@ use std::time::Duration;
 mod cached;
 mod error;
 mod fingerprint;
-#[cfg(any(feature = "redis", feature = "encryption", feature = "mysql", feature = "sqlite"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "encryption",
+    feature = "mysql",
+    feature = "sqlite"
+))]
 mod header_list;
 mod inspection;
 mod memory;
@@ -26,7 +31,12 @@ mod transactional;
 pub use cached::CachedStore;
 pub use error::StoreError;
 pub use fingerprint::Fingerprint;
-#[cfg(any(feature = "postgres", feature = "redis", feature = "mysql", feature = "sqlite"))]
+#[cfg(any(
+    feature = "postgres",
+    feature = "redis",
+    feature = "mysql",
+    feature = "sqlite"
+))]
 pub(crate) use inspection::from_micros;
 pub use inspection::{
     Deleted, InvalidCursor, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage,
