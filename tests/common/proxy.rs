@@ -27,6 +27,9 @@ pub struct Proxy {
     /// When set, the next client bytes that hold this pattern are never delivered, and nothing
     /// after them on that connection: a connection that dies quietly just before its commit.
     freeze_at: Arc<Mutex<Option<Vec<u8>>>>,
+    /// When set, the next server bytes that hold this pattern are not delivered: the connection
+    /// is closed towards the client instead.
+    cut_reply: Arc<Mutex<Option<Vec<u8>>>>,
 }
 
 impl Proxy {
@@ -39,6 +42,8 @@ impl Proxy {
         let (tx, conns) = (mode.clone(), connections.clone());
         let freeze_at: Arc<Mutex<Option<Vec<u8>>>> = Arc::default();
         let freeze = freeze_at.clone();
+        let cut_reply: Arc<Mutex<Option<Vec<u8>>>> = Arc::default();
+        let cut = cut_reply.clone();
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 if *tx.borrow() == Mode::Cut {
@@ -50,8 +55,8 @@ impl Proxy {
                 };
                 let (cr, cw) = client.into_split();
                 let (sr, sw) = server.into_split();
-                let up = tokio::spawn(pipe(cr, sw, tx.subscribe(), Some(freeze.clone())));
-                let down = tokio::spawn(pipe(sr, cw, tx.subscribe(), None));
+                let up = tokio::spawn(pipe(cr, sw, tx.subscribe(), Some(freeze.clone()), None));
+                let down = tokio::spawn(pipe(sr, cw, tx.subscribe(), None, Some(cut.clone())));
                 let mut list = conns.lock().expect("lock");
                 list.push(up.abort_handle());
                 list.push(down.abort_handle());
@@ -62,7 +67,17 @@ impl Proxy {
             mode,
             connections,
             freeze_at,
+            cut_reply,
         }
+    }
+
+    /// The next server answer that holds `pattern` is lost (once): the proxy closes the
+    /// connection towards the client instead of delivering it. The server did the statement (and,
+    /// in autocommit, committed it: its connection stays open until the client's side closes);
+    /// the client sees its connection die.
+    #[allow(dead_code)]
+    pub fn cut_reply(&self, pattern: &[u8]) {
+        *self.cut_reply.lock().expect("lock") = Some(pattern.to_vec());
     }
 
     /// The next connection that sends `COMMIT` freezes there (once): the commit never reaches the
@@ -101,6 +116,7 @@ async fn pipe(
     mut to: tokio::net::tcp::OwnedWriteHalf,
     mut mode: watch::Receiver<Mode>,
     freeze_at: Option<Arc<Mutex<Option<Vec<u8>>>>>,
+    cut_reply: Option<Arc<Mutex<Option<Vec<u8>>>>>,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -108,8 +124,8 @@ async fn pipe(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        let frozen = freeze_at.as_ref().is_some_and(|f| {
-            let mut pattern = f.lock().expect("lock");
+        let found = |pattern: &Mutex<Option<Vec<u8>>>| {
+            let mut pattern = pattern.lock().expect("lock");
             let found = pattern
                 .as_deref()
                 .is_some_and(|p| buf[..n].windows(p.len()).any(|w| w == p));
@@ -117,11 +133,15 @@ async fn pipe(
                 *pattern = None;
             }
             found
-        });
-        if frozen {
+        };
+        if freeze_at.as_deref().is_some_and(found) {
             // Hold the connection open, delivering nothing more, until the proxy is dropped.
             let _to = to;
             std::future::pending::<()>().await;
+            return;
+        }
+        if cut_reply.as_deref().is_some_and(found) {
+            // Not delivered: dropping this half closes the connection towards the client.
             return;
         }
         loop {

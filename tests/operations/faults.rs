@@ -381,3 +381,96 @@ async fn a_transaction_frozen_before_its_commit_blocks_its_key_for_about_a_ttl_o
         frozen_at.elapsed()
     );
 }
+
+/// A delete whose answer is lost after the database committed it: the store sends it again on a
+/// new connection (a kept connection found dead) and that second attempt finds nothing, or the
+/// store answers the error. Either way the record is gone, and a `CachedStore` in front, which
+/// had the finished record cached, forgets it on any answer of a delete: the next claim of the key
+/// runs it anew, never a replay of the deleted record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_delete_whose_answer_is_lost_after_its_commit_leaves_nothing_cached() {
+    use std::sync::Arc;
+
+    use axum_idempotency::Fingerprint;
+    use axum_idempotency::store::{
+        CachedStore, ClaimOutcome, ClaimRequest, Deleted, Finished, Generation, IdempotencyStore,
+        LeaseToken, RecordKey, StoredResponse,
+    };
+    let (options, upstream, schema) = upstream_and_schema("delete").await;
+    let proxy = Proxy::start(upstream).await;
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(
+            options
+                .clone()
+                .host("127.0.0.1")
+                .port(proxy.port())
+                .options([("search_path", schema.as_str())]),
+        )
+        .await
+        .expect("pool through the proxy");
+    let store = PostgresStore::new(pool).with_timeout(Duration::from_secs(2));
+    store.migrate().await.expect("migrate");
+    let direct = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options.options([("search_path", schema.as_str())]))
+        .await
+        .expect("direct pool");
+    let cached = CachedStore::new(store);
+    let key = RecordKey {
+        key: "deleted-once".into(),
+        subject: "alice".into(),
+        endpoint: "POST /pay".into(),
+    };
+    let request = || ClaimRequest {
+        key: key.clone(),
+        fingerprint: Fingerprint::of(None, b"{}"),
+        lease: LeaseToken::generate(),
+        generation: Generation::generate(),
+        in_progress_ttl: Duration::from_secs(30),
+        retention: Duration::from_secs(600),
+    };
+    let first = request();
+    let ClaimOutcome::Claimed { lease, .. } = cached.claim(&first).await.expect("claim") else {
+        panic!("a fresh key is claimed");
+    };
+    let answer = Arc::new(StoredResponse::new(
+        Finished::Completed,
+        201,
+        Vec::new(),
+        Some(bytes::Bytes::from_static(b"charged")),
+    ));
+    let done = cached
+        .complete(&key, lease, &first.fingerprint, answer, first.retention)
+        .await;
+    assert!(done.expect("complete").is_done());
+    // Read once from the store, then cached.
+    for _ in 0..2 {
+        let replay = cached.claim(&request()).await.expect("claim");
+        assert!(matches!(replay, ClaimOutcome::Finished(_)), "{replay:?}");
+    }
+    let rows = || async {
+        let (n,): (i64,) = sqlx::query_as("SELECT count(*) FROM idempotency_records")
+            .fetch_one(&direct)
+            .await
+            .expect("count");
+        n
+    };
+    assert_eq!(rows().await, 1);
+
+    // The delete's answer (one row, then `SELECT 1`) is lost after the database committed it.
+    proxy.cut_reply(b"SELECT 1\0");
+    let deleted = cached.delete(&key).await;
+    assert_eq!(rows().await, 0, "the first attempt committed: {deleted:?}");
+    assert!(
+        matches!(deleted, Ok(Deleted::NotFound) | Err(_)),
+        "the answer of the attempt that committed was lost: {deleted:?}"
+    );
+    // Whatever the answer, nothing of the deleted record is replayed: the key runs anew.
+    let again = request();
+    let outcome = cached.claim(&again).await.expect("claim");
+    assert!(
+        matches!(outcome, ClaimOutcome::Claimed { .. }) && !outcome.is_retake(&again),
+        "the deleted record was replayed from the cache: {outcome:?}"
+    );
+}
