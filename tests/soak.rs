@@ -5,7 +5,7 @@
 //! PostgreSQL the soak starts for itself (`common::servers`), never a server it did not start. At the end, per key: one charge for every key that got a 2xx,
 //! none charged twice, every replay equal to the first 2xx body.
 //!
-//! Bounded: each mode runs `SOAK_SECS` seconds (default 35), then the clients get 30 s to settle
+//! Bounded: each mode runs `SOAK_SECS` seconds (default 25), then the clients get 30 s to settle
 //! their last keys. Loopback only. The long run is
 //! `SOAK_SECS=300 cargo test --all-features --test soak -- --nocapture`.
 #![cfg(feature = "postgres")]
@@ -46,6 +46,10 @@ struct Report {
     lost_charges: u64,
     provider_double_payments: u64,
     replay_mismatches: u64,
+    /// Times the link between one instance and PostgreSQL went silent (partition mode).
+    partitions: u64,
+    /// The longest time from a key's first send to the final answer of its last copy.
+    longest_settle_ms: u64,
 }
 
 /// A small xorshift generator: the harness needs spread, not quality.
@@ -75,6 +79,7 @@ struct Counts {
     conflicts: AtomicU64,
     unavailable: AtomicU64,
     connection_errors: AtomicU64,
+    longest_settle_ms: AtomicU64,
 }
 
 /// The answers one key got: every 2xx body, and whether any answer was final.
@@ -170,6 +175,10 @@ enum Chaos {
     Mixed,
     /// SIGTERM only (a rolling deploy), no database restart.
     GracefulOnly,
+    /// No stop: the link between one instance and PostgreSQL goes silent (packets held, no reset)
+    /// for 1 to 4 s at random, every 1 to 3 s, whatever is in flight (a claim, a renewal, a
+    /// handler's statement, a COMMIT).
+    Partition,
 }
 
 /// Stops `child` with SIGTERM and waits for it to exit (it drains first), at most 30 s.
@@ -198,7 +207,9 @@ async fn soak(secs: u64, transactional: bool, chaos: Chaos) -> Report {
             .expect("clock")
             .as_secs(),
         std::process::id(),
-        u8::from(transactional) + 2 * u8::from(chaos == Chaos::GracefulOnly)
+        u8::from(transactional)
+            + 2 * u8::from(chaos == Chaos::GracefulOnly)
+            + 4 * u8::from(chaos == Chaos::Partition)
     );
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
         .execute(&admin)
@@ -207,10 +218,24 @@ async fn soak(secs: u64, transactional: bool, chaos: Chaos) -> Report {
     admin.close().await;
 
     let env = env(transactional);
+    // In the partition mode, the first instance reaches PostgreSQL through a proxy that can hold
+    // every packet.
+    let upstream: SocketAddr = database_url()
+        .trim_start_matches("postgres://postgres@")
+        .split('/')
+        .next()
+        .and_then(|at| at.parse().ok())
+        .expect("the private server's address");
+    let link = common::proxy::Proxy::start(upstream).await;
     let mut children = Vec::new();
     let mut list = Vec::new();
-    for _ in 0..INSTANCES {
-        let (child, addr) = example::start_on(&database_url(), &schema, &env).await;
+    for n in 0..INSTANCES {
+        let database = if chaos == Chaos::Partition && n == 0 {
+            database_url().replace(&upstream.to_string(), &format!("127.0.0.1:{}", link.port()))
+        } else {
+            database_url()
+        };
+        let (child, addr) = example::start_on(&database, &schema, &env).await;
         children.push(child);
         list.push(addr);
     }
@@ -248,6 +273,7 @@ async fn soak(secs: u64, transactional: bool, chaos: Chaos) -> Report {
                         ..KeyLog::default()
                     },
                 );
+                let sent = Instant::now();
                 let mut sends = tokio::task::JoinSet::new();
                 for copy in 0..2u64 {
                     sends.spawn(settle_key(
@@ -271,6 +297,10 @@ async fn soak(secs: u64, transactional: bool, chaos: Chaos) -> Report {
                         log.ok_bodies.push(reply.body.clone());
                     }
                 }
+                let settled = u64::try_from(sent.elapsed().as_millis()).unwrap_or(u64::MAX);
+                counts
+                    .longest_settle_ms
+                    .fetch_max(settled, Ordering::Relaxed);
             }
         });
     }
@@ -283,6 +313,13 @@ async fn soak(secs: u64, transactional: bool, chaos: Chaos) -> Report {
         tokio::time::sleep(Duration::from_millis(1000 + rng.below(2000))).await;
         if Instant::now() >= deadline {
             break;
+        }
+        if chaos == Chaos::Partition {
+            link.set(common::proxy::Mode::Stall);
+            tokio::time::sleep(Duration::from_millis(1000 + rng.below(3000))).await;
+            link.set(common::proxy::Mode::Pass);
+            report.partitions += 1;
+            continue;
         }
         if chaos == Chaos::Mixed
             && !restarted_db
@@ -359,6 +396,7 @@ async fn soak(secs: u64, transactional: bool, chaos: Chaos) -> Report {
     report.conflicts = counts.conflicts.load(Ordering::Relaxed);
     report.unavailable = counts.unavailable.load(Ordering::Relaxed);
     report.connection_errors = counts.connection_errors.load(Ordering::Relaxed);
+    report.longest_settle_ms = counts.longest_settle_ms.load(Ordering::Relaxed);
     let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
         .execute(&pool)
         .await;
@@ -369,9 +407,9 @@ fn print(mode: &str, secs: u64, r: &Report) {
     println!(
         "soak {mode} ({secs} s, {INSTANCES} instances, TTL {TTL_SECS} s): requests {}, keys {}, \
          duplicates {}, 409 {}, 503 {}, connection errors {}, kills {}, graceful stops {}, \
-         database restarts {}, \
+         database restarts {}, partitions {}, \
          keys with 2xx {}, unfinished {}, double charges {}, lost charges {}, provider double \
-         payments {}, replay mismatches {}",
+         payments {}, replay mismatches {}, longest settle {} ms",
         r.requests,
         r.keys,
         r.duplicates,
@@ -381,12 +419,14 @@ fn print(mode: &str, secs: u64, r: &Report) {
         r.kills,
         r.graceful_stops,
         r.db_restarts,
+        r.partitions,
         r.keys_with_2xx,
         r.unfinished_keys,
         r.double_charges,
         r.lost_charges,
         r.provider_double_payments,
-        r.replay_mismatches
+        r.replay_mismatches,
+        r.longest_settle_ms
     );
 }
 
@@ -395,7 +435,7 @@ async fn soak_under_kills_and_a_database_restart() {
     let secs: u64 = std::env::var("SOAK_SECS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(35);
+        .unwrap_or(25);
 
     // The transactional checkout: effect and record commit together.
     let tx = soak(secs, true, Chaos::Mixed).await;
@@ -434,4 +474,17 @@ async fn soak_under_kills_and_a_database_restart() {
     assert_eq!(deploys.lost_charges, 0, "{deploys:?}");
     assert_eq!(deploys.replay_mismatches, 0, "{deploys:?}");
     assert_eq!(deploys.unfinished_keys, 0, "{deploys:?}");
+
+    // A partition: the link between one instance and PostgreSQL goes silent for seconds at a
+    // time, also during a COMMIT. The transactional checkout charges once, loses nothing, and no
+    // key waits long for its answer: a claim whose holder is cut off is retaken after the TTL, and
+    // a commit held in flight ends when the link comes back.
+    let cut_off = soak(secs, true, Chaos::Partition).await;
+    print("transactional, partitions", secs, &cut_off);
+    assert!(cut_off.partitions >= 3, "{cut_off:?}");
+    assert_eq!(cut_off.double_charges, 0, "{cut_off:?}");
+    assert_eq!(cut_off.lost_charges, 0, "{cut_off:?}");
+    assert_eq!(cut_off.replay_mismatches, 0, "{cut_off:?}");
+    assert_eq!(cut_off.provider_double_payments, 0, "{cut_off:?}");
+    assert_eq!(cut_off.unfinished_keys, 0, "{cut_off:?}");
 }
