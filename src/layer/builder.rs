@@ -5,19 +5,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::request::Parts;
-use http::{HeaderName, Method, StatusCode};
+use http::{Method, StatusCode};
 
 use super::handler::Transactions;
-use super::header_policy;
 use super::layer::IdempotencyLayer;
 use super::policy::Disposition;
 #[cfg(doc)]
 use super::policy::default_policy;
 use super::problem::Problem;
-use super::settings::{FingerprintRule, LayerSettings};
+use super::settings::{FingerprintRule, LayerSettings, Unchecked};
 use super::subject::SubjectExtractor;
 use crate::engine::{ConfigError, Drain, Engine, Outcome, Settings};
-use crate::fingerprint::json_pointer::Pointer;
 use crate::store::{Fingerprint, IdempotencyStore, StoredResponse};
 
 impl<Store: IdempotencyStore> IdempotencyLayer<Store> {
@@ -460,94 +458,13 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
 
     /// Checks the settings and builds the layer.
     pub fn build(self) -> Result<IdempotencyLayer<Store>, ConfigError> {
-        let mut http = self.http;
-        http.check()?;
-        if let Some(base) = self.problem_type_base {
-            let absolute = http::Uri::try_from(base.as_str()).is_ok_and(|uri| {
-                matches!(uri.scheme_str(), Some("http" | "https")) && uri.authority().is_some()
-            });
-            if !absolute {
-                return Err(ConfigError::new(
-                    "problem_type_base",
-                    format!("{base:?} is not an absolute http(s) URI"),
-                ));
-            }
-            http.problems = http.problems.clone().with_base(&base);
-        }
-        for name in self.extra_headers {
-            let header = HeaderName::try_from(name.as_str()).map_err(|_| {
-                ConfigError::new(
-                    "store_header",
-                    format!("{name:?} is not a valid header name"),
-                )
-            })?;
-            if header_policy::is_denied(&header) {
-                return Err(ConfigError::new(
-                    "store_header",
-                    format!(
-                        "{header} is never stored: it carries credentials or belongs to one \
-                         transfer"
-                    ),
-                ));
-            }
-            if !http.stored_headers.contains(&header) {
-                http.stored_headers.push(header);
-            }
-        }
-        if let Some(name) = self.replay_header_name {
-            let header = HeaderName::try_from(name.as_str()).map_err(|_| {
-                ConfigError::new(
-                    "replay_header",
-                    format!("{name:?} is not a valid header name"),
-                )
-            })?;
-            if header != crate::header::IDEMPOTENT_REPLAYED && header_policy::is_denied(&header) {
-                return Err(ConfigError::new(
-                    "replay_header",
-                    format!(
-                        "{header} cannot mark replays: the layer or HTTP gives it another meaning"
-                    ),
-                ));
-            }
-            http.replay_header = header;
-        }
-        if !self.ignored_fields.is_empty() {
-            if matches!(http.fingerprint, FingerprintRule::Custom(_)) {
-                return Err(ConfigError::new(
-                    "fingerprint_ignore",
-                    "cannot be used together with fingerprint_fn",
-                ));
-            }
-            let pointers = self
-                .ignored_fields
-                .iter()
-                .map(|p| Pointer::parse(p))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| ConfigError::new("fingerprint_ignore", e))?;
-            http.fingerprint = FingerprintRule::Canonical(pointers.into());
-        }
-        if let Some(names) = self.credential_headers {
-            http.credential_headers = names
-                .iter()
-                .map(|name| {
-                    HeaderName::try_from(name.as_str()).map_err(|_| {
-                        ConfigError::new(
-                            "credential_headers",
-                            format!("{name:?} is not a valid header name"),
-                        )
-                    })
-                })
-                .collect::<Result<_, _>>()?;
-        }
-        if http.stored_headers.contains(&http.replay_header) {
-            return Err(ConfigError::new(
-                "replay_header",
-                format!(
-                    "{} cannot both mark replays and be recorded",
-                    http.replay_header
-                ),
-            ));
-        }
+        let http = self.http.finished(Unchecked {
+            problem_type_base: self.problem_type_base,
+            extra_headers: self.extra_headers,
+            replay_header_name: self.replay_header_name,
+            ignored_fields: self.ignored_fields,
+            credential_headers: self.credential_headers,
+        })?;
         let engine = Engine::new(self.store, self.engine, self.drain)?;
         Ok(IdempotencyLayer {
             engine,

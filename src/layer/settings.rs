@@ -7,6 +7,7 @@ use std::time::Duration;
 use http::request::Parts;
 use http::{HeaderName, Method, StatusCode};
 
+use super::header_policy;
 use super::policy::{Disposition, default_policy};
 use super::problem::ProblemTypes;
 use super::subject::{SubjectExtension, SubjectExtractor};
@@ -206,4 +207,108 @@ pub(crate) fn default_endpoint(parts: &Parts) -> String {
     endpoint.push(' ');
     endpoint.push_str(path);
     endpoint
+}
+
+/// What the builder takes as given and checks only when the layer is built: names that must be
+/// header names, JSON pointers, a URI.
+pub(crate) struct Unchecked {
+    pub(crate) problem_type_base: Option<String>,
+    pub(crate) extra_headers: Vec<String>,
+    pub(crate) replay_header_name: Option<String>,
+    pub(crate) ignored_fields: Vec<String>,
+    pub(crate) credential_headers: Option<Vec<String>>,
+}
+
+impl LayerSettings {
+    /// The settings with `unchecked` applied, once every part is valid: what `build()` makes.
+    pub(crate) fn finished(mut self, unchecked: Unchecked) -> Result<Self, ConfigError> {
+        self.check()?;
+        if let Some(base) = unchecked.problem_type_base {
+            let absolute = http::Uri::try_from(base.as_str()).is_ok_and(|uri| {
+                matches!(uri.scheme_str(), Some("http" | "https")) && uri.authority().is_some()
+            });
+            if !absolute {
+                return Err(ConfigError::new(
+                    "problem_type_base",
+                    format!("{base:?} is not an absolute http(s) URI"),
+                ));
+            }
+            self.problems = self.problems.clone().with_base(&base);
+        }
+        for name in unchecked.extra_headers {
+            let header = HeaderName::try_from(name.as_str()).map_err(|_| {
+                ConfigError::new(
+                    "store_header",
+                    format!("{name:?} is not a valid header name"),
+                )
+            })?;
+            if header_policy::is_denied(&header) {
+                return Err(ConfigError::new(
+                    "store_header",
+                    format!(
+                        "{header} is never stored: it carries credentials or belongs to one \
+                         transfer"
+                    ),
+                ));
+            }
+            if !self.stored_headers.contains(&header) {
+                self.stored_headers.push(header);
+            }
+        }
+        if let Some(name) = unchecked.replay_header_name {
+            let header = HeaderName::try_from(name.as_str()).map_err(|_| {
+                ConfigError::new(
+                    "replay_header",
+                    format!("{name:?} is not a valid header name"),
+                )
+            })?;
+            if header != crate::header::IDEMPOTENT_REPLAYED && header_policy::is_denied(&header) {
+                return Err(ConfigError::new(
+                    "replay_header",
+                    format!(
+                        "{header} cannot mark replays: the layer or HTTP gives it another meaning"
+                    ),
+                ));
+            }
+            self.replay_header = header;
+        }
+        if !unchecked.ignored_fields.is_empty() {
+            if matches!(self.fingerprint, FingerprintRule::Custom(_)) {
+                return Err(ConfigError::new(
+                    "fingerprint_ignore",
+                    "cannot be used together with fingerprint_fn",
+                ));
+            }
+            let pointers = unchecked
+                .ignored_fields
+                .iter()
+                .map(|p| Pointer::parse(p))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| ConfigError::new("fingerprint_ignore", e))?;
+            self.fingerprint = FingerprintRule::Canonical(pointers.into());
+        }
+        if let Some(names) = unchecked.credential_headers {
+            self.credential_headers = names
+                .iter()
+                .map(|name| {
+                    HeaderName::try_from(name.as_str()).map_err(|_| {
+                        ConfigError::new(
+                            "credential_headers",
+                            format!("{name:?} is not a valid header name"),
+                        )
+                    })
+                })
+                .collect::<Result<_, _>>()?;
+        }
+        if self.stored_headers.contains(&self.replay_header) {
+            return Err(ConfigError::new(
+                "replay_header",
+                format!(
+                    "{} cannot both mark replays and be recorded",
+                    self.replay_header
+                ),
+            ));
+        }
+        Ok(self)
+    }
 }

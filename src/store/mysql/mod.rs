@@ -5,12 +5,13 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use futures_util::TryStreamExt;
-use sqlx::mysql::{MySqlConnection, MySqlDatabaseError, MySqlRow};
+use sqlx::mysql::{MySqlConnection, MySqlRow};
 use sqlx::pool::PoolConnection;
 use sqlx::{Either, MySql, MySqlPool};
 use tokio::time::Instant;
 
 mod claim;
+mod errors;
 mod in_flight;
 mod inspect;
 mod migrate;
@@ -22,6 +23,7 @@ mod transactional;
 use sql::{Bounds, DEFAULT_TABLE, Flavor};
 use statements::{Batch, PURGE_BATCH, Statements};
 
+use self::errors::error_number;
 use super::{IdempotencyStore, StoreError};
 use crate::store::{
     ClaimOutcome, ClaimRequest, Fenced, Fingerprint, LeaseToken, RecordKey, StoredResponse,
@@ -456,13 +458,6 @@ fn held_after_completion(answers: &[Answer]) -> Result<Fenced, StoreError> {
     let updated = answers.first().is_some_and(|a| a.affected == 1);
     let finished = first_integer(answers.get(1))? == Some(1);
     Ok(Fenced::from_held(updated || finished))
-}
-
-/// The server's error number, for a database error.
-fn error_number(e: &sqlx::Error) -> Option<u16> {
-    e.as_database_error()
-        .and_then(|d| d.try_downcast_ref::<MySqlDatabaseError>())
-        .map(MySqlDatabaseError::number)
 }
 
 /// A database error as the store answers it. A write refused for lack of room (the table or the

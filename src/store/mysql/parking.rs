@@ -24,6 +24,7 @@ use sqlx::mysql::MySql;
 use sqlx::pool::PoolConnection;
 use tokio::time::Instant;
 
+use super::errors::error_number;
 use crate::util::lock::lock;
 
 /// How long a connection is kept without being used before it goes back to the pool (checked this
@@ -138,6 +139,6 @@ pub(super) fn lost_connection(error: &sqlx::Error) -> bool {
         sqlx::Error::Io(_) | sqlx::Error::Protocol(_) => true,
         // The server is shutting down (1053), the session was killed (1927), or ended for being
         // idle (4031, MySQL 8.0.24 and later).
-        e => matches!(super::error_number(e), Some(1053 | 1927 | 4031)),
+        e => matches!(error_number(e), Some(1053 | 1927 | 4031)),
     }
 }

@@ -7,12 +7,12 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{HeaderName, HeaderValue};
 use sqlx::PgPool;
 use sqlx::pool::PoolConnection;
 use tokio::time::Instant;
 
 mod claim;
+mod connection;
 mod in_flight;
 mod inspect;
 mod migrate;
@@ -20,6 +20,10 @@ mod parking;
 mod sql;
 mod statements;
 mod transactional;
+mod values;
+
+use self::connection::{db, lock_timeout_for, on_connection, pg_millis};
+use self::values::{micros, parse_headers, printable};
 
 use sql::DEFAULT_TABLE;
 use statements::{PURGE_BATCH, Statements};
@@ -466,117 +470,6 @@ impl IdempotencyStore for PostgresStore {
             if done.rows_affected() < PURGE_BATCH as u64 {
                 return Ok(total);
             }
-        }
-    }
-}
-
-/// A subject or endpoint for the columns kept for inspection: PostgreSQL's `text` cannot hold NUL,
-/// so NUL is written as U+FFFD there (the record's identity is its `scope` digest, which is exact).
-fn printable(s: &str) -> Cow<'_, str> {
-    if s.contains('\0') {
-        Cow::Owned(s.replace('\0', "\u{FFFD}"))
-    } else {
-        Cow::Borrowed(s)
-    }
-}
-
-/// Stored headers back into HTTP types. The table may have been written by anyone: a name or value
-/// that is not valid HTTP is dropped rather than trusted (the layer's header policy applies on
-/// replay).
-fn parse_headers(names: Vec<String>, values: Vec<Vec<u8>>) -> Vec<(HeaderName, HeaderValue)> {
-    names
-        .into_iter()
-        .zip(values)
-        .filter_map(|(name, value)| {
-            let name = HeaderName::from_bytes(name.as_bytes()).ok()?;
-            let value = HeaderValue::from_bytes(&value).ok()?;
-            Some((name, value))
-        })
-        .collect()
-}
-
-/// Runs `$op` (an expression using the connection `$conn`, evaluated again if the statement goes
-/// twice) on a connection kept from an earlier operation or taken from `$store`'s pool, the pool
-/// wait and the statement each within the operation timeout; gives `Result<Result<T, sqlx::Error>,
-/// StoreError>`, the outer error for a timeout or a failed acquire. A connection whose statement
-/// succeeded is kept for the next operation; one whose statement failed goes back to the pool; a
-/// kept one found dead is closed and the statement goes once more on one from the pool. A
-/// connection whose statement was cut short by the timeout is closed rather than returned: sqlx
-/// would keep it out of the pool until the server finished the statement, which for a connection
-/// that died quietly is hours, so a few such timeouts would empty the pool.
-macro_rules! on_connection {
-    ($store:expr, $what:expr, $conn:ident => $op:expr) => {{
-        let store = $store;
-        let mut from_pool = false;
-        loop {
-            let (taken, kept) = match store.connection($what, from_pool).await {
-                Ok(taken) => taken,
-                Err(e) => break Err(e),
-            };
-            // Closed if this future is dropped mid-statement (see `in_flight.rs`).
-            let mut $conn = $crate::store::postgres::in_flight::InFlight::new(taken);
-            // The statement has a whole timeout of its own: one that waited long for its
-            // connection must not cut a healthy statement short (and close its connection).
-            let done = tokio::time::timeout(store.timeout, $op).await;
-            let $conn = $conn.landed();
-            match done {
-                // A kept connection that died while it waited (the database restarted, or ended
-                // the session): the statement goes once more, on a connection from the pool, as
-                // the pool's own ping would have replaced it. Every operation is safe to repeat
-                // under its lease, also when the first one committed before the connection was
-                // lost: a claim or a retake by its own lease is granted again, a completion by it
-                // is done already, a renewal renews again, a release answers the lease lost.
-                Ok(Err(e)) if kept.is_some() && $crate::store::postgres::lost_connection(&e) => {
-                    drop($conn.detach());
-                    from_pool = true;
-                    continue;
-                }
-                Ok(result) => {
-                    if result.is_ok() {
-                        store.keep($conn, kept);
-                    }
-                    break Ok(result);
-                }
-                Err(_) => {
-                    drop($conn.detach());
-                    break Err(store.no_answer($what));
-                }
-            }
-        }
-    }};
-}
-use on_connection;
-
-/// The server-side lock timeout for a client timeout: four fifths of it, so the server gives up
-/// (and answers) before the client does.
-fn lock_timeout_for(timeout: Duration) -> Arc<str> {
-    format!("{}ms", pg_millis(timeout * 4 / 5)).into()
-}
-
-/// Milliseconds for a PostgreSQL time setting: at least 1 (0 turns the setting off), at most what
-/// an `int` setting holds (about 24 days).
-fn pg_millis(d: Duration) -> u128 {
-    d.as_millis().clamp(1, i32::MAX as u128)
-}
-
-fn micros(d: Duration) -> f64 {
-    d.as_micros() as f64
-}
-
-/// A database error as the store answers it. A full disk or exhausted memory (SQLSTATE 53000,
-/// 53100, 53200) refused the write: nothing was written, and the layer must not run unguarded for
-/// it.
-fn db(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
-    move |e| {
-        let no_room = e
-            .as_database_error()
-            .and_then(|d| d.code())
-            .is_some_and(|code| matches!(&*code, "53000" | "53100" | "53200"));
-        if no_room {
-            let message = format!("postgres {what}: the database has no room: {e}");
-            StoreError::store_full(message)
-        } else {
-            StoreError::new(format!("postgres {what}"), e)
         }
     }
 }
