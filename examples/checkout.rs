@@ -559,20 +559,15 @@ fn checkout_scope(subject: &Subject, key: &str) -> Option<RecordKey> {
 }
 
 fn invalid_key() -> Response {
-    (
-        StatusCode::BAD_REQUEST,
-        Json(json!({"error": "invalid_idempotency_key"})),
-    )
-        .into_response()
+    error(StatusCode::BAD_REQUEST, "invalid_idempotency_key")
 }
 
 fn store_unavailable() -> Response {
-    (
+    problem(
         StatusCode::SERVICE_UNAVAILABLE,
-        [(header::RETRY_AFTER, "2")],
-        Json(json!({"error": "idempotency_store_unavailable"})),
+        "idempotency_store_unavailable",
+        true,
     )
-        .into_response()
 }
 
 /// `GET /checkout/idempotency/{key}`: the state of the caller's own checkout with that key.
@@ -591,7 +586,7 @@ async fn inspect<S: IdempotencyStore>(
             "expires_at": humantime::format_rfc3339_seconds(info.expires_at).to_string(),
         }))
         .into_response(),
-        Ok(None) => (StatusCode::NOT_FOUND, Json(json!({"error": "not_found"}))).into_response(),
+        Ok(None) => error(StatusCode::NOT_FOUND, "not_found"),
         Err(_) => store_unavailable(),
     }
 }
@@ -608,13 +603,8 @@ async fn forget<S: IdempotencyStore>(
     };
     match store.delete(&scope).await {
         Ok(Deleted::Deleted) => StatusCode::NO_CONTENT.into_response(),
-        Ok(Deleted::InProgress) => (
-            StatusCode::CONFLICT,
-            [(header::RETRY_AFTER, "2")],
-            Json(json!({"error": "in_progress"})),
-        )
-            .into_response(),
-        Ok(_) => (StatusCode::NOT_FOUND, Json(json!({"error": "not_found"}))).into_response(),
+        Ok(Deleted::InProgress) => problem(StatusCode::CONFLICT, "in_progress", true),
+        Ok(_) => error(StatusCode::NOT_FOUND, "not_found"),
         Err(_) => store_unavailable(),
     }
 }
@@ -634,11 +624,7 @@ async fn demo_auth(mut request: Request, next: Next) -> Response {
             request.extensions_mut().insert(Subject(subject));
             next.run(request).await
         }
-        None => (
-            StatusCode::UNAUTHORIZED,
-            Json(json!({"error": "unauthenticated"})),
-        )
-            .into_response(),
+        None => error(StatusCode::UNAUTHORIZED, "unauthenticated"),
     }
 }
 
@@ -841,8 +827,33 @@ async fn charges(
     }
 }
 
+/// The example's own error answers, as problem details (RFC 9457) like the layer's: a client of
+/// the protocol reads `retryable` (and `Retry-After`) the same way on both. A `503` (the provider
+/// or the ledger unavailable) is retryable: the layer released its record.
 fn error(status: StatusCode, code: &str) -> Response {
-    (status, Json(json!({"error": code}))).into_response()
+    problem(status, code, status == StatusCode::SERVICE_UNAVAILABLE)
+}
+
+fn problem(status: StatusCode, code: &str, retryable: bool) -> Response {
+    let body = json!({
+        "type": "about:blank",
+        "title": status.canonical_reason().unwrap_or("Error"),
+        "status": status.as_u16(),
+        "error": code,
+        "retryable": retryable,
+    });
+    let mut response = (
+        status,
+        [(header::CONTENT_TYPE, "application/problem+json")],
+        body.to_string(),
+    )
+        .into_response();
+    if retryable {
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("2"));
+    }
+    response
 }
 
 /// The router on the store `REDIS_URL` or `DATABASE_URL` names: Redis, Postgres (migrated on start)
