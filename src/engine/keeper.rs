@@ -1,15 +1,20 @@
 //! The lease keeper: one task per engine renews every lease this process holds, instead of a timer
 //! task per request. Each lease is due a third of the in-progress TTL after the last renewal that
 //! got through (or after its claim), and, when a renewal fails, again a twentieth of the TTL later;
-//! the keeper wakes at the earliest due lease and renews, in one call to the store
+//! the keeper wakes at the earliest due lease (a sixth of the TTL apart at most) and renews, in one
+//! call to the store
 //! ([`IdempotencyStore::renew_many`]: one statement on Postgres), every lease due by then or within
 //! a twelfth of the TTL (renewing a little early costs nothing and gathers more per call). A call
 //! may take at most the engine's renewal bound.
 //!
-//! The keeper is not the work's task: a handler that blocks its thread (a synchronous SDK,
-//! `block_in_place`, a CPU loop) does not stop it on a multi-threaded runtime. So "older than the
-//! TTL" still means "no renewal for a TTL": the holder died. A live holder, however slow, is never
-//! retaken while the store can be reached. The task ends once no lease has been left for a third
+//! The keeper is not the work's task, and no request ever wakes it (a wake from a handler's worker
+//! would put it in that worker's own slot, stuck there if the handler then blocks): it wakes on its
+//! own timer. So a handler that blocks its thread (a synchronous SDK, a CPU loop) from its first
+//! poll, or inside `block_in_place`, does not stop it on a multi-threaded runtime, and "older than
+//! the TTL" means "no renewal for a TTL": the holder died. What it cannot survive is a handler that
+//! blocks a worker outside `block_in_place` after an await: that worker may be the one driving the
+//! runtime's timers and sockets, which then stop for every task, the keeper's renewals with them
+//! (a Tokio limit; blocking work belongs in `spawn_blocking` or `block_in_place`). The task ends once no lease has been left for a third
 //! of the TTL, and starts again with the next one (on the runtime of that lease, should the first
 //! one be gone).
 
@@ -20,7 +25,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
@@ -58,8 +62,6 @@ pub(super) struct Held<E> {
 /// The leases this process holds under one engine, and the task that renews them.
 pub(crate) struct Keeper<E> {
     inner: Mutex<Kept<E>>,
-    /// Wakes the task when a lease is due before the time it sleeps to.
-    wake: Notify,
 }
 
 struct Kept<E> {
@@ -67,8 +69,6 @@ struct Kept<E> {
     next_id: u64,
     /// The task, while it runs.
     task: Option<AbortHandle>,
-    /// When the task wakes next, as it last decided.
-    wakes_at: Option<Instant>,
     /// Since when no lease is left (the task lingers a third of the TTL for the next one, rather
     /// than end and be spawned again for every request of a sequential load).
     idle_since: Option<Instant>,
@@ -89,10 +89,8 @@ impl<E> Default for Keeper<E> {
                 leases: HashMap::new(),
                 next_id: 0,
                 task: None,
-                wakes_at: None,
                 idle_since: None,
             }),
-            wake: Notify::new(),
         }
     }
 }
@@ -148,9 +146,6 @@ impl<E: Renewer> Keeper<E> {
                 started_task = true;
                 runtime.spawn(run(self.clone(), engine)).abort_handle()
             });
-            kept.wakes_at = None;
-        } else if kept.wakes_at.is_none_or(|at| due < at) {
-            self.wake.notify_one();
         }
         drop(kept);
         Registered {
@@ -170,10 +165,7 @@ async fn run<E: Renewer>(keeper: Arc<Keeper<E>>, engine: E) {
         match next_step(&keeper, ttl) {
             Step::End => return,
             Step::Sleep(until) => {
-                tokio::select! {
-                    () = tokio::time::sleep_until(until) => {}
-                    () = keeper.wake.notified() => {}
-                }
+                tokio::time::sleep_until(until).await;
             }
             Step::Renew(due) => renew(&keeper, &engine, due).await,
         }
@@ -209,7 +201,6 @@ fn next_step<E>(keeper: &Keeper<E>, ttl: Duration) -> Step<E> {
         let idle_since = *kept.idle_since.get_or_insert(now);
         if now >= idle_since + ttl / 3 {
             kept.task = None;
-            kept.wakes_at = None;
             kept.idle_since = None;
             return Step::End;
         }
@@ -217,9 +208,12 @@ fn next_step<E>(keeper: &Keeper<E>, ttl: Duration) -> Step<E> {
     } else {
         kept.idle_since = None;
     }
-    kept.wakes_at = next;
     match next {
-        Some(at) => Step::Sleep(at),
+        // At most a sixth of the TTL: a lease registered meanwhile is looked at by then (it is
+        // due a third of the TTL after its claim, or earlier when made anew for a claim held
+        // since long ago). The keeper is never woken by a request: a wake from a handler's
+        // worker would put it in that worker's own slot, stuck there if the handler blocks.
+        Some(at) => Step::Sleep(at.min(now + ttl / 6)),
         None => Step::End,
     }
 }
