@@ -117,11 +117,15 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
     }
 
     /// Also finds the records an earlier version kept in clear (scope and fingerprint as they
-    /// came, the response sealed or not bound to the fingerprint): every claim first looks its
-    /// scope up in clear (one more read for each request) and answers from a record found there
-    /// (its replay, `409` while it runs, `422` for another body); a record there whose holder died
-    /// is retaken, and the operation runs again under its hidden record, as a retake. Lookups and
-    /// deletes look there too. Turn it on for one retention after the change, then off.
+    /// came, the response sealed or not bound to the fingerprint): every claim first claims its
+    /// scope in clear, with a short TTL (a probe: one more write for each request), and answers
+    /// from a record found there (its replay, `409` while it runs, `422` for another body). A
+    /// record there whose holder died, or that was released, runs again under its hidden record
+    /// with its generation (the same derived key at the provider), as a retake. For a new key the
+    /// probe makes a record in clear and lets it go at once: a released row with the key, the
+    /// subject, the endpoint and the fingerprint in clear, expired within a second and gone at
+    /// the next purge. Lookups and deletes look in clear too; listings and counts (the records
+    /// share) do not. Turn it on for one retention after the change, then off.
     pub fn with_records_in_clear(mut self) -> Self {
         self.in_clear = true;
         self
@@ -177,50 +181,67 @@ impl<S: IdempotencyStore> EncryptedStore<S> {
         }
     }
 
-    /// The answer of a record kept in clear for `request`'s scope, if there is one (see
-    /// [`with_records_in_clear`](Self::with_records_in_clear)). A record in clear whose holder
-    /// died is retaken and released at once (it is then found no more), answered as `Claimed`
-    /// with its generation: the operation runs again under its hidden record, as a retake. A
-    /// record looked for in clear is never written in clear for good: a released record is not
-    /// found again.
-    async fn answer_in_clear(
-        &self,
-        request: &ClaimRequest,
-    ) -> Result<Option<ClaimOutcome>, StoreError> {
-        if self.inner.lookup(&request.key).await?.is_none() {
-            return Ok(None);
-        }
-        // Its answer is read by a claim, as earlier versions asked for it: with the plain
-        // fingerprint, then with the keyed one (a store that kept fingerprints keyed).
+    /// What a record kept in clear for `request`'s scope says (see
+    /// [`with_records_in_clear`](Self::with_records_in_clear)), asked by a claim (a probe) as
+    /// earlier versions asked: with the plain fingerprint, then with the keyed one (a store that
+    /// kept fingerprints keyed). The probe has a short TTL and retention: a probe that made a record
+    /// (none was there) lets it go at once, and one whose answer was lost is stale at once for the
+    /// next probe.
+    async fn look_in_clear(&self, request: &ClaimRequest) -> Result<InClear, StoreError> {
         for fingerprint in [
             request.fingerprint,
             self.secret.fingerprint(&request.fingerprint),
         ] {
-            let asked = ClaimRequest {
+            let probe = ClaimRequest {
                 fingerprint,
                 lease: LeaseToken::generate(),
                 generation: Generation::generate(),
+                in_progress_ttl: PROBE_TTL,
+                retention: PROBE_RETENTION,
                 ..request.clone()
             };
-            match self.inner.claim(&asked).await? {
+            match self.inner.claim(&probe).await? {
                 ClaimOutcome::KeyReuse => continue,
-                ClaimOutcome::Claimed { generation, .. } => {
-                    // Not answered in clear: it vanished meanwhile (expired or deleted), or its
-                    // holder died and the operation runs again under the hidden record.
-                    let _ = self.inner.release(&asked.key, asked.lease).await;
-                    if generation == Some(asked.generation) {
-                        return Ok(None);
-                    }
-                    return Ok(Some(ClaimOutcome::Claimed {
-                        lease: asked.lease,
-                        generation,
-                    }));
+                ClaimOutcome::Claimed { generation, .. }
+                    if generation == Some(probe.generation) =>
+                {
+                    // No record there (or one past its retention, or released by another
+                    // request): nothing to answer from.
+                    let _ = self.inner.release(&probe.key, probe.lease).await;
+                    return Ok(InClear::Nothing);
                 }
-                answer => return self.opened(request, answer, true).map(Some),
+                // An earlier run of the operation held it: its holder died, or released it.
+                ClaimOutcome::Claimed { generation, .. } => {
+                    return Ok(InClear::Retake { generation, probe });
+                }
+                answer => return self.opened(request, answer, true).map(InClear::Answer),
             }
         }
-        Ok(Some(ClaimOutcome::KeyReuse))
+        Ok(InClear::Answer(ClaimOutcome::KeyReuse))
     }
+}
+
+/// How long a probe of the records kept in clear holds what it takes, and lives. The TTL is as
+/// short as a store takes, so that a record in clear is stale exactly when its own holder's TTL
+/// has passed (a claimer waits for the longer of the two), and a probe's own hold is no lock:
+/// the hidden record's claim decides who runs.
+const PROBE_TTL: Duration = Duration::from_millis(1);
+const PROBE_RETENTION: Duration = Duration::from_secs(1);
+
+/// What a look at the records kept in clear found.
+enum InClear {
+    /// Nothing to answer from: the claim goes to the hidden record.
+    Nothing,
+    /// Answered from the record in clear (its replay, `409`, `422`).
+    Answer(ClaimOutcome),
+    /// An earlier run of the operation held the record in clear (its holder died, or it was
+    /// released): the operation runs again under its hidden record, with the record's
+    /// generation (the same derived key for the provider), as a retake. `probe` holds the record
+    /// in clear until the hidden record is claimed, then lets it go.
+    Retake {
+        generation: Option<Generation>,
+        probe: ClaimRequest,
+    },
 }
 
 impl<S> fmt::Debug for EncryptedStore<S> {
@@ -233,23 +254,39 @@ impl<S> fmt::Debug for EncryptedStore<S> {
 
 impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let clear_retake = if self.in_clear {
-            match self.answer_in_clear(request).await? {
-                None => None,
-                Some(ClaimOutcome::Claimed { generation, .. }) => Some(generation),
-                Some(answer) => return Ok(answer),
+        let mut hidden = self.hidden(request);
+        let mut found_in_clear = None;
+        if self.in_clear {
+            match self.look_in_clear(request).await? {
+                InClear::Nothing => {}
+                InClear::Answer(answer) => return Ok(answer),
+                InClear::Retake { generation, probe } => {
+                    // The hidden record is made with the operation's generation: a retake.
+                    if let Some(generation) = generation {
+                        hidden.generation = generation;
+                    }
+                    found_in_clear = Some((generation, probe));
+                }
             }
-        } else {
-            None
+        }
+        let outcome = self.inner.claim(&hidden).await;
+        let Some((generation, probe)) = found_in_clear else {
+            return self.opened(request, outcome?, false);
         };
-        let outcome = self.inner.claim(&self.hidden(request)).await?;
-        match (outcome, clear_retake) {
-            // The record in clear was retaken from a holder that died: an earlier run held the
-            // operation, so this run is a retake.
-            (ClaimOutcome::Claimed { lease, .. }, Some(generation)) => {
-                Ok(ClaimOutcome::Claimed { lease, generation })
+        // The record in clear is let go only now that the hidden one is claimed (or known to be
+        // held): no moment in which neither is held. Released, it keeps the operation's
+        // generation for a retry that finds it.
+        let _ = self.inner.release(&probe.key, probe.lease).await;
+        match outcome? {
+            // A record in clear from before generations were kept: its derived key is the one
+            // it had then.
+            ClaimOutcome::Claimed { lease, .. } if generation.is_none() => {
+                Ok(ClaimOutcome::Claimed {
+                    lease,
+                    generation: None,
+                })
             }
-            (outcome, _) => self.opened(request, outcome, false),
+            outcome => self.opened(request, outcome, false),
         }
     }
 

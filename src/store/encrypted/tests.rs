@@ -258,3 +258,45 @@ fn keys_and_secret_are_never_printed() {
         assert!(!printed.contains(material), "{printed}");
     }
 }
+
+/// The operation keeps its generation (its derived key at the provider) through the move from
+/// clear to hidden: a record an earlier version released, and a record in clear retaken and then
+/// released again, both run as retakes with the generation the earlier run had.
+#[tokio::test]
+async fn the_generation_of_a_record_in_clear_is_kept_under_its_hidden_record() {
+    let inner = MemoryStore::new();
+    let s = EncryptedStore::new(inner.clone(), EncryptionKeys::single(1, [1; 32]), [2; 32])
+        .with_records_in_clear();
+    // Released by an earlier version (a retryable failure after it called the provider).
+    let earlier = request("released", "a", MINUTE);
+    let lease = claimed(&inner, &earlier).await;
+    let done = inner.release(&earlier.key, lease).await;
+    assert_eq!(done.expect("release"), Fenced::Done);
+    let retry = request("released", "a", MINUTE);
+    let outcome = s.claim(&retry).await.expect("claim");
+    assert!(outcome.is_retake(&retry), "{outcome:?}");
+    assert_eq!(
+        outcome,
+        ClaimOutcome::Claimed {
+            lease: retry.lease,
+            generation: Some(earlier.generation),
+        }
+    );
+    // That run released too: the next retry still runs the same operation.
+    let done = s.release(&retry.key, retry.lease).await;
+    assert_eq!(done.expect("release"), Fenced::Done);
+    let again = request("released", "a", MINUTE);
+    let outcome = s.claim(&again).await.expect("claim");
+    assert_eq!(
+        outcome,
+        ClaimOutcome::Claimed {
+            lease: again.lease,
+            generation: Some(earlier.generation),
+        }
+    );
+    // A new key is not a retake, and leaves nothing held in clear.
+    let fresh = request("fresh", "a", MINUTE);
+    let outcome = s.claim(&fresh).await.expect("claim");
+    assert!(!outcome.is_retake(&fresh), "{outcome:?}");
+    assert_eq!(inner.lookup(&fresh.key).await.expect("lookup"), None);
+}
