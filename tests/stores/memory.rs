@@ -633,6 +633,79 @@ async fn one_subject_cannot_fill_the_memory_store_for_the_others() {
     assert_eq!(counters.started(), runs + 20);
 }
 
+/// The claims of one subject are small and all pass its share; their answers are not: a completion
+/// that would take the subject past its share is recorded without its body, so the subject cannot
+/// fill the store through the answers of the claims it holds, and another subject is still served.
+#[tokio::test]
+async fn answers_past_a_subjects_share_are_kept_without_their_body() {
+    use axum_idempotency::store::{Finished, Generation};
+    use std::sync::Arc;
+    let store = MemoryStore::with_capacity_and_share(64 * 1024, 8 * 1024);
+    let claim = |key: String, subject: &str| ClaimRequest {
+        key: RecordKey {
+            key,
+            subject: subject.into(),
+            endpoint: "POST /export".into(),
+        },
+        fingerprint: Fingerprint::of(None, b"{}"),
+        lease: LeaseToken::generate(),
+        generation: Generation::generate(),
+        in_progress_ttl: Duration::from_secs(30),
+        retention: Duration::from_secs(600),
+    };
+    // Twenty claims in flight at once, each small.
+    let mut held = Vec::new();
+    for n in 0..20 {
+        let request = claim(format!("k{n}"), "mallory");
+        let outcome = store.claim(&request).await.expect("claim");
+        assert!(
+            matches!(outcome, ClaimOutcome::Claimed { .. }),
+            "{outcome:?}"
+        );
+        held.push(request);
+    }
+    // Each answers 16 KiB: twice the subject's share, five times the store between them.
+    let big = Arc::new(StoredResponse::new(
+        Finished::Completed,
+        200,
+        Vec::new(),
+        Some(bytes::Bytes::from(vec![b'x'; 16 * 1024])),
+    ));
+    for request in &held {
+        let done = store
+            .complete(
+                &request.key,
+                request.lease,
+                &request.fingerprint,
+                big.clone(),
+                request.retention,
+            )
+            .await;
+        assert!(done.expect("complete").is_done(), "never refused");
+    }
+    assert!(
+        store.bytes() <= 8 * 1024 + 4 * 1024,
+        "one subject holds {} bytes",
+        store.bytes()
+    );
+    // Every answer is recorded; those past the share without their body.
+    let mut omitted = 0;
+    for request in &held {
+        let replay = claim(request.key.key.clone(), "mallory");
+        match store.claim(&replay).await.expect("claim") {
+            ClaimOutcome::Finished(stored) => omitted += usize::from(stored.body_omitted),
+            other => panic!("not recorded: {other:?}"),
+        }
+    }
+    assert!(omitted >= 19, "{omitted} of 20 kept without their body");
+    // Another subject is served.
+    let outcome = store.claim(&claim("a".into(), "alice")).await;
+    assert!(matches!(
+        outcome.expect("claim"),
+        ClaimOutcome::Claimed { .. }
+    ));
+}
+
 /// A response policy that panics after the handler answered does not release the record (that
 /// would run the handler again on the retry): the answer is recorded and replayed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -32,8 +32,10 @@ const SHARDS: usize = 16;
 /// records' keys, scopes, recorded headers and bodies, plus a fixed overhead each. When it is
 /// full, a claim of a new key fails (the layer answers `503 idempotency_store_full`) after expired
 /// records were swept; no live or unexpired record is ever evicted to make room, since that would
-/// let its key run again. A completion is never refused for room (its effect happened), so the
-/// store may go over its capacity by the responses of the claims it took.
+/// let its key run again. A completion is never refused for room (its effect happened): one that
+/// would take its subject past its share, or the store past its capacity, is recorded without its
+/// body (replayed with `Idempotency-Replay: omitted`), so the store goes over its capacity by
+/// headers at most, and no subject fills it through the answers of the claims it holds.
 ///
 /// **Each subject has a share of the capacity** (an eighth by default;
 /// [`with_capacity_and_share`](Self::with_capacity_and_share)): a subject whose records hold its
@@ -258,7 +260,23 @@ impl IdempotencyStore for MemoryStore {
         let mut shard = self.shard(key);
         match shard.records.get_mut(key) {
             Some(record) if holds(record, lease) => {
-                let grown = response_size(&response);
+                let mut response = response;
+                let mut grown = response_size(&response);
+                let usage = self.inner.subjects.usage(&key.subject);
+                if !response.body_omitted
+                    && (usage.bytes + grown > self.inner.share
+                        || self.bytes() + grown > self.inner.capacity)
+                {
+                    // Past the subject's share or the store's capacity: the answer is kept
+                    // without its body (replayed as omitted), so no subject fills the store
+                    // through the answers of the claims it holds.
+                    response = Arc::new(StoredResponse {
+                        body: bytes::Bytes::new(),
+                        body_omitted: true,
+                        ..StoredResponse::clone(&response)
+                    });
+                    grown = response_size(&response);
+                }
                 record.state = State::Finished { response, lease };
                 record.expires_at = Instant::now() + retention;
                 record.size += grown;
