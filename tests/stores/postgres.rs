@@ -1132,3 +1132,72 @@ async fn concurrent_migrations_make_the_subject_index_once() {
         "{definition}"
     );
 }
+
+/// The lease keeper renews a batch in one statement; a record whose row another transaction holds
+/// locked (a handler's transaction that wrote its completion and has not committed) is skipped,
+/// not waited for: that lease alone gets an error (retried), the others are renewed at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_locked_row_fails_only_its_own_lease_of_a_renewal_batch() {
+    use axum_idempotency::store::{Fenced, Generation};
+    let store = store().await.with_timeout(Duration::from_secs(2));
+    let request = |key: &str| ClaimRequest {
+        key: RecordKey {
+            key: key.into(),
+            subject: "alice".into(),
+            endpoint: "POST /pay".into(),
+        },
+        fingerprint: Fingerprint::of(None, b"{}"),
+        lease: LeaseToken::generate(),
+        generation: Generation::generate(),
+        in_progress_ttl: Duration::from_secs(30),
+        retention: Duration::from_secs(600),
+    };
+    let (a, b) = (request("locked"), request("free"));
+    for claim in [&a, &b] {
+        let outcome = store.claim(claim).await.expect("claim");
+        assert!(
+            matches!(outcome, ClaimOutcome::Claimed { .. }),
+            "{outcome:?}"
+        );
+    }
+    // Another transaction holds a's row.
+    let mut holder = store.pool().begin().await.expect("begin");
+    let digest = a.key.digest();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {} WHERE scope = $1 FOR UPDATE",
+        store.table()
+    )))
+    .bind(&digest[..])
+    .execute(&mut *holder)
+    .await
+    .expect("lock a's row");
+    let started = std::time::Instant::now();
+    let lifetime = Duration::from_secs(630);
+    let answers = store
+        .renew_many(&[(&a.key, a.lease), (&b.key, b.lease)], lifetime)
+        .await;
+    assert!(
+        started.elapsed() < Duration::from_millis(1500),
+        "the locked row was waited for: {:?}",
+        started.elapsed()
+    );
+    assert!(answers[0].is_err(), "{answers:?}");
+    assert_eq!(answers[1].as_ref().ok(), Some(&Fenced::Done), "{answers:?}");
+    holder.rollback().await.expect("rollback");
+    // Free again, both renew; a lease that does not hold its record is lost, not an error.
+    let answers = store
+        .renew_many(
+            &[
+                (&a.key, a.lease),
+                (&b.key, b.lease),
+                (&a.key, LeaseToken::generate()),
+            ],
+            lifetime,
+        )
+        .await;
+    let answers: Vec<Fenced> = answers
+        .into_iter()
+        .map(|answer| answer.expect("renewed or lost"))
+        .collect();
+    assert_eq!(answers, vec![Fenced::Done, Fenced::Done, Fenced::LeaseLost]);
+}

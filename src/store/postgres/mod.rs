@@ -403,8 +403,9 @@ impl IdempotencyStore for PostgresStore {
         Ok(Fenced::from_held(done.rows_affected() == 1))
     }
 
-    /// One statement for all: the rows it renewed are `Done`, the others `LeaseLost`; an error
-    /// (a lock timeout, a deadlock with another statement) is every lease's, none renewed.
+    /// One statement for all: the rows it renewed are `Done`, those no longer held `LeaseLost`; a
+    /// row another transaction had locked (skipped, not waited for) is an error for its lease
+    /// alone, retried by the keeper. An error of the statement is every lease's.
     async fn renew_many(
         &self,
         leases: &[(&RecordKey, LeaseToken)],
@@ -418,22 +419,33 @@ impl IdempotencyStore for PostgresStore {
             .map(|(key, _)| key.digest().to_vec())
             .collect();
         let tokens: Vec<i64> = leases.iter().map(|(_, lease)| lease.0).collect();
-        let renewed = on_connection!(self, "renew", conn => {
-            sqlx::query_as::<_, (Vec<u8>, i64)>(sqlx::AssertSqlSafe(self.sql().renew_many.as_str()))
-                .bind(&scopes)
-                .bind(&tokens)
-                .bind(micros(lifetime))
-                .bind(&*self.lock_timeout)
-                .fetch_all(&mut *conn)
+        let answered = on_connection!(self, "renew", conn => {
+            sqlx::query_as::<_, (Vec<u8>, i64, bool, bool)>(sqlx::AssertSqlSafe(
+                self.sql().renew_many.as_str(),
+            ))
+            .bind(&scopes)
+            .bind(&tokens)
+            .bind(micros(lifetime))
+            .bind(&*self.lock_timeout)
+            .fetch_all(&mut *conn)
         })
         .and_then(|done| done.map_err(db("renew")));
-        match renewed {
+        match answered {
             Ok(rows) => {
-                let held: std::collections::HashSet<(Vec<u8>, i64)> = rows.into_iter().collect();
+                let by_pair: std::collections::HashMap<(Vec<u8>, i64), (bool, bool)> = rows
+                    .into_iter()
+                    .map(|(scope, lease, renewed, held)| ((scope, lease), (renewed, held)))
+                    .collect();
                 scopes
                     .into_iter()
                     .zip(tokens)
-                    .map(|pair| Ok(Fenced::from_held(held.contains(&pair))))
+                    .map(|pair| match by_pair.get(&pair) {
+                        Some((true, _)) => Ok(Fenced::Done),
+                        Some((false, true)) => Err(StoreError::msg(
+                            "postgres renew: the record's row is locked by another transaction",
+                        )),
+                        _ => Ok(Fenced::LeaseLost),
+                    })
                     .collect()
             }
             Err(e) => {

@@ -159,14 +159,32 @@ impl Statements {
                 lock_bound_cte(4)
             ),
             // The lease keeper's: every pair of `$1` scopes and `$2` leases renewed as `renew`
-            // renews one; the rows renewed come back. $3 lifetime (µs), $4 lock timeout.
+            // renews one, but a row locked by another transaction (a handler's, holding the
+            // record it completed until its commit) is skipped rather than waited for, so that
+            // one such row fails no other lease of the batch. Each pair answers whether it was
+            // renewed and whether its lease holds the record (as last committed): held and not
+            // renewed is a row that was locked. $3 lifetime (µs), $4 lock timeout.
             renew_many: format!(
-                "{} UPDATE {t} AS r SET updated_at = now(), \
-                   expires_at = now() + $3::float8 * interval '1 microsecond' \
-                 FROM unnest($1::bytea[], $2::bigint[]) AS l(scope, lease_token) \
-                 WHERE r.scope = l.scope AND r.lease_token = l.lease_token \
-                   AND r.lease_token <> {RELEASED} AND r.status = 'in_progress' AND {LOCK_BOUND} \
-                 RETURNING r.scope, r.lease_token",
+                "{}, asked AS MATERIALIZED ( \
+                   SELECT * FROM unnest($1::bytea[], $2::bigint[]) AS a(scope, lease_token)), \
+                 taken AS ( \
+                   SELECT r.scope FROM {t} r JOIN asked a \
+                     ON r.scope = a.scope AND r.lease_token = a.lease_token \
+                   WHERE r.lease_token <> {RELEASED} AND r.status = 'in_progress' \
+                     AND {LOCK_BOUND} \
+                   FOR UPDATE OF r SKIP LOCKED), \
+                 renewed AS ( \
+                   UPDATE {t} r SET updated_at = now(), \
+                     expires_at = now() + $3::float8 * interval '1 microsecond' \
+                   FROM taken WHERE r.scope = taken.scope \
+                   RETURNING r.scope, r.lease_token) \
+                 SELECT a.scope, a.lease_token, \
+                   EXISTS (SELECT 1 FROM renewed WHERE renewed.scope = a.scope \
+                           AND renewed.lease_token = a.lease_token) AS renewed, \
+                   EXISTS (SELECT 1 FROM {t} r WHERE r.scope = a.scope \
+                           AND r.lease_token = a.lease_token AND r.lease_token <> {RELEASED} \
+                           AND r.status = 'in_progress') AS held \
+                 FROM asked a",
                 lock_bound_cte(4)
             ),
             // Finish the record if the lease holds it in progress; a record this lease already
