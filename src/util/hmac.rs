@@ -1,33 +1,21 @@
 //! HMAC-SHA-256 (RFC 2104), for derived keys under a deployment secret and keyed fingerprints
-//! under encryption: a few lines over `sha2` rather than another dependency.
+//! under encryption: the RustCrypto `hmac` crate (already in the tree through sqlx's Postgres
+//! driver, with its `zeroize` feature: the padded key is wiped on drop), behind the one function
+//! the crate calls.
 
-use sha2::{Digest, Sha256};
-use zeroize::Zeroize;
+use hmac::{Hmac, KeyInit, Mac};
+use sha2::Sha256;
 
 /// HMAC-SHA-256 (RFC 2104) of the concatenated `parts` under `key`.
 pub(crate) fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
-    let mut block = [0u8; 64];
-    if key.len() > block.len() {
-        block[..32].copy_from_slice(&Sha256::digest(key));
-    } else {
-        block[..key.len()].copy_from_slice(key);
-    }
-    // The padded key and its two masks are key material: wiped before returning (best effort:
-    // the hash states they leave behind are not).
-    let mut inner_pad = block.map(|b| b ^ 0x36);
-    let mut outer_pad = block.map(|b| b ^ 0x5c);
-    block.zeroize();
-    let mut inner = Sha256::new();
-    inner.update(inner_pad.as_slice());
-    inner_pad.zeroize();
+    // HMAC takes a key of any length (a longer one is hashed first): this cannot fail.
+    let Ok(mut mac) = <Hmac<Sha256> as KeyInit>::new_from_slice(key) else {
+        unreachable!("HMAC accepts keys of every length")
+    };
     for part in parts {
-        inner.update(part);
+        mac.update(part);
     }
-    let mut outer = Sha256::new();
-    outer.update(outer_pad.as_slice());
-    outer_pad.zeroize();
-    outer.update(inner.finalize());
-    outer.finalize().into()
+    mac.finalize().into_bytes().into()
 }
 
 #[cfg(test)]
