@@ -12,7 +12,7 @@ use http::{HeaderValue, Response, StatusCode, header};
 /// | `type` | an absolute URI documenting the error: by default this page, at the variant's anchor (`…/enum.ErrorKind.html#variant.InProgress`); with [`problem_type_base`](crate::IdempotencyLayerBuilder::problem_type_base), the base followed by the `error` code |
 /// | `title`, `status`, `detail` | as RFC 9457 defines them |
 /// | `error` | the stable code, e.g. `in_progress` |
-/// | `instance` | `urn:axum-idempotency:problem:<32 hex>`, unique to this occurrence; the layer logs it with the answer (at WARN for 5xx, DEBUG otherwise), so a client's report can be matched to the server's log |
+/// | `instance` | `urn:uuid:<version 4 UUID>`, unique to this occurrence; the layer logs it with the answer (at WARN for 5xx, DEBUG otherwise), so a client's report can be matched to the server's log |
 /// | `retryable` | whether sending **the same request with the same key** again can succeed; when true the answer also has `Retry-After` (seconds) |
 /// | `retryAfterSeconds` | on `in_progress` only: the `Retry-After` value |
 ///
@@ -375,11 +375,30 @@ fn problem_document(
 /// The page documenting every error, by variant anchor.
 const DOCS: &str = "https://docs.rs/axum-idempotency/latest/axum_idempotency/enum.ErrorKind.html";
 
-/// A unique reference to one occurrence of a problem: `urn:axum-idempotency:problem:<32 hex>`.
+/// A unique reference to one occurrence of a problem: `urn:uuid:<version 4 UUID>` (RFC 9562), the
+/// form clients and test suites of the idempotency-key draft expect for `instance`.
 pub(crate) fn instance() -> String {
-    let mut out = String::with_capacity(30 + 32);
-    out.push_str("urn:axum-idempotency:problem:");
-    crate::util::hex::push(&mut out, &crate::store::Generation::generate().0);
+    let mut bytes = crate::store::Generation::generate().0;
+    // Version 4 (random) in the high nibble of byte 6, the RFC variant (0b10) in byte 8.
+    bytes[6] = (bytes[6] & 0x0f) | 0x40;
+    bytes[8] = (bytes[8] & 0x3f) | 0x80;
+    let mut out = String::with_capacity(9 + 36);
+    out.push_str("urn:uuid:");
+    for (i, group) in [
+        &bytes[..4],
+        &bytes[4..6],
+        &bytes[6..8],
+        &bytes[8..10],
+        &bytes[10..],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        if i > 0 {
+            out.push('-');
+        }
+        crate::util::hex::push(&mut out, group);
+    }
     out
 }
 
@@ -496,8 +515,19 @@ mod tests {
                 assert_eq!(json["error"], kind.code());
                 assert_eq!(json["retryable"], retry.is_some());
                 let instance = json["instance"].as_str().expect("instance").to_owned();
-                assert!(instance.starts_with("urn:axum-idempotency:problem:"));
-                assert_eq!(instance.len(), 29 + 32);
+                let uuid = instance.strip_prefix("urn:uuid:").expect("urn:uuid");
+                let groups: Vec<usize> = uuid.split('-').map(str::len).collect();
+                assert_eq!(groups, [8, 4, 4, 4, 12], "{instance}");
+                assert!(
+                    uuid.chars()
+                        .all(|c| c == '-' || c.is_ascii_digit() || ('a'..='f').contains(&c)),
+                    "{instance}"
+                );
+                assert_eq!(&uuid[14..15], "4", "version 4: {instance}");
+                assert!(
+                    matches!(&uuid[19..20], "8" | "9" | "a" | "b"),
+                    "variant: {instance}"
+                );
                 assert!(instances.insert(instance), "instances are unique");
                 assert_eq!(
                     json.get("retryAfterSeconds").is_some(),

@@ -776,7 +776,7 @@ async fn an_unserved_method_gets_the_routers_405_untouched() {
         assert!(
             json["instance"]
                 .as_str()
-                .is_some_and(|i| i.starts_with("urn:axum-idempotency:problem:")),
+                .is_some_and(|i| i.starts_with("urn:uuid:")),
             "{json}"
         );
     }

@@ -1081,7 +1081,7 @@ async fn errors_are_rendered_by_the_application() {
     assert_eq!(missing.header("content-type"), Some("text/plain"));
     let text = String::from_utf8_lossy(&missing.body).into_owned();
     assert!(
-        text.starts_with("missing_idempotency_key|urn:axum-idempotency:problem:"),
+        text.starts_with("missing_idempotency_key|urn:uuid:"),
         "{text}"
     );
     assert_eq!(missing.header("retry-after"), None);
