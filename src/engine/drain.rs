@@ -11,6 +11,12 @@
 //! retry after the restart would run it again. Every such task is spawned through a [`Drain`],
 //! which counts it until it ends (or is dropped by a dying runtime), so the application can wait
 //! for the count to reach zero, within one deadline, after its server stopped accepting.
+//!
+//! The counting is tokio-util's [`TaskTracker`], the ecosystem's "spawn tracked, wait at
+//! shutdown": a task is spawned through it, a request holds one of its tokens. The tracker is
+//! closed from the start (closing stops nothing from being tracked; it only lets `wait` return
+//! once nothing is), so [`Drain::wait`] can be called any number of times, by anyone sharing the
+//! drain. What it does not count, the requests detached from their clients, is a counter beside it.
 
 use std::fmt;
 use std::future::Future;
@@ -18,7 +24,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use tokio::sync::Notify;
+use tokio_util::task::TaskTracker;
+use tokio_util::task::task_tracker::TaskTrackerToken;
 use tracing::Instrument;
 
 /// Counts what a layer (or several, sharing one) still runs on tasks of its own, and waits for it at
@@ -56,24 +63,37 @@ use tracing::Instrument;
 /// ```
 ///
 /// Clones share the count.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Drain {
     inner: Arc<Inner>,
 }
 
-#[derive(Default)]
 struct Inner {
     /// Requests admitted and not ended, and tasks running.
-    running: AtomicUsize,
-    /// Of `running`, the requests detached from clients that went away: what admission bounds.
+    tracker: TaskTracker,
+    /// Of those, the requests detached from clients that went away: what admission bounds.
     detached: AtomicUsize,
-    idle: Notify,
+}
+
+impl Default for Drain {
+    fn default() -> Self {
+        let tracker = TaskTracker::new();
+        // Closed for good: `wait` returns whenever nothing is tracked, and tracking goes on.
+        tracker.close();
+        Self {
+            inner: Arc::new(Inner {
+                tracker,
+                detached: AtomicUsize::new(0),
+            }),
+        }
+    }
 }
 
 impl fmt::Debug for Drain {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Drain")
             .field("running", &self.running())
+            .field("detached", &self.detached())
             .finish()
     }
 }
@@ -87,7 +107,7 @@ impl Drain {
     /// How many guarded requests (attached to their clients or not) and background tasks are
     /// running now.
     pub fn running(&self) -> usize {
-        self.inner.running.load(Ordering::Acquire)
+        self.inner.tracker.len()
     }
 
     /// How many requests whose clients went away are running on their own now (part of
@@ -100,18 +120,10 @@ impl Drain {
     /// Waits until nothing is running, or `deadline` has passed; true when nothing is running.
     /// Work started while it waits is waited for too.
     pub async fn wait(&self, deadline: Duration) -> bool {
-        let until = tokio::time::Instant::now() + deadline;
-        loop {
-            let idle = self.inner.idle.notified();
-            tokio::pin!(idle);
-            idle.as_mut().enable();
-            if self.running() == 0 {
-                return true;
-            }
-            if tokio::time::timeout_at(until, idle).await.is_err() {
-                return self.running() == 0;
-            }
-        }
+        tokio::time::timeout(deadline, self.inner.tracker.wait())
+            .await
+            .is_ok()
+            || self.running() == 0
     }
 
     /// Spawns `work` on the current runtime, counted until it ends or is dropped. Nothing is spawned
@@ -123,34 +135,24 @@ impl Drain {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let guard = self.track();
-        runtime.spawn(
-            async move {
-                work.await;
-                drop(guard);
-            }
-            .in_current_span(),
-        );
+        runtime.spawn(self.inner.tracker.track_future(work.in_current_span()));
     }
 
     /// Counts a request admitted by the layer until the returned guard is dropped (its future
     /// ended, or its detached task did).
     pub(crate) fn admit(&self) -> Admitted {
-        self.track()
-    }
-
-    /// Counts one running task or request until the guard is dropped.
-    fn track(&self) -> Admitted {
-        self.inner.running.fetch_add(1, Ordering::AcqRel);
         Admitted {
+            _token: self.inner.tracker.token(),
             inner: self.inner.clone(),
             detached: false,
         }
     }
 }
 
-/// One counted request or task; dropping it (it ended, or the runtime dropped it) uncounts it.
+/// One counted request; dropping it (it ended, or the runtime dropped it) uncounts it.
 pub(crate) struct Admitted {
+    /// Held, never read: the tracker counts the request while it lives.
+    _token: TaskTrackerToken,
     inner: Arc<Inner>,
     detached: bool,
 }
@@ -192,9 +194,8 @@ impl Drop for Admitted {
         if self.detached {
             self.inner.detached.fetch_sub(1, Ordering::AcqRel);
         }
-        if self.inner.running.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.inner.idle.notify_waiters();
-        }
+        // The tracker's token is dropped after this (fields go after `drop`): `running` never
+        // reads below `detached`.
     }
 }
 
@@ -233,5 +234,27 @@ mod tests {
     #[tokio::test]
     async fn an_empty_drain_returns_at_once() {
         assert!(Drain::new().wait(Duration::ZERO).await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn counts_admitted_requests_and_their_detached_rest_and_waits_again() {
+        let drain = Drain::new();
+        let admitted = drain.admit();
+        assert_eq!((drain.running(), drain.detached()), (1, 0));
+        admitted.detach(async {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        });
+        assert_eq!((drain.running(), drain.detached()), (1, 1));
+        assert!(!drain.wait(Duration::from_secs(1)).await);
+        assert!(drain.wait(Duration::from_secs(5)).await);
+        assert_eq!((drain.running(), drain.detached()), (0, 0));
+        // A drain waited for once still counts, and waits, as before.
+        drain.spawn(async {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        });
+        assert_eq!(drain.running(), 1);
+        let started = tokio::time::Instant::now();
+        assert!(drain.wait(Duration::from_secs(5)).await);
+        assert_eq!(started.elapsed(), Duration::from_secs(1));
     }
 }
