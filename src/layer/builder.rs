@@ -534,6 +534,32 @@ mod tests {
                 "`{setter}` is missing from the README's table"
             );
         }
+        // `RunOnceBuilder`'s setters are the layer's, by name, each in the README's table and in
+        // the README's list of those `RunOnce` takes.
+        let once = include_str!("../once/builder.rs");
+        let once_setters: Vec<&str> = once
+            .lines()
+            .filter_map(|line| line.trim_start().strip_prefix("pub fn "))
+            .filter_map(|rest| rest.split(['(', '<']).next())
+            .filter(|name| !["build", "new", "builder"].contains(name))
+            .collect();
+        assert!(once_setters.len() >= 8, "{once_setters:?}");
+        let readme_text = include_str!("../../README.md");
+        let list = readme_text
+            .split("`RunOnce::builder(store)` takes these settings")
+            .nth(1)
+            .and_then(|rest| rest.split("\n\n").next())
+            .expect("the README lists the settings RunOnce takes");
+        for setter in &once_setters {
+            assert!(
+                readme.contains(*setter),
+                "`{setter}` (RunOnce) is missing from the README's table"
+            );
+            assert!(
+                list.contains(&format!("`{setter}`")),
+                "`{setter}` is missing from the README's list of RunOnce's settings"
+            );
+        }
     }
 
     fn builder() -> IdempotencyLayerBuilder<MemoryStore> {
