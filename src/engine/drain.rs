@@ -120,10 +120,25 @@ impl Drain {
     /// Waits until nothing is running, or `deadline` has passed; true when nothing is running.
     /// Work started while it waits is waited for too.
     pub async fn wait(&self, deadline: Duration) -> bool {
-        tokio::time::timeout(deadline, self.inner.tracker.wait())
-            .await
-            .is_ok()
-            || self.running() == 0
+        // `None`: a deadline too far to date, never reached.
+        let until = tokio::time::Instant::now().checked_add(deadline);
+        loop {
+            if self.running() == 0 {
+                return true;
+            }
+            // The tracker's wait ends when it was told the count reached zero, which work counted
+            // since (a request on a connection still open, a `RunOnce` sharing the drain) may have
+            // undone: the count is read again, and waited for again, until the deadline.
+            let emptied = self.inner.tracker.wait();
+            match until {
+                Some(until) => {
+                    if tokio::time::timeout_at(until, emptied).await.is_err() {
+                        return self.running() == 0;
+                    }
+                }
+                None => emptied.await,
+            }
+        }
     }
 
     /// Spawns `work` on the current runtime, counted until it ends or is dropped. Nothing is spawned
@@ -229,6 +244,32 @@ mod tests {
         assert!(!drain.wait(Duration::from_secs(3)).await);
         assert_eq!(started.elapsed(), Duration::from_secs(3));
         assert_eq!(drain.running(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn work_counted_after_the_count_reached_zero_is_waited_for() {
+        let drain = Drain::new();
+        let admitted = drain.admit();
+        let waiter = tokio::spawn({
+            let drain = drain.clone();
+            async move { drain.wait(Duration::from_secs(10)).await }
+        });
+        // The waiter is waiting; the count reaches zero, then new work is counted before the
+        // waiter runs again.
+        tokio::task::yield_now().await;
+        drop(admitted);
+        drain.spawn(std::future::pending());
+        let started = tokio::time::Instant::now();
+        assert!(!waiter.await.expect("waiter"), "returned with work running");
+        assert_eq!(started.elapsed(), Duration::from_secs(10));
+        assert_eq!(drain.running(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_deadline_too_far_to_date_waits_for_the_work() {
+        let drain = Drain::new();
+        drain.spawn(tokio::time::sleep(Duration::from_millis(10)));
+        assert!(drain.wait(Duration::MAX).await);
     }
 
     #[tokio::test]
