@@ -67,6 +67,25 @@ impl Fingerprint {
 mod tests {
     use super::*;
 
+    /// Pinned bytes: stores keep fingerprints, so a change to them would answer every retry of an
+    /// operation begun before a deploy `422 idempotency_key_reuse`.
+    #[test]
+    fn fingerprints_are_pinned() {
+        let json = Fingerprint::of(Some("a=1"), br#" {"b": [1, {"d": 2, "c": 3}], "a": "x"} "#);
+        assert_eq!(
+            json.to_hex(),
+            "96bd6bbf37e923fdeefd11e7f512010554789dbeb15881039fe6721569d7d7e7"
+        );
+        assert_eq!(
+            Fingerprint::of(None, b"not json").to_hex(),
+            "c4d02afcb5234b0590ff2f352c9e400027e8dea974e90b9641dcbb3776a502fb"
+        );
+        assert_eq!(
+            Fingerprint::of_material(b"m").to_hex(),
+            "f463bf2a455e3be8f734dfe6ebd70af759fb545686ca4a65c8b5b0815d8b8fd3"
+        );
+    }
+
     fn fp(body: &str) -> Fingerprint {
         Fingerprint::of(None, body.as_bytes())
     }

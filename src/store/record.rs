@@ -303,6 +303,21 @@ mod tests {
     use super::*;
     use std::collections::HashSet;
 
+    /// Pinned bytes: stores index records by this digest, so a change to it would make every
+    /// record written before a deploy invisible after it (each in-flight key new again).
+    #[test]
+    fn the_scope_digest_is_pinned() {
+        let key = RecordKey {
+            key: "k-1".into(),
+            subject: "alice".into(),
+            endpoint: "POST /checkout".into(),
+        };
+        assert_eq!(
+            crate::util::hex::encode(&key.digest()),
+            "62aed668056a7b8d3bdce909cc15474ecf63e8f9fd43e69a285515e1f67bc350"
+        );
+    }
+
     #[test]
     fn tokens_and_generations_are_unique_across_threads() {
         let threads: Vec<_> = (0..4)
