@@ -26,6 +26,7 @@ use tokio::time::Instant;
 use super::core::Engine;
 use super::keeper::{Held, Registration};
 use super::outcome::Outcome;
+use super::shares::InFlight;
 use crate::store::{
     Fenced, Fingerprint, IdempotencyStore, LeaseToken, RecordKey, StoreError, StoredResponse,
 };
@@ -46,6 +47,10 @@ pub(crate) struct Lease<St: IdempotencyStore> {
     _kept: Registration<Engine<St>>,
     /// When the work and its body must be done: the claim plus the maximum hold.
     deadline: Instant,
+    /// The subject's place in flight, when the work's request holds one: given back with the
+    /// lease, so a response still streaming into its record (on a task of its own, after the
+    /// request's future ended) still counts against its subject's share.
+    share: Option<InFlight>,
 }
 
 /// What [`Lease::complete`] did with its first attempt.
@@ -115,8 +120,15 @@ impl<St: IdempotencyStore> Lease<St> {
             answered: None,
             _kept: registered.registration,
             deadline,
+            share: None,
         };
         (lease, registered.started_task)
+    }
+
+    /// Holds the subject's place in flight until the lease ends (its record completed or
+    /// released), rather than until the request's future ends.
+    pub(crate) fn hold_share(&mut self, share: InFlight) {
+        self.share = Some(share);
     }
 
     /// The lease of a claim held since `held_since`, kept renewed: for work about to run under it.

@@ -68,7 +68,7 @@ impl<Store: IdempotencyStore> IdempotencyLayer<Store> {
 /// | `problem_type_base` | this crate's docs | the base of the `type` URI of the layer's errors, followed by the error code |
 /// | `max_waiters_per_subject` | 64 | duplicates of one subject that may wait at this instance; the others get `409` at once |
 /// | `max_waiting` | 1024 | duplicates that may wait at this instance, all subjects together |
-/// | `max_in_flight_per_subject` | 256 | requests of one subject in flight at this instance (attached or detached); past it `429 idempotency_quota_exceeded` before the body is read |
+/// | `max_in_flight_per_subject` | 256 | requests of one subject in flight at this instance (attached or detached, and answers still streaming into their records); past it `429 idempotency_quota_exceeded` before the body is read |
 /// | `max_records_per_subject` | 100 000 | live records one subject may have in the store, counted now and then; past it new keys get `429 idempotency_quota_exceeded` (its records still replay). `None`: no bound |
 /// | `credential_headers` | `authorization`, `cookie` | request headers that count as credentials: with `allow_anonymous`, a request with one but no subject gets `401`, never the shared anonymous scope |
 /// | `transactions` | `false` | offer handlers an [`IdempotencyTx`](crate::IdempotencyTx) that commits with the record (stores with transactions only) |

@@ -49,8 +49,9 @@ where
     };
     let span = span(engine.settings(), &key);
     async move {
-        // The subject's place in flight, held until this request ends (detached or not).
-        let _in_flight = in_flight;
+        // The subject's place in flight, held until this request ends (detached or not), and
+        // past it by the lease of a claim whose response still streams into its record.
+        let mut in_flight = Some(in_flight);
         let bytes = match read_body(&engine, &http, &label, &parts, body).await {
             Ok(bytes) => bytes,
             Err(refused) => return Ok(refused),
@@ -60,7 +61,10 @@ where
         let fingerprint = http.fingerprint.of(&parts, &bytes);
         let request = Request::from_parts(parts, Body::from(bytes));
         match engine.claim(label, key, fingerprint, Some(&stage)).await {
-            Claim::Held(lease, context) => {
+            Claim::Held(mut lease, context) => {
+                if let Some(share) = in_flight.take() {
+                    lease.hold_share(share);
+                }
                 // Boxed: the handler's part of the state machine is large, and a request future
                 // that carried it inline would be moved whole (replays and 409s included).
                 Box::pin(handler::run(

@@ -355,3 +355,80 @@ async fn hop_by_hop_headers_and_replay_markers_never_pass() {
     assert!(replay.headers().get("proxy-status").is_none());
     assert!(replay.headers().get("idempotent-replayed").is_none());
 }
+
+/// A response that streams into its record after the request's future ended (the client holds its
+/// head, the body still coming) keeps its subject's place in flight until its record is written:
+/// a subject cannot pass its share by answers that stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_still_streaming_keeps_its_subjects_place_in_flight() {
+    use futures_util::StreamExt as _;
+    let layer = IdempotencyLayer::builder(MemoryStore::new())
+        .max_in_flight_per_subject(1)
+        .build()
+        .expect("layer");
+    let go_on = Arc::new(tokio::sync::Notify::new());
+    let router = Router::new()
+        .route(
+            "/pay",
+            route_post({
+                let go_on = go_on.clone();
+                move || {
+                    let go_on = go_on.clone();
+                    async move {
+                        let first = futures_util::stream::once(async {
+                            Ok::<_, std::convert::Infallible>(Bytes::from_static(b"{\"charged\":"))
+                        });
+                        let rest = futures_util::stream::once(async move {
+                            go_on.notified().await;
+                            Ok(Bytes::from_static(b"true}"))
+                        });
+                        (StatusCode::CREATED, Body::from_stream(first.chain(rest)))
+                    }
+                }
+            }),
+        )
+        .route("/plain", route_post(|| async { StatusCode::CREATED }))
+        .layer(layer);
+    let request = |key: &str, user: &str| {
+        let path = if user == "alice" { "/plain" } else { "/pay" };
+        let mut request = Request::post(path)
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(Body::from("{}"))
+            .expect("request");
+        request.extensions_mut().insert(Subject(user.into()));
+        request
+    };
+    let streaming = router
+        .clone()
+        .oneshot(request("streams", "mallory"))
+        .await
+        .expect("answer");
+    assert_eq!(streaming.status(), StatusCode::CREATED);
+    // Its request's future has ended; its response is still streaming into the record.
+    let second = router
+        .clone()
+        .oneshot(request("second", "mallory"))
+        .await
+        .expect("answer");
+    assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+    let other = router
+        .clone()
+        .oneshot(request("other", "alice"))
+        .await
+        .expect("answer");
+    assert_eq!(other.status(), StatusCode::CREATED);
+    go_on.notify_one();
+    let body = http_body_util::BodyExt::collect(streaming.into_body())
+        .await
+        .expect("body")
+        .to_bytes();
+    assert_eq!(&body[..], b"{\"charged\":true}");
+    // Recorded: its place is given back.
+    let after = router
+        .clone()
+        .oneshot(request("after", "mallory"))
+        .await
+        .expect("answer");
+    assert_ne!(after.status(), StatusCode::TOO_MANY_REQUESTS);
+}
