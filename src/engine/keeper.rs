@@ -259,8 +259,8 @@ async fn renew<E: Renewer>(keeper: &Keeper<E>, engine: &E, due: Vec<(u64, Arc<He
             }
             Some(Ok(Fenced::LeaseLost)) => {
                 tracing::info!(
-                    "the lease was lost while the work or its recording was running (the record \
-                     was retaken after a TTL without renewal)"
+                    "the lease no longer holds its record in progress: completed in the work's \
+                     own transaction, or retaken after a TTL without renewal"
                 );
                 None
             }
