@@ -15,9 +15,10 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 /// Why a request body was not read.
 #[derive(Debug)]
 pub(crate) enum RequestBodyError {
-    /// Over the limit, by `Content-Length` or by what arrived (the layer's limit or one set
-    /// outside it).
+    /// Over the layer's limit, by `Content-Length` or by what arrived.
     TooLarge,
+    /// Over a limit set outside the layer, by what arrived (its size is not known here).
+    OverOuterLimit,
     /// The body stream failed (for example, the client went away).
     Unreadable(String),
 }
@@ -38,13 +39,14 @@ pub(crate) async fn read_request(
     }
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if over_a_length_limit(e.as_ref()) => Err(RequestBodyError::TooLarge),
+        Err(e) if e.is::<LengthLimitError>() => Err(RequestBodyError::TooLarge),
+        Err(e) if over_a_length_limit(e.as_ref()) => Err(RequestBodyError::OverOuterLimit),
         Err(e) => Err(RequestBodyError::Unreadable(e.to_string())),
     }
 }
 
-/// Whether `error`, or an error it was caused by, is a [`LengthLimitError`]: this layer's own
-/// limit, or one set outside the layer, which reaches it wrapped in the body's error.
+/// Whether `error`, or an error it was caused by, is a [`LengthLimitError`]: a limit set outside
+/// the layer reaches it wrapped in the body's error.
 fn over_a_length_limit(error: &(dyn Error + 'static)) -> bool {
     // Bounded: a source chain is the body's, and nothing says it ends.
     const MAX_DEPTH: usize = 16;
@@ -74,7 +76,10 @@ mod tests {
         // axum body again by the router.
         let outside = Body::new(Limited::new(chunked(64), 16));
         let read = read_request(&HeaderMap::new(), outside, 1024).await;
-        assert!(matches!(read, Err(RequestBodyError::TooLarge)), "{read:?}");
+        assert!(
+            matches!(read, Err(RequestBodyError::OverOuterLimit)),
+            "{read:?}"
+        );
     }
 
     #[tokio::test]

@@ -239,6 +239,11 @@ async fn a_body_over_a_limit_set_outside_is_413_and_claims_nothing() {
     let streamed = send(&router, streamed).await;
     assert_too_large(&streamed, "chunked");
     assert_eq!(streamed.problem(), "request_too_large", "{streamed:?}");
+    let detail = streamed.json()["detail"].to_string();
+    assert!(
+        !detail.contains("1048576"),
+        "the limit is not the layer's own: {detail}"
+    );
     assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler never ran");
 
     for key in ["limit-declared", "limit-chunked"] {
