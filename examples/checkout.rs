@@ -40,6 +40,12 @@
 //! With the `metrics` feature, `GET /metrics` (no auth) serves the layer's metrics in Prometheus'
 //! text format.
 //!
+//! Around the API, the tower-http layers a production service has (see [`around`]): a request id
+//! (`x-request-id`, kept when the caller sends one, returned on every answer), a trace span per
+//! request that the layer's outcome and the `instance` of its problems are logged in, a panic
+//! catcher, a timeout (`REQUEST_TIMEOUT_SECS`, default 30: the client gets `408`, the checkout runs
+//! on and its retry gets the replay), compression, and a body limit of 64 KiB (`413`).
+//!
 //! On SIGINT or SIGTERM the server stops accepting, answers the requests it has, and waits for
 //! what the idempotency layer still runs on its own (requests whose clients went away, completions
 //! being retried, recorders of streamed bodies), all within one deadline from the signal
@@ -73,6 +79,13 @@ use axum_idempotency::{
 use serde_json::{Value, json};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool};
+use tower::ServiceBuilder;
+use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::compression::CompressionLayer;
+use tower_http::limit::RequestBodyLimitLayer;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::timeout::TimeoutLayer;
+use tower_http::trace::{DefaultOnResponse, TraceLayer};
 
 #[cfg(feature = "metrics")]
 #[path = "support/prometheus.rs"]
@@ -91,6 +104,8 @@ pub(crate) struct Settings {
     pub transactional: bool,
     /// How long a duplicate of a checkout in progress waits for its answer (0: `409` at once).
     pub wait: Duration,
+    /// How long a client waits for its answer before `408` (the checkout itself runs on).
+    pub request_timeout: Duration,
 }
 
 impl Settings {
@@ -103,6 +118,7 @@ impl Settings {
             checkout_hold: Duration::ZERO,
             transactional: true,
             wait: Duration::ZERO,
+            request_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -121,6 +137,7 @@ impl Settings {
             checkout_hold: Duration::from_millis(secs("CHECKOUT_HOLD_MS", 0)?),
             transactional: secs("CHECKOUT_TRANSACTIONAL", 1)? != 0,
             wait: Duration::from_millis(secs("IDEMPOTENCY_WAIT_MS", 0)?),
+            request_timeout: Duration::from_secs(secs("REQUEST_TIMEOUT_SECS", 30)?),
         })
     }
 }
@@ -474,6 +491,8 @@ pub(crate) fn idempotency<S: IdempotencyStore>(
         .in_progress_ttl(settings.in_progress_ttl)
         .wait(settings.wait)
         .drain(drain())
+        // Logged in the request's span (see `around`), so each outcome carries the request id.
+        .on_outcome(|outcome| tracing::info!(outcome = outcome.as_str(), "idempotency outcome"))
 }
 
 /// The API: `POST /checkout` and `POST /refund` behind the idempotency layer, `GET /charges`.
@@ -510,7 +529,60 @@ pub(crate) fn app<S: IdempotencyStore>(
     // Added after the auth layer, so a scraper needs no token.
     #[cfg(feature = "metrics")]
     let router = router.route("/metrics", get(prometheus::scrape));
-    Ok(router)
+    Ok(around(router, &settings))
+}
+
+/// The request id's header: kept when the caller (or a proxy) sent one, made otherwise.
+const REQUEST_ID: header::HeaderName = header::HeaderName::from_static("x-request-id");
+
+/// The largest request body: under the idempotency layer's own limit (1 MiB), so this one decides.
+const BODY_LIMIT: usize = 64 * 1024;
+
+/// The tower-http layers around the API, outermost first. Every one is outside the idempotency
+/// layer, which wraps the payment handlers themselves.
+fn around(router: Router, settings: &Settings) -> Router {
+    router.layer(
+        ServiceBuilder::new()
+            // First, so that everything below, the trace span included, sees the id.
+            .layer(SetRequestIdLayer::new(REQUEST_ID, MakeRequestUuid))
+            // One span per request, with its id: the idempotency layer's span opens inside it, so
+            // its outcomes and the `instance` of each problem it answers are logged with the id.
+            .layer(
+                TraceLayer::new_for_http()
+                    .make_span_with(request_span)
+                    .on_response(DefaultOnResponse::new().level(tracing::Level::INFO)),
+            )
+            // Outside the panic catcher and the timeout, so their answers carry the id too.
+            .layer(PropagateRequestIdLayer::new(REQUEST_ID))
+            // A handler's panic never gets this far: the idempotency layer catches it under its
+            // lease, releases the record and answers 500, so the retry runs the checkout again.
+            // This catches the rest (the auth, the unguarded routes) and turns it into a 500.
+            .layer(CatchPanicLayer::new())
+            // Outside, so the record holds the plain bytes and each answer, replays included, is
+            // encoded for the Accept-Encoding of the request it answers.
+            .layer(CompressionLayer::new())
+            // A body over the limit is 413 (with Content-Length, here; chunked, from the
+            // idempotency layer, which finds this limit in the body's error); nothing is claimed.
+            .layer(RequestBodyLimitLayer::new(BODY_LIMIT))
+            // The client gets 408, but the idempotency layer runs a request whose body it has
+            // read to its end: the checkout finishes, is recorded, and the retry gets the replay.
+            // Inside the layer it would cancel the checkout midway, and its 408 would release
+            // the key for the retry to run it again.
+            .layer(TimeoutLayer::with_status_code(
+                StatusCode::REQUEST_TIMEOUT,
+                settings.request_timeout,
+            )),
+    )
+}
+
+/// The span of one request: its id, method and path.
+fn request_span(request: &Request) -> tracing::Span {
+    let id = request
+        .headers()
+        .get(&REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    tracing::info_span!("request", id, method = %request.method(), path = request.uri().path())
 }
 
 /// The store's operation timeout: 5 s (the Postgres store's default), or less when the in-progress

@@ -169,9 +169,10 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
     }
 
     /// Records one more response header (on top of `content-type`, `location`,
-    /// `content-language`, `etag` and `cache-control`). Names that carry credentials or belong to
-    /// one transfer or hop (`set-cookie`, `authorization`, `connection`, `proxy-*`, ...) are
-    /// refused by [`build`](Self::build).
+    /// `content-language`, `etag` and `cache-control`; `content-encoding` is always recorded with
+    /// the body it describes). Names that carry credentials or belong to one transfer or hop
+    /// (`set-cookie`, `authorization`, `connection`, `proxy-*`, ...) are refused by
+    /// [`build`](Self::build).
     pub fn store_header(mut self, name: impl Into<String>) -> Self {
         self.extra_headers.push(name.into());
         self

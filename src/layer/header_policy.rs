@@ -6,6 +6,11 @@
 //! transfer or one hop rather than the response (RFC 9110 section 7.6.1: `connection` and the
 //! headers it names, `keep-alive`, `te`, `trailer`, `transfer-encoding`, `upgrade`), and the
 //! layer's own markers.
+//!
+//! Always kept with the body, whatever the configuration says: `content-encoding`. It says what
+//! the recorded bytes are (RFC 9110 section 8.4); a compression layer inside this one records
+//! gzip bytes, and a replay of them without it would hand the client bytes it reads as something
+//! they are not. Left out only when the body is (a replay with no body has nothing it describes).
 
 use http::HeaderName;
 
@@ -39,6 +44,12 @@ pub(crate) const DENIED_HEADERS: [&str; 20] = [
 pub(crate) fn is_denied(name: &HeaderName) -> bool {
     let name = name.as_str();
     DENIED_HEADERS.contains(&name) || name.starts_with("proxy-")
+}
+
+/// Whether `name` describes the recorded bytes themselves, so that it is recorded and replayed with
+/// them whatever the allow-list says.
+pub(crate) fn describes_body(name: &HeaderName) -> bool {
+    name == http::header::CONTENT_ENCODING
 }
 
 /// The headers a response's `Connection` header names (hop-by-hop for that response: RFC 9110

@@ -44,8 +44,9 @@ pub enum ErrorKind {
     /// `414 endpoint_too_long`: the request's method and path are longer than 4096 bytes; nothing
     /// was claimed. Not retryable: use a shorter path.
     EndpointTooLong,
-    /// `413 request_too_large`: the request body is over the layer's limit; nothing ran. Not
-    /// retryable: send a smaller body.
+    /// `413 request_too_large`: the request body is over the layer's limit, or over one set
+    /// outside the layer (such as tower-http's `RequestBodyLimitLayer`) that cut it while the
+    /// layer read it; nothing was claimed and nothing ran. Not retryable: send a smaller body.
     RequestTooLarge,
     /// `408 request_timeout`: the request body did not arrive within the layer's deadline
     /// ([`body_timeout`](crate::IdempotencyLayerBuilder::body_timeout)); nothing was claimed.

@@ -49,8 +49,8 @@ fn expiry_value(at: std::time::SystemTime) -> Option<HeaderValue> {
     })
 }
 
-/// The record of a response: its status, the headers on the allow-list (repeated ones in order) and
-/// its body (`None`: omitted).
+/// The record of a response: its status, the headers on the allow-list and those that describe the
+/// body's bytes (repeated ones in order), and its body (`None`: omitted).
 pub(crate) fn capture(
     outcome: Finished,
     status: StatusCode,
@@ -63,7 +63,9 @@ pub(crate) fn capture(
     let headers = headers
         .iter()
         .filter(|(name, _)| {
-            allowed.contains(name) && !header_policy::is_denied(name) && !hop_by_hop.contains(name)
+            (allowed.contains(name) || header_policy::describes_body(name))
+                && !header_policy::is_denied(name)
+                && !hop_by_hop.contains(name)
         })
         .map(|(name, value)| (name.clone(), value.clone()))
         .collect();
@@ -104,7 +106,8 @@ pub(crate) fn fresh(stored: &StoredResponse) -> Response<Body> {
 }
 
 /// `allowed`: the allow-list applied again on the way out, so a record written by anyone with
-/// access to the store carries no header the layer would not have recorded.
+/// access to the store carries no header the layer would not have recorded. The headers that
+/// describe the body's bytes go with the body, and only with it.
 fn fresh_with(
     stored: &StoredResponse,
     marker: Option<&HeaderName>,
@@ -117,9 +120,11 @@ fn fresh_with(
     // A record may hold anything a store was given: no count makes `reserve` or `append` panic.
     let _ = headers.try_reserve(stored.headers.len().min(MAX_RESERVED_HEADERS) + 2);
     for (name, value) in &stored.headers {
+        let with_body = header_policy::describes_body(name);
         if !header_policy::is_denied(name)
             && Some(name) != marker
-            && allowed.is_none_or(|allowed| allowed.contains(name))
+            && allowed.is_none_or(|allowed| allowed.contains(name) || with_body)
+            && !(with_body && stored.body_omitted)
             && headers.try_append(name.clone(), value.clone()).is_err()
         {
             tracing::warn!("a stored response holds more headers than a response can carry");
@@ -228,6 +233,32 @@ mod tests {
             response.headers().get(header::UPGRADE).is_none(),
             "hop-by-hop: never"
         );
+    }
+
+    #[test]
+    fn the_content_encoding_goes_with_the_bytes_it_describes_and_only_with_them() {
+        // A compression layer inside this one: gzip bytes, and an allow-list that does not name
+        // `content-encoding`.
+        let mut headers = HeaderMap::new();
+        headers.append(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        headers.append(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+        let allowed = [header::CONTENT_TYPE];
+        let gzip = Bytes::from_static(b"\x1f\x8b...");
+        let mut stored = capture(
+            Finished::Completed,
+            StatusCode::OK,
+            &headers,
+            &allowed,
+            Some(gzip),
+        );
+        let marker = crate::header::IDEMPOTENT_REPLAYED;
+        let response = replay(&stored, &marker, &allowed);
+        assert_eq!(response.headers()[header::CONTENT_ENCODING], "gzip");
+        // The same record with its body left out: nothing for the header to describe.
+        stored.body = Bytes::new();
+        stored.body_omitted = true;
+        let response = replay(&stored, &marker, &allowed);
+        assert!(response.headers().get(header::CONTENT_ENCODING).is_none());
     }
 
     #[test]

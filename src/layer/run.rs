@@ -134,6 +134,11 @@ async fn read_body<St: IdempotencyStore>(
             );
             http.problem(ErrorKind::RequestTooLarge, &detail, None)
         }
+        Ok(Err(RequestBodyError::OverOuterLimit)) => http.problem(
+            ErrorKind::RequestTooLarge,
+            "the request body is over the limit this service sets",
+            None,
+        ),
         Ok(Err(RequestBodyError::Unreadable(reason))) => {
             // The reason stays in the log: internal error text is not sent to clients.
             tracing::debug!(%reason, "the request body could not be read");

@@ -1,6 +1,6 @@
 //! What production throws at the layer: database and Redis connections cut or stalled at every
-//! step, the handler's transaction committed with its record (or not at all), and several instances
-//! of the example started at once on one database.
+//! step, the handler's transaction committed with its record (or not at all), several instances
+//! of the example started at once on one database, and the tower-http layers put around this one.
 //!
 //! One test binary for the group (each binary links the whole crate once); every module is one
 //! former test file.
@@ -14,4 +14,5 @@ mod mysql;
 mod once;
 mod redis_faults;
 mod tenants;
+mod tower_http;
 mod transactions;
