@@ -115,6 +115,7 @@
 //! | [`layer`] | middleware plumbing | the tower service and its future, the extractors' rejection, the default policy, key parsing |
 //! | [`fingerprint`] | tools | the canonical JSON the fingerprint hashes |
 //! | `metrics` (feature) | operators | the metric names |
+//! | `openapi` (feature) | API authors | the layer's contract in an OpenAPI document |
 //! | `conformance` (feature `test-suite`) | store authors | the behaviour suite every store passes |
 //!
 //! Inside, dependencies go one way: `util <- store <- fingerprint <- engine <- {layer, once}`. The
@@ -132,6 +133,7 @@
 //! | `redis` | off | `store::RedisStore` on one server or a Redis Cluster (redis 1, re-exported as `axum_idempotency::redis`) |
 //! | `encryption` | off | `store::EncryptedStore`: recorded headers and bodies sealed with AES-256-GCM over any store |
 //! | `metrics` | off | outcome counters by route and store latency histograms through the `metrics` facade |
+//! | `openapi` | off | `openapi`: the layer's contract (the `Idempotency-Key` parameter, its problem answers, the replay headers) written into a utoipa 5 `OpenApi` by `IdempotencyLayer::openapi` (utoipa re-exported as `axum_idempotency::utoipa`) |
 //! | `test-suite` | off | `conformance`, `store_suite!` and `cache_suite!`: the behaviour suite every store passes, for stores of your own (tests only) |
 //!
 //! # Implementing a store
@@ -170,6 +172,10 @@ pub mod conformance;
 #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub mod metrics;
 
+#[cfg(feature = "openapi")]
+#[cfg_attr(docsrs, doc(cfg(feature = "openapi")))]
+pub mod openapi;
+
 pub use engine::{ConfigError, Drain, IdempotencyContext, Outcome, OutcomeCounters};
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 pub use layer::IdempotencyTx;
@@ -190,3 +196,9 @@ pub use sqlx;
 #[cfg(feature = "redis")]
 #[doc(no_inline)]
 pub use redis;
+
+/// The utoipa the OpenAPI description is written with: build your document with it (or with
+/// utoipa of the same major version).
+#[cfg(feature = "openapi")]
+#[doc(no_inline)]
+pub use utoipa;

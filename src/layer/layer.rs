@@ -43,6 +43,15 @@ impl<Store: IdempotencyStore> IdempotencyLayer<Store> {
     pub fn store(&self) -> &Store {
         self.engine.store()
     }
+
+    /// What this layer is set to, to write into an OpenAPI document: the key parameter, its error
+    /// answers and the replay headers on the operations it guards (see
+    /// [`openapi`](crate::openapi)).
+    #[cfg(feature = "openapi")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "openapi")))]
+    pub fn openapi(&self) -> crate::openapi::IdempotencyOpenApi {
+        crate::openapi::IdempotencyOpenApi::new(self.http.clone())
+    }
 }
 
 impl<Store: Clone> Clone for IdempotencyLayer<Store> {

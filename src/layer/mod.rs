@@ -38,6 +38,11 @@ mod subject;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 mod transaction;
 
+#[cfg(all(test, feature = "openapi"))]
+pub(crate) use self::problem::ProblemTypes;
+#[cfg(feature = "openapi")]
+pub(crate) use self::{service::guards, settings::LayerSettings};
+
 pub use self::builder::IdempotencyLayerBuilder;
 pub use self::future::ResponseFuture;
 pub use self::layer::IdempotencyLayer;

@@ -174,7 +174,30 @@ impl ErrorKind {
         ErrorKind::InternalError,
     ];
 
-    fn title(self) -> &'static str {
+    /// Whether an answer of this kind can be retryable, and so carry `Retry-After`.
+    #[cfg(feature = "openapi")]
+    pub(crate) fn may_retry(self) -> bool {
+        match self {
+            ErrorKind::RequestTimeout
+            | ErrorKind::InProgress
+            | ErrorKind::StoreUnavailable
+            | ErrorKind::StoreFull
+            | ErrorKind::QuotaExceeded
+            | ErrorKind::Overloaded
+            | ErrorKind::HandlerTimeout => true,
+            ErrorKind::MissingIdempotencyKey
+            | ErrorKind::InvalidIdempotencyKey
+            | ErrorKind::UnreadableBody
+            | ErrorKind::MissingSubject
+            | ErrorKind::SubjectTooLong
+            | ErrorKind::EndpointTooLong
+            | ErrorKind::RequestTooLarge
+            | ErrorKind::KeyReuse
+            | ErrorKind::InternalError => false,
+        }
+    }
+
+    pub(crate) fn title(self) -> &'static str {
         match self {
             ErrorKind::MissingIdempotencyKey => "Idempotency-Key header required",
             ErrorKind::InvalidIdempotencyKey => "Invalid Idempotency-Key header",
@@ -273,6 +296,12 @@ impl ProblemTypes {
             renderer: Some(renderer),
             ..self
         }
+    }
+
+    /// Whether the application renders the layer's errors itself (not as problem+json).
+    #[cfg(feature = "openapi")]
+    pub(crate) fn is_rendered(&self) -> bool {
+        self.renderer.is_some()
     }
 
     fn uri(&self, kind: ErrorKind) -> String {

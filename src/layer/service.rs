@@ -122,7 +122,7 @@ where
 /// Whether the layer guards requests with `method`: the methods it is set to guard, and every
 /// extension method (any but the nine of RFC 9110, such as a lower-case `post` on a route that
 /// takes any method): its meaning is unknown, so it is not taken for safe.
-fn guards(http: &LayerSettings, method: &Method) -> bool {
+pub(crate) fn guards(http: &LayerSettings, method: &Method) -> bool {
     const STANDARD: [Method; 9] = [
         Method::GET,
         Method::HEAD,

@@ -4,6 +4,7 @@
 pub mod cache;
 #[cfg(feature = "postgres")]
 pub mod example;
+pub mod openapi;
 pub mod proxy;
 pub mod servers;
 #[cfg(feature = "sqlite")]
