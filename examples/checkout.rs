@@ -38,7 +38,8 @@
 //! again (its process died) does not charge the card twice at the provider either.
 //!
 //! With the `metrics` feature, `GET /metrics` (no auth) serves the layer's metrics in Prometheus'
-//! text format.
+//! text format. With the `openapi` feature, `GET /openapi.json` (no auth) serves the API's OpenAPI
+//! document, the idempotency layer's contract on `POST /checkout` and `POST /refund`.
 //!
 //! Around the API, the tower-http layers a production service has (see [`around`]): a request id
 //! (`x-request-id`, kept when the caller sends one, returned on every answer), a trace span per
@@ -90,6 +91,10 @@ use tower_http::trace::{DefaultOnResponse, TraceLayer};
 #[cfg(feature = "metrics")]
 #[path = "support/prometheus.rs"]
 mod prometheus;
+
+#[cfg(feature = "openapi")]
+#[path = "support/openapi.rs"]
+mod openapi;
 
 #[cfg(feature = "mysql")]
 #[path = "support/mysql_ledger.rs"]
@@ -502,6 +507,8 @@ pub(crate) fn app<S: IdempotencyStore>(
     settings: Settings,
 ) -> Result<Router, Box<dyn Error>> {
     let store = idempotency.store().clone();
+    #[cfg(feature = "openapi")]
+    let document = axum::body::Bytes::from(openapi::document(&idempotency)?);
     // On Postgres and SQLite the charge is written in the layer's transaction (`IdempotencyTx`), so
     // it commits with its record; `CHECKOUT_TRANSACTIONAL=0` writes it on its own instead, to compare.
     // The layer wraps each handler (`handler.layer(..)`), not the route: a method the route does not
@@ -529,6 +536,12 @@ pub(crate) fn app<S: IdempotencyStore>(
     // Added after the auth layer, so a scraper needs no token.
     #[cfg(feature = "metrics")]
     let router = router.route("/metrics", get(prometheus::scrape));
+    // The API's description, with the idempotency layer's contract on its guarded routes; no auth.
+    #[cfg(feature = "openapi")]
+    let router = router.route(
+        "/openapi.json",
+        get(move || std::future::ready(([(header::CONTENT_TYPE, "application/json")], document))),
+    );
     Ok(around(router, &settings))
 }
 

@@ -22,7 +22,8 @@
 //! layer's routes with [`paths`](IdempotencyOpenApi::paths). A route's own documentation is kept:
 //! what it already says (a response of the same status, a header of the same name, a reference)
 //! stays, the layer's media type and headers are added beside it, and applying the description
-//! twice changes nothing. The schema is named `IdempotencyProblem`, not `Problem`, so that an
+//! twice changes nothing. Where the operation answers `application/problem+json` of its own with
+//! a status the layer also answers with, the schema becomes either of the two (`anyOf`). The schema is named `IdempotencyProblem`, not `Problem`, so that an
 //! application's own problem schema is left as it is.
 //!
 //! ```
@@ -56,7 +57,7 @@ use utoipa::openapi::example::ExampleBuilder;
 use utoipa::openapi::header::HeaderBuilder;
 use utoipa::openapi::path::{Operation, Parameter, ParameterBuilder, ParameterIn, PathItem};
 use utoipa::openapi::response::{Response, ResponseBuilder};
-use utoipa::openapi::schema::{ObjectBuilder, SchemaFormat, Type};
+use utoipa::openapi::schema::{AnyOfBuilder, ObjectBuilder, SchemaFormat, Type};
 use utoipa::openapi::{Components, ContentBuilder, OpenApi, Ref, RefOr, Required, Schema};
 
 use crate::ErrorKind;
@@ -333,13 +334,39 @@ fn guarded_slots(item: &mut PathItem) -> [(Method, &mut Option<Operation>); 4] {
     ]
 }
 
-/// Adds the layer's media types and headers to an answer of the operation's own.
+/// Adds the layer's answer to one of the operation's own of the same status: its media type, or
+/// beside the operation's own problem schema (either may answer), its examples and its headers.
 fn merge(existing: &mut Response, answer: Response) {
     for (media, content) in answer.content {
-        existing.content.entry(media).or_insert(content);
+        let Some(own) = existing.content.get_mut(&media) else {
+            existing.content.insert(media, content);
+            continue;
+        };
+        own.schema = match own.schema.take() {
+            None => content.schema,
+            Some(schema) if refers_to_problem(&schema) => Some(schema),
+            Some(schema) => {
+                let either = AnyOfBuilder::new()
+                    .item(schema)
+                    .item(Ref::from_schema_name(PROBLEM_SCHEMA));
+                Some(RefOr::T(Schema::AnyOf(either.build())))
+            }
+        };
+        for (code, example) in content.examples {
+            own.examples.entry(code).or_insert(example);
+        }
     }
     for (name, header) in answer.headers {
         add_header(existing, &name, header);
+    }
+}
+
+/// Whether `schema` is the layer's problem schema, or has it as one of its choices.
+fn refers_to_problem(schema: &RefOr<Schema>) -> bool {
+    let is_problem = |schema: &RefOr<Schema>| matches!(schema, RefOr::Ref(r) if r.ref_location == Ref::from_schema_name(PROBLEM_SCHEMA).ref_location);
+    match schema {
+        RefOr::T(Schema::AnyOf(any)) => any.items.iter().any(is_problem),
+        schema => is_problem(schema),
     }
 }
 

@@ -35,6 +35,7 @@ pub fn binary() -> std::path::PathBuf {
                 (cfg!(feature = "redis"), "redis"),
                 (cfg!(feature = "encryption"), "encryption"),
                 (cfg!(feature = "metrics"), "metrics"),
+                (cfg!(feature = "openapi"), "openapi"),
                 (cfg!(feature = "test-suite"), "test-suite"),
             ] {
                 if on {

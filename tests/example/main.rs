@@ -10,4 +10,5 @@ mod common;
 
 mod e2e;
 mod example_redis;
+mod openapi;
 mod sqlite;

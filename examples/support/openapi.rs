@@ -1,0 +1,71 @@
+//! The checkout example's OpenAPI document, served at `GET /openapi.json` (feature `openapi`): its
+//! routes as it documents them itself, then the idempotency layer's contract written into the
+//! routes the layer is on by the layer, so the document says what the layer enforces.
+
+use std::error::Error;
+
+use axum_idempotency::IdempotencyLayer;
+use axum_idempotency::store::IdempotencyStore;
+use axum_idempotency::utoipa::openapi::OpenApi;
+use serde_json::json;
+
+/// The routes behind the idempotency layer.
+pub(crate) const GUARDED: [&str; 2] = ["/checkout", "/refund"];
+
+/// The document, as JSON.
+pub(crate) fn document<S: IdempotencyStore>(
+    idempotency: &IdempotencyLayer<S>,
+) -> Result<String, Box<dyn Error>> {
+    let problem = json!({"application/problem+json": {"schema": {"type": "object"}}});
+    let payment = json!({
+        "requestBody": {"required": true, "content": {"application/json": {"schema": {
+            "type": "object",
+            "required": ["amount"],
+            "properties": {
+                "amount": {"type": "integer", "description": "In cents."},
+                "card": {"type": "string", "description": "`declined` or `flaky` to see those."},
+                "latency_ms": {"type": "integer", "maximum": 60000},
+            },
+        }}}},
+        "responses": {
+            "201": {
+                "description": "Charged (or refunded) once.",
+                "headers": {"Location": {"schema": {"type": "string"}}},
+                "content": {"application/json": {"schema": {"type": "object"}}},
+            },
+            "400": {"description": "`invalid_amount`.", "content": problem},
+            "402": {"description": "`card_declined`.", "content": problem},
+        },
+    });
+    let record = json!({"name": "key", "in": "path", "required": true,
+        "schema": {"type": "string"}});
+    let not_found =
+        json!({"description": "No checkout of yours with that key.", "content": problem});
+    let mut openapi: OpenApi = serde_json::from_value(json!({
+        "openapi": "3.1.0",
+        "info": {"title": "Checkout", "version": "1.0.0"},
+        "security": [{"bearer": []}],
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "paths": {
+            "/checkout": {"post": payment.clone()},
+            "/refund": {"post": payment},
+            "/checkout/idempotency/{key}": {
+                "parameters": [record],
+                "get": {"responses": {
+                    "200": {"description": "The checkout's state and expiry.",
+                        "content": {"application/json": {"schema": {"type": "object"}}}},
+                    "404": not_found.clone(),
+                }},
+                "delete": {"responses": {
+                    "204": {"description": "Forgotten: the key is new."},
+                    "404": not_found,
+                    "409": {"description": "Still in progress.", "content": problem},
+                }},
+            },
+            "/charges": {"get": {"responses": {"200": {"description": "The caller's charges.",
+                "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+        },
+    }))?;
+    idempotency.openapi().paths(GUARDED).document(&mut openapi);
+    Ok(openapi.to_json()?)
+}
