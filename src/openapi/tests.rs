@@ -10,6 +10,7 @@ use http::Method;
 use serde_json::{Value, json};
 use utoipa::openapi::path::{Operation, ParameterBuilder, ParameterIn};
 use utoipa::openapi::response::Response;
+use utoipa::openapi::schema::{ObjectBuilder, Type};
 use utoipa::openapi::{
     ContentBuilder, HttpMethod, Info, OpenApi, PathItem, PathsBuilder, Required,
 };
@@ -215,6 +216,16 @@ fn only_the_paths_the_layer_is_on() {
 fn what_the_operation_says_already_is_kept() {
     let mut operation = answering("201");
     let own = ContentBuilder::new().build();
+    let own_problem = ContentBuilder::new()
+        .schema(Some(ObjectBuilder::new().schema_type(Type::Object)))
+        .build();
+    operation.responses.responses.insert(
+        "409".into(),
+        Response::builder()
+            .description("Order locked")
+            .content("application/problem+json", own_problem)
+            .into(),
+    );
     operation.responses.responses.insert(
         "400".into(),
         Response::builder()
@@ -251,6 +262,19 @@ fn what_the_operation_says_already_is_kept() {
             .get("application/problem+json")
             .is_some()
     );
+    // The operation's own problem and the layer's: either may answer a 409.
+    let conflict = &post["responses"]["409"];
+    assert_eq!(conflict["description"], "Order locked");
+    let either = &conflict["content"]["application/problem+json"]["schema"]["anyOf"];
+    assert_eq!(either[0]["type"], "object", "{conflict:#}");
+    assert_eq!(either[1]["$ref"], "#/components/schemas/IdempotencyProblem");
+    let examples = &conflict["content"]["application/problem+json"]["examples"];
+    assert!(examples.get("in_progress").is_some());
+    assert!(conflict["headers"].get("Retry-After").is_some());
+    // And once only.
+    let once = serde_json::to_value(&openapi).expect("json");
+    layer.openapi().document(&mut openapi);
+    assert_eq!(serde_json::to_value(&openapi).expect("json"), once);
 }
 
 #[test]
