@@ -41,7 +41,8 @@
 //!         .path("/checkout", PathItem::new(HttpMethod::Post, checkout))
 //!         .build(),
 //! );
-//! layer.openapi().paths(["/checkout"]).document(&mut openapi);
+//! let documented = layer.openapi().paths(["/checkout"]).document(&mut openapi);
+//! assert_eq!(documented, 1);
 //! # let post = openapi.paths.paths["/checkout"].post.as_ref().expect("post");
 //! # assert!(post.responses.responses.contains_key("409"));
 //! # Ok::<(), axum_idempotency::ConfigError>(())
@@ -110,8 +111,11 @@ impl IdempotencyOpenApi {
     /// Documents every operation of `openapi` whose method the layer guards (on the
     /// [`paths`](Self::paths) given), and adds the [`PROBLEM_SCHEMA`] schema they refer to.
     /// Operations of methods the layer passes through (`GET`, `HEAD`, ...) are left alone.
-    pub fn document(&self, openapi: &mut OpenApi) {
-        let mut documented = false;
+    ///
+    /// Returns how many operations it documented: none means a path not written as the document
+    /// writes it, or no method the layer guards.
+    pub fn document(&self, openapi: &mut OpenApi) -> usize {
+        let mut documented = 0;
         for (path, item) in &mut openapi.paths.paths {
             if let Some(only) = &self.paths
                 && !only.iter().any(|p| p == path)
@@ -123,13 +127,14 @@ impl IdempotencyOpenApi {
                     && guards(&self.settings, &method)
                 {
                     self.operation(operation);
-                    documented = true;
+                    documented += 1;
                 }
             }
         }
-        if documented {
+        if documented > 0 {
             self.components(openapi.components.get_or_insert_with(Components::new));
         }
+        documented
     }
 
     /// Documents `operation` as one the layer guards (whatever its method: the caller says it is
@@ -320,7 +325,7 @@ impl IdempotencyOpenApi {
 impl Modify for IdempotencyOpenApi {
     /// [`IdempotencyOpenApi::document`].
     fn modify(&self, openapi: &mut OpenApi) {
-        self.document(openapi);
+        let _documented = self.document(openapi);
     }
 }
 

@@ -66,6 +66,9 @@ pub(crate) fn document<S: IdempotencyStore>(
                 "content": {"application/json": {"schema": {"type": "object"}}}}}}},
         },
     }))?;
-    idempotency.openapi().paths(GUARDED).document(&mut openapi);
+    let documented = idempotency.openapi().paths(GUARDED).document(&mut openapi);
+    if documented != GUARDED.len() {
+        return Err(format!("the layer documented {documented} routes of {GUARDED:?}").into());
+    }
     Ok(openapi.to_json()?)
 }

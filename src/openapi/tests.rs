@@ -47,11 +47,10 @@ fn layer() -> IdempotencyLayerBuilder<MemoryStore> {
 
 fn documented(builder: IdempotencyLayerBuilder<MemoryStore>) -> Value {
     let mut openapi = document();
-    builder
-        .build()
-        .expect("layer")
-        .openapi()
-        .document(&mut openapi);
+    let layer = builder.build().expect("layer");
+    // `/checkout` and `/refund` take POST; `/orders/{id}` PUT and DELETE.
+    let documented = layer.openapi().document(&mut openapi);
+    assert!(documented > 0 && documented <= 4, "{documented}");
     serde_json::to_value(&openapi).expect("json")
 }
 
@@ -201,7 +200,18 @@ fn applying_it_twice_changes_nothing() {
 fn only_the_paths_the_layer_is_on() {
     let layer = layer().build().expect("layer");
     let mut openapi = document();
-    layer.openapi().paths(["/checkout"]).document(&mut openapi);
+    assert_eq!(
+        layer.openapi().paths(["/checkout"]).document(&mut openapi),
+        1
+    );
+    // A path not written as the document writes it documents nothing, and says so.
+    assert_eq!(
+        layer
+            .openapi()
+            .paths(["/orders/:id"])
+            .document(&mut openapi),
+        0
+    );
     let doc = serde_json::to_value(&openapi).expect("json");
     assert_eq!(key_parameters(&doc["paths"]["/checkout"]["post"]).len(), 1);
     assert!(key_parameters(&doc["paths"]["/refund"]["post"]).is_empty());
