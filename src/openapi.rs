@@ -17,14 +17,16 @@
 //! - the replay header, `Idempotency-Replay` and `Idempotency-Expires` on every 2xx response.
 //!
 //! Why this cut: the layer sits on some routes and not others, and only it knows its settings, so
-//! it is asked for its description ([`IdempotencyLayer::openapi`](crate::IdempotencyLayer::openapi))
-//! and that description is applied to a whole document, as a utoipa [`Modify`] is, limited to the
-//! layer's routes with [`paths`](IdempotencyOpenApi::paths). A route's own documentation is kept:
-//! what it already says (a response of the same status, a header of the same name, a reference)
-//! stays, the layer's media type and headers are added beside it, and applying the description
-//! twice changes nothing. Where the operation answers `application/problem+json` of its own with
-//! a status the layer also answers with, the schema becomes either of the two (`anyOf`). The schema is named `IdempotencyProblem`, not `Problem`, so that an
-//! application's own problem schema is left as it is.
+//! it is asked for its description
+//! ([`IdempotencyLayer::openapi`](crate::IdempotencyLayer::openapi)) and that description is
+//! applied to a whole document, as a utoipa [`Modify`] is, limited to the layer's routes with
+//! [`paths`](IdempotencyOpenApi::paths). A route's own documentation is kept: what it already says
+//! (a response of the same status, a header of the same name, a reference) stays, the layer's media
+//! type and headers are added beside it, and applying the description twice changes nothing. Where
+//! the operation answers `application/problem+json` of its own with a status the layer also answers
+//! with, the schema becomes either of the two (`anyOf`). Only a hand-written `Idempotency-Key`
+//! parameter is replaced, by what the layer enforces. The schema is named `IdempotencyProblem`, not
+//! `Problem`, so that an application's own is left as it is.
 //!
 //! ```
 //! use axum_idempotency::{IdempotencyLayer, MemoryStore};
@@ -368,7 +370,9 @@ fn merge(existing: &mut Response, answer: Response) {
 
 /// Whether `schema` is the layer's problem schema, or has it as one of its choices.
 fn refers_to_problem(schema: &RefOr<Schema>) -> bool {
-    let is_problem = |schema: &RefOr<Schema>| matches!(schema, RefOr::Ref(r) if r.ref_location == Ref::from_schema_name(PROBLEM_SCHEMA).ref_location);
+    let problem = Ref::from_schema_name(PROBLEM_SCHEMA).ref_location;
+    let is_problem =
+        |schema: &RefOr<Schema>| matches!(schema, RefOr::Ref(r) if r.ref_location == problem);
     match schema {
         RefOr::T(Schema::AnyOf(any)) => any.items.iter().any(is_problem),
         schema => is_problem(schema),
