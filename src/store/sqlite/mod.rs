@@ -18,6 +18,7 @@ mod claim;
 mod in_flight;
 mod inspect;
 mod migrate;
+mod renew;
 mod statements;
 mod transactional;
 
@@ -339,6 +340,15 @@ impl IdempotencyStore for SqliteStore {
         })?
         .map_err(db("renew"))?;
         Ok(Fenced::from_held(done.rows_affected() == 1))
+    }
+
+    /// One `UPDATE` for the leases due together (see `renew.rs`): one write, one flush.
+    async fn renew_many(
+        &self,
+        leases: &[(&RecordKey, LeaseToken)],
+        lifetime: Duration,
+    ) -> Vec<Result<Fenced, StoreError>> {
+        self.renew_together(leases, lifetime).await
     }
 
     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {

@@ -38,6 +38,9 @@ pub(super) struct Statements {
     pub(super) count: Arc<str>,
     pub(super) delete: Arc<str>,
     pub(super) held: Arc<str>,
+    /// The keeper's renewal of many leases, up to its list of `(scope, lease)` pairs: ?1 now,
+    /// ?2 expiry, then the pairs from ?3 (`renew.rs` writes them and the end).
+    pub(super) renew_many_head: Arc<str>,
     pub(super) list_first: Arc<str>,
     pub(super) list_after: Arc<str>,
 }
@@ -122,6 +125,12 @@ impl Statements {
             finished_by: format!(
                 "SELECT EXISTS (SELECT 1 FROM {t} WHERE scope = ?1 AND lease_token = ?2 \
                                 AND status <> 'in_progress')"
+            )
+            .into(),
+            renew_many_head: format!(
+                "UPDATE {t} SET updated_us = ?1, expires_us = ?2 \
+                 WHERE lease_token <> {RELEASED} AND status = 'in_progress' \
+                   AND (scope, lease_token) IN (VALUES "
             )
             .into(),
             // ?1 scope, ?2 lease, ?3 now, ?4 expiry.

@@ -454,3 +454,44 @@ async fn an_unreadable_finished_record_is_never_run_again() {
     let error = store.claim(&again).await.expect_err("unreadable");
     assert!(error.is_unreadable_record(), "{error:?}");
 }
+
+/// The keeper's renewals go out together, a statement for every 200 leases: each lease, in
+/// whichever statement, gets its own answer, renewed or lost.
+#[tokio::test]
+async fn a_renewal_of_many_leases_answers_each_across_statements() {
+    use axum_idempotency::store::Fenced;
+    let store = store().await;
+    let mut claims = Vec::new();
+    for i in 0..450 {
+        let claim = claim_request(&format!("many-{i}"), b"{}");
+        let outcome = store.claim(&claim).await.expect("claim");
+        assert!(
+            matches!(outcome, ClaimOutcome::Claimed { .. }),
+            "{outcome:?}"
+        );
+        claims.push(claim);
+    }
+    // Every seventh lease is not the holder's: lost, wherever it falls.
+    let leases: Vec<(&RecordKey, LeaseToken)> = claims
+        .iter()
+        .enumerate()
+        .map(|(i, claim)| {
+            let lease = if i % 7 == 3 {
+                LeaseToken::generate()
+            } else {
+                claim.lease
+            };
+            (&claim.key, lease)
+        })
+        .collect();
+    let answers = store.renew_many(&leases, Duration::from_secs(120)).await;
+    assert_eq!(answers.len(), 450);
+    for (i, answer) in answers.into_iter().enumerate() {
+        let expected = if i % 7 == 3 {
+            Fenced::LeaseLost
+        } else {
+            Fenced::Done
+        };
+        assert_eq!(answer.expect("answered"), expected, "lease {i}");
+    }
+}
