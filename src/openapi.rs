@@ -74,11 +74,13 @@ pub const PROBLEM_SCHEMA: &str = "IdempotencyProblem";
 /// The media type of the layer's error answers.
 const PROBLEM_JSON: &str = "application/problem+json";
 
-/// A key as a client should send it: visible ASCII, spaces inside only.
-const KEY_PATTERN: &str = "^[!-~]([ -~]*[!-~])?$";
+/// A key as a client should send it: visible ASCII, spaces inside only, and not starting with a
+/// double quote (the layer reads such a value as a quoted string, the same key as its content:
+/// documenting only the bare form keeps every documented key the key it says).
+pub(crate) const KEY_PATTERN: &str = "^[!#-~]([ -~]*[!-~])?$";
 
 /// An `instance` for the examples.
-const EXAMPLE_INSTANCE: &str = "urn:axum-idempotency:problem:5f0c6e0d9a4b4c8e8b1f2a3d4c5e6f70";
+const EXAMPLE_INSTANCE: &str = "urn:uuid:5f0c6e0d-9a4b-4c8e-8b1f-2a3d4c5e6f70";
 
 /// What one [`IdempotencyLayer`](crate::IdempotencyLayer) is set to, to write into an OpenAPI
 /// document: made by [`IdempotencyLayer::openapi`](crate::IdempotencyLayer::openapi). See the

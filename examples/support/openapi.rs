@@ -35,6 +35,11 @@ pub(crate) fn document<S: IdempotencyStore>(
             },
             "400": {"description": "`invalid_amount`.", "content": problem},
             "402": {"description": "`card_declined`.", "content": problem},
+            "408": {"description": "Also the service's own timeout (`REQUEST_TIMEOUT_SECS`), \
+                answered with no body while the payment may go on: retry with the same key, \
+                which gets the payment's answer once it is recorded (409 until then)."},
+            "413": {"description": "Also the service's own body limit (64 KiB), answered as \
+                plain text when the Content-Length says so: send a smaller body."},
         },
     });
     let record = json!({"name": "key", "in": "path", "required": true,

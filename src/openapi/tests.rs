@@ -367,3 +367,18 @@ fn errors_the_application_renders_have_no_problem_schema() {
             .is_none()
     );
 }
+
+proptest::proptest! {
+    /// Every key the document's pattern allows (within its length) is the key it says to the
+    /// layer: accepted, and unchanged.
+    #[test]
+    fn every_key_the_pattern_allows_the_layer_takes_as_it_is(
+        key in super::KEY_PATTERN
+            .strip_prefix('^')
+            .and_then(|p| p.strip_suffix('$'))
+            .expect("an anchored pattern"),
+    ) {
+        proptest::prop_assume!(key.len() <= crate::layer::key::MAX_KEY_LEN);
+        proptest::prop_assert_eq!(crate::layer::key::parse(key.as_bytes()), Ok(key.clone()));
+    }
+}
