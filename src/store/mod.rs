@@ -22,6 +22,8 @@ mod fingerprint;
 mod header_list;
 mod inspection;
 mod memory;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod parking;
 mod purge;
 mod record;
 #[cfg(test)]

@@ -77,7 +77,7 @@ pub struct MySqlStore {
     /// The statements that bound each batch, once the server's flavor is known. Shared by clones.
     bounds: Arc<OnceLock<Bounds>>,
     /// Connections kept between operations (see `parking.rs`). Shared by clones.
-    parking: Arc<parking::Parking>,
+    parking: Arc<crate::store::parking::Parking<sqlx::MySql>>,
 }
 
 impl fmt::Debug for MySqlStore {

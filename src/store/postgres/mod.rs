@@ -87,7 +87,7 @@ pub struct PostgresStore {
     /// Whether the key, subject and endpoint are written in clear beside the scope digest.
     scope_columns: bool,
     /// Connections kept between operations (see `parking.rs`). Shared by clones.
-    parking: Arc<parking::Parking>,
+    parking: Arc<crate::store::parking::Parking<sqlx::Postgres>>,
 }
 
 impl fmt::Debug for PostgresStore {
