@@ -141,6 +141,32 @@ fn micros(t: SystemTime) -> i64 {
     }
 }
 
+/// A table row's state, stored status and times as inspection shows them: the status only for a
+/// finished record. `store` names the backend in the error for a status it does not know.
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub(crate) fn row_info(
+    store: &str,
+    status: &str,
+    response: Option<i64>,
+    created_us: i64,
+    expires_us: i64,
+) -> Result<RecordInfo, super::StoreError> {
+    let state = RecordState::from_name(status).ok_or_else(|| {
+        super::StoreError::msg(format!("{store} inspection: unexpected status {status:?}"))
+    })?;
+    let status = if state.is_finished() {
+        response.and_then(|s| u16::try_from(s).ok())
+    } else {
+        None
+    };
+    Ok(RecordInfo::new(
+        state,
+        status,
+        from_micros(created_us),
+        from_micros(expires_us),
+    ))
+}
+
 /// The time `us` microseconds after the Unix epoch.
 #[cfg_attr(
     not(any(

@@ -40,6 +40,8 @@ pub use fingerprint::Fingerprint;
     feature = "sqlite"
 ))]
 pub(crate) use inspection::from_micros;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub(crate) use inspection::row_info;
 pub use inspection::{
     Deleted, InvalidCursor, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage,
     RecordState,

@@ -10,8 +10,8 @@ use sqlx::mysql::MySqlRow;
 use super::{MySqlStore, first_integer, subject_digest};
 use crate::store::RecordKey;
 use crate::store::{
-    Deleted, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage, RecordState,
-    StoreError, from_micros,
+    Deleted, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage, StoreError,
+    from_micros, row_info,
 };
 
 impl MySqlStore {
@@ -129,25 +129,18 @@ fn listed(row: &MySqlRow, subject: &str) -> Result<(Option<ListedRecord>, ListCu
     ))
 }
 
-/// A row's state, status and times.
+/// A row's state, status and times (see `store::inspection::row_info`).
 fn info(
     status: &str,
     response: Option<i16>,
     created_us: i64,
     expires_us: i64,
 ) -> Result<RecordInfo, StoreError> {
-    let state = RecordState::from_name(status).ok_or_else(|| {
-        StoreError::msg(format!("mysql inspection: unexpected status {status:?}"))
-    })?;
-    let status = if state.is_finished() {
-        response.and_then(|s| u16::try_from(s).ok())
-    } else {
-        None
-    };
-    Ok(RecordInfo::new(
-        state,
+    row_info(
+        "mysql",
         status,
-        from_micros(created_us),
-        from_micros(expires_us),
-    ))
+        response.map(i64::from),
+        created_us,
+        expires_us,
+    )
 }

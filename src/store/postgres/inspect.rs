@@ -7,8 +7,8 @@
 use super::{PostgresStore, db, on_connection, printable};
 use crate::store::RecordKey;
 use crate::store::{
-    Deleted, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage, RecordState,
-    StoreError, from_micros,
+    Deleted, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage, StoreError,
+    from_micros, row_info,
 };
 
 /// How many statements one listing sends at most when rows it cannot verify as the subject's fill
@@ -139,25 +139,18 @@ impl PostgresStore {
     }
 }
 
-/// A row's state, status and times.
+/// A row's state, status and times (see `store::inspection::row_info`).
 fn info(
     status: &str,
     response: Option<i16>,
     created_us: i64,
     expires_us: i64,
 ) -> Result<RecordInfo, StoreError> {
-    let state = RecordState::from_name(status).ok_or_else(|| {
-        StoreError::msg(format!("postgres inspection: unexpected status {status:?}"))
-    })?;
-    let status = if state.is_finished() {
-        response.and_then(|s| u16::try_from(s).ok())
-    } else {
-        None
-    };
-    Ok(RecordInfo::new(
-        state,
+    row_info(
+        "postgres",
         status,
-        from_micros(created_us),
-        from_micros(expires_us),
-    ))
+        response.map(i64::from),
+        created_us,
+        expires_us,
+    )
 }

@@ -7,8 +7,8 @@
 
 use super::{SqliteStore, db, now_us, on_connection, statement};
 use crate::store::{
-    Deleted, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordKey, RecordPage, RecordState,
-    StoreError, from_micros,
+    Deleted, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordKey, RecordPage, StoreError,
+    from_micros, row_info,
 };
 
 /// A listed row: scope, key, endpoint, status, response status, created and expires (µs).
@@ -127,25 +127,12 @@ impl SqliteStore {
     }
 }
 
-/// A row's state, status and times.
+/// A row's state, status and times (see `store::inspection::row_info`).
 fn info(
     status: &str,
     response: Option<i64>,
     created_us: i64,
     expires_us: i64,
 ) -> Result<RecordInfo, StoreError> {
-    let state = RecordState::from_name(status).ok_or_else(|| {
-        StoreError::msg(format!("sqlite inspection: unexpected status {status:?}"))
-    })?;
-    let status = if state.is_finished() {
-        response.and_then(|s| u16::try_from(s).ok())
-    } else {
-        None
-    };
-    Ok(RecordInfo::new(
-        state,
-        status,
-        from_micros(created_us),
-        from_micros(expires_us),
-    ))
+    row_info("sqlite", status, response, created_us, expires_us)
 }
