@@ -26,6 +26,8 @@ mod memory;
 mod parking;
 mod purge;
 mod record;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+mod sql_name;
 #[cfg(test)]
 pub(crate) mod testing;
 mod transactional;

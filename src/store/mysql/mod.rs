@@ -125,16 +125,7 @@ impl MySqlStore {
     /// characters), optionally in another database of the same form (`billing.idempotency`).
     /// Names are quoted in every statement, so reserved words such as `order` work too.
     pub fn with_table(pool: MySqlPool, table: &str) -> Result<Self, MySqlStoreError> {
-        let parts: Vec<&str> = table.split('.').collect();
-        let valid = |part: &str| {
-            !part.is_empty()
-                && part.len() <= 40
-                && part.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
-                && part
-                    .chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
-        };
-        if parts.len() > 2 || !parts.iter().all(|p| valid(p)) {
+        if !crate::store::sql_name::is_qualified_table(table) {
             return Err(MySqlStoreError(format!(
                 "{table:?} is not a valid table name: use [a-z_][a-z0-9_]* (at most 40 characters), \
                  optionally as database.table"

@@ -137,16 +137,7 @@ impl PostgresStore {
     /// optionally qualified by a schema of the same form (`billing.idempotency`). Names are quoted in
     /// every statement, so reserved words such as `order` work too.
     pub fn with_table(pool: PgPool, table: &str) -> Result<Self, PostgresStoreError> {
-        let parts: Vec<&str> = table.split('.').collect();
-        let valid = |part: &str| {
-            !part.is_empty()
-                && part.len() <= 40
-                && part.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
-                && part
-                    .chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
-        };
-        if parts.len() > 2 || !parts.iter().all(|p| valid(p)) {
+        if !crate::store::sql_name::is_qualified_table(table) {
             return Err(PostgresStoreError(format!(
                 "{table:?} is not a valid table name: use [a-z_][a-z0-9_]* (at most 40 characters), \
                  optionally as schema.table"

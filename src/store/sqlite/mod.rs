@@ -141,13 +141,7 @@ impl SqliteStore {
     /// characters, not starting with `sqlite_`), of the database the pool opens (not an attached
     /// one). Names are quoted in every statement, so reserved words such as `order` work too.
     pub fn with_table(pool: SqlitePool, table: &str) -> Result<Self, SqliteStoreError> {
-        let valid = !table.is_empty()
-            && table.len() <= 40
-            && table.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
-            && table
-                .chars()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
-            && !table.starts_with("sqlite_");
+        let valid = crate::store::sql_name::is_identifier(table) && !table.starts_with("sqlite_");
         if !valid {
             return Err(SqliteStoreError(format!(
                 "{table:?} is not a valid table name: use [a-z_][a-z0-9_]* (at most 40 \
