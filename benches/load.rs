@@ -1,13 +1,14 @@
 //! The HTTP load harness of BENCHMARKS.md: every figure is a ratio against a baseline measured in the
 //! same run, on the same machine, over loopback.
 //!
-//! `cargo bench --bench load` (PostgreSQL at `DATABASE_URL`, default
+//! `cargo bench --bench load --features postgres` (PostgreSQL at `DATABASE_URL`, default
 //! `postgres://postgres@127.0.0.1:5432/test`; `LOAD_SCALE=0.2` for a quick run). With the `mysql`
 //! feature, the part `mysql` measures the MySQL store too (`MYSQL_URL`, default
-//! `mysql://root@127.0.0.1:3306/test`): `cargo bench --bench load --features mysql -- mysql`. With
-//! the `sqlite` feature, `-- sqlite` runs the SQLite store against its floor, on a file in the
-//! temporary directory, with no PostgreSQL needed. Every loop is bounded by a request count; the
-//! servers listen on 127.0.0.1 only and stop with the process.
+//! `mysql://root@127.0.0.1:3306/test`):
+//! `cargo bench --bench load --features postgres,mysql -- mysql`. With the `sqlite` feature,
+//! `-- sqlite` runs the SQLite store against its floor, on a file in the temporary directory, with
+//! no PostgreSQL needed. Every loop is bounded by a request count; the servers listen on 127.0.0.1
+//! only and stop with the process.
 
 #[path = "load/cpu.rs"]
 mod cpu;
@@ -198,18 +199,16 @@ fn direct_sql<S: IdempotencyStore>(store: S) -> Router {
             .unwrap_or("")
             .to_owned();
         let body = body.collect().await.expect("body").to_bytes();
-        let claim = ClaimRequest {
-            key: RecordKey {
+        let claim = ClaimRequest::new(
+            RecordKey {
                 key,
                 subject,
                 endpoint: "POST /checkout".into(),
             },
-            fingerprint: Fingerprint::of(None, &body),
-            lease: LeaseToken::generate(),
-            generation: axum_idempotency::store::Generation::generate(),
-            in_progress_ttl: Duration::from_secs(90),
-            retention: Duration::from_secs(86_400),
-        };
+            Fingerprint::of(None, &body),
+            Duration::from_secs(90),
+            Duration::from_secs(86_400),
+        );
         let lease = match store.claim(&claim).await.expect("claim") {
             ClaimOutcome::Claimed { lease, .. } => lease,
             ClaimOutcome::Finished(stored) => {
@@ -273,8 +272,8 @@ fn fresh_keys(prefix: &str) -> MakeRequest {
 
 /// Fresh keys and replays through the layer on a `SqliteStore` (a file in the temporary directory,
 /// WAL, `synchronous=FULL`, as `SqliteStore::open` makes it), against the same claim and complete
-/// statements issued by a bare handler on the same store (the floor). `cargo bench --bench load
-/// --features sqlite -- sqlite`.
+/// statements issued by a bare handler on the same store (the floor).
+/// `cargo bench --bench load --features postgres,sqlite -- sqlite`.
 #[cfg(feature = "sqlite")]
 async fn sqlite_vs_direct_sql() {
     use axum_idempotency::store::SqliteStore;
@@ -552,18 +551,16 @@ async fn duplicate_in_progress(schema: &str) {
 
     // Where the 409's time goes: the claim statement alone (no HTTP), for a record in progress, and
     // one HTTP exchange with a no-op route (no database), on the same client.
-    let busy = ClaimRequest {
-        key: RecordKey {
+    let busy = ClaimRequest::new(
+        RecordKey {
             key: "busy".into(),
             subject: "alice".into(),
             endpoint: "POST /checkout".into(),
         },
-        fingerprint: Fingerprint::of(None, b""),
-        lease: LeaseToken::generate(),
-        generation: axum_idempotency::store::Generation::generate(),
-        in_progress_ttl: Duration::from_secs(90),
-        retention: Duration::from_secs(86_400),
-    };
+        Fingerprint::of(None, b""),
+        Duration::from_secs(90),
+        Duration::from_secs(86_400),
+    );
     store.claim(&busy).await.expect("claim");
     let mut claims = Vec::new();
     for _ in 0..samples {
@@ -697,18 +694,16 @@ fn filler_claim(i: usize) -> ClaimRequest {
     } else {
         "heavy".to_owned()
     };
-    ClaimRequest {
-        key: RecordKey {
+    ClaimRequest::new(
+        RecordKey {
             key: format!("fill-{i}"),
             subject,
             endpoint: "POST /checkout".into(),
         },
-        fingerprint: Fingerprint::of(None, b"{}"),
-        lease: LeaseToken::generate(),
-        generation: axum_idempotency::store::Generation::generate(),
-        in_progress_ttl: Duration::from_secs(90),
-        retention: Duration::from_secs(86_400),
-    }
+        Fingerprint::of(None, b"{}"),
+        Duration::from_secs(90),
+        Duration::from_secs(86_400),
+    )
 }
 
 #[tokio::main]
@@ -719,7 +714,7 @@ async fn main() {
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         std::env::var("LOAD_SCALE").unwrap_or_else(|_| "1".into())
     );
-    // `cargo bench --bench load -- memory growth`: only the named parts (memory, sqlite with the
+    // `cargo bench --bench load --features postgres -- memory growth`: only the named parts (memory, sqlite with the
     // `sqlite` feature, postgres, duplicate, growth); all of them by default.
     let parts = [
         "cpu",

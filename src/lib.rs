@@ -59,7 +59,7 @@
 //!
 //! async fn checkout(
 //!     ctx: IdempotencyContext,
-//!     mut tx: IdempotencyTx,
+//!     mut tx: IdempotencyTx<sqlx::Postgres>,
 //!     Json(order): Json<Value>,
 //! ) -> Result<(StatusCode, Json<Value>), StatusCode> {
 //!     // An outside provider gets ctx.derived_key() as its own idempotency key; a slow call
@@ -113,12 +113,12 @@
 //! | [`once`] | consumers, webhooks, jobs | [`RunOnce`](once::RunOnce): the same guarantee for a function call |
 //! | [`header`] | clients and tests | the header names, as `HeaderName` constants |
 //! | [`layer`] | middleware plumbing | the tower service and its future, the extractors' rejection, the default policy, key parsing |
-//! | [`fingerprint`] | tools | the canonical JSON the fingerprint hashes |
+//! | [`fingerprint`] | tools | the `Fingerprint` of a request, and the canonical JSON it hashes |
 //! | `metrics` (feature) | operators | the metric names |
 //! | `openapi` (feature) | API authors | the layer's contract in an OpenAPI document |
 //! | `conformance` (feature `test-suite`) | store authors | the behaviour suite every store passes |
 //!
-//! Inside, dependencies go one way: `util <- store <- fingerprint <- engine <- {layer, once}`. The
+//! Inside, dependencies go one way: `util <- fingerprint <- store <- engine <- {layer, once}`. The
 //! engine owns the life of a key (claim, lease and heartbeat, maximum hold, complete or release,
 //! duplicates at this instance, the wait, the drain, outcomes) and knows nothing of HTTP; the layer
 //! and `RunOnce` are its two doors.
@@ -127,13 +127,13 @@
 //!
 //! | feature | default | what it adds |
 //! |---|---|---|
-//! | `postgres` | on | `store::PostgresStore` (sqlx 0.9, re-exported as `axum_idempotency::sqlx`) and the handler transaction `IdempotencyTx` |
+//! | `postgres` | off | `store::PostgresStore` (sqlx 0.9, re-exported as `axum_idempotency::sqlx`) and the handler transaction `IdempotencyTx<sqlx::Postgres>` |
 //! | `sqlite` | off | `store::SqliteStore`: records in one SQLite file (compiled in), for one machine without a database server, and `IdempotencyTx<sqlx::Sqlite>` |
 //! | `mysql` | off | `store::MySqlStore` on MySQL 8 or MariaDB 10.6+ (sqlx 0.9), and the handler transaction `IdempotencyTx<sqlx::MySql>` |
 //! | `redis` | off | `store::RedisStore` on one server or a Redis Cluster (redis 1, re-exported as `axum_idempotency::redis`) |
 //! | `encryption` | off | `store::EncryptedStore`: recorded headers and bodies sealed with AES-256-GCM over any store |
 //! | `metrics` | off | outcome counters by route and store latency histograms through the `metrics` facade |
-//! | `openapi` | off | `openapi`: the layer's contract (the `Idempotency-Key` parameter, its problem answers, the replay headers) written into a utoipa 5 `OpenApi` by `IdempotencyLayer::openapi` (utoipa re-exported as `axum_idempotency::utoipa`) |
+//! | `openapi` | off | `openapi`: the layer's contract (the `Idempotency-Key` parameter, its problem answers, the replay headers) written into a utoipa 6 `OpenApi` by `IdempotencyLayer::openapi` (utoipa re-exported as `axum_idempotency::utoipa`) |
 //! | `test-suite` | off | `conformance`, `store_suite!` and `cache_suite!`: the behaviour suite every store passes, for stores of your own (tests only) |
 //!
 //! # Implementing a store
@@ -149,12 +149,14 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
-// Dependencies go one way: util <- store <- fingerprint <- engine <- {layer, once} <- this root.
+// Dependencies go one way: util <- fingerprint <- store <- engine <- {layer, once} <- this root.
+// (The fingerprint sits under the store: the store keeps the `Fingerprint` type, which lives whole
+// in its module, and the module needs nothing but `util`.)
 mod util;
 
-pub mod store;
-
 pub mod fingerprint;
+
+pub mod store;
 
 mod engine;
 
@@ -177,17 +179,26 @@ pub mod metrics;
 pub mod openapi;
 
 pub use engine::{ConfigError, Drain, IdempotencyContext, Outcome, OutcomeCounters};
-#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+pub use fingerprint::Fingerprint;
+#[cfg(sql)]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
+)]
 pub use layer::IdempotencyTx;
 pub use layer::{
     Disposition, ErrorKind, IdempotencyLayer, IdempotencyLayerBuilder, Problem, Subject,
     SubjectExtractor,
 };
-pub use store::{Fingerprint, MemoryStore};
+pub use store::MemoryStore;
 
 /// The sqlx the SQL stores are built on: build your pools with it (or with sqlx of the same
 /// major version).
-#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+#[cfg(sql)]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
+)]
 #[doc(no_inline)]
 pub use sqlx;
 

@@ -1,4 +1,4 @@
-//! The layer's contract in an OpenAPI document (feature `openapi`, on utoipa 5): what a client
+//! The layer's contract in an OpenAPI document (feature `openapi`, on utoipa 6): what a client
 //! must send and may get back on a guarded route is written into the operations the layer
 //! guards, from the layer's own settings, so the document cannot say otherwise than the layer does.
 //!
@@ -160,12 +160,14 @@ impl IdempotencyOpenApi {
     fn operation(&self, operation: &mut Operation) {
         let parameters = operation.parameters.get_or_insert_with(Vec::new);
         let key = self.key_parameter();
-        match parameters.iter_mut().find(|p| {
-            p.parameter_in == ParameterIn::Header && p.name.eq_ignore_ascii_case(&key.name)
-        }) {
+        let written = parameters.iter_mut().find(|p| {
+            matches!(p, RefOr::T(p) if p.parameter_in == ParameterIn::Header
+                && p.name.eq_ignore_ascii_case(&key.name))
+        });
+        match written {
             // The layer's rule wins over what was written by hand: it is what is enforced.
-            Some(existing) => *existing = key,
-            None => parameters.push(key),
+            Some(existing) => *existing = RefOr::T(key),
+            None => parameters.push(RefOr::T(key)),
         }
         for (status, kinds) in self.problems() {
             let answer = self.problem_response(status, &kinds);
@@ -268,7 +270,7 @@ impl IdempotencyOpenApi {
                 .minimum(Some(1))
                 .examples([self.settings.retry_after_secs]);
             let header = HeaderBuilder::new()
-                .schema(seconds)
+                .schema(Some(seconds))
                 .description(Some(
                     "Seconds to wait before sending the same request with the same key again; \
                      sent with every retryable answer.",
@@ -294,7 +296,7 @@ impl IdempotencyOpenApi {
     fn success_headers(&self, response: &mut Response) {
         let string = || ObjectBuilder::new().schema_type(Type::String);
         let replayed = HeaderBuilder::new()
-            .schema(string().enum_values(Some(["true"])))
+            .schema(Some(string().enum_values(Some(["true"]))))
             .description(Some(
                 "`true` when this is the recorded answer of an earlier request with the same key, \
                  sent again; absent on the first answer.",
@@ -306,7 +308,7 @@ impl IdempotencyOpenApi {
             replayed,
         );
         let omitted = HeaderBuilder::new()
-            .schema(string().enum_values(Some(["omitted"])))
+            .schema(Some(string().enum_values(Some(["omitted"]))))
             .description(Some(
                 "`omitted` on a replay whose body was not recorded (too large, or its stream \
                  failed): status and headers are the first answer's, the body is empty.",
@@ -315,7 +317,7 @@ impl IdempotencyOpenApi {
         add_header(response, &title_case(IDEMPOTENCY_REPLAY.as_str()), omitted);
         if self.settings.expiry_header {
             let expires = HeaderBuilder::new()
-                .schema(string().examples(["Sun, 06 Nov 1994 08:49:37 GMT"]))
+                .schema(Some(string().examples(["Sun, 06 Nov 1994 08:49:37 GMT"])))
                 .description(Some(
                     "When the key's record expires (an HTTP date): until then a retry with the key \
                      gets this answer again; from then on the key is new.",
@@ -351,6 +353,10 @@ fn merge(existing: &mut Response, answer: Response) {
             existing.content.insert(media, content);
             continue;
         };
+        // A media type written as a reference to a shared content is left as it is.
+        let (RefOr::T(own), RefOr::T(content)) = (own, content) else {
+            continue;
+        };
         own.schema = match own.schema.take() {
             None => content.schema,
             Some(schema) if refers_to_problem(&schema) => Some(schema),
@@ -382,13 +388,17 @@ fn refers_to_problem(schema: &RefOr<Schema>) -> bool {
 }
 
 /// Adds `header` unless the response has one of that name (header names ignore case).
-fn add_header(response: &mut Response, name: &str, header: utoipa::openapi::header::Header) {
+fn add_header(
+    response: &mut Response,
+    name: &str,
+    header: impl Into<RefOr<utoipa::openapi::header::Header>>,
+) {
     if !response
         .headers
         .keys()
         .any(|existing| existing.eq_ignore_ascii_case(name))
     {
-        response.headers.insert(name.to_owned(), header);
+        response.headers.insert(name.to_owned(), header.into());
     }
 }
 

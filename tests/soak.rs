@@ -48,6 +48,8 @@ struct Report {
     replay_mismatches: u64,
     /// Times the link between one instance and PostgreSQL went silent (partition mode).
     partitions: u64,
+    /// Times another program held the records table's write lock past the TTL (mixed mode).
+    store_locks: u64,
     /// The longest time from a key's first send to the final answer of its last copy.
     longest_settle_ms: u64,
 }
@@ -171,7 +173,9 @@ async fn restart_postgres() {
 /// How instances are stopped during a run.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Chaos {
-    /// SIGKILL or SIGTERM at random, and one PostgreSQL restart.
+    /// SIGKILL or SIGTERM at random, one PostgreSQL restart, and now and then the records table
+    /// locked by another program (`LOCK TABLE ... IN EXCLUSIVE MODE`, as a migration or a
+    /// non-concurrent `CREATE INDEX` takes it) for a second longer than the in-progress TTL.
     Mixed,
     /// SIGTERM only (a rolling deploy), no database restart.
     GracefulOnly,
@@ -179,6 +183,30 @@ enum Chaos {
     /// for 1 to 4 s at random, every 1 to 3 s, whatever is in flight (a claim, a renewal, a
     /// handler's statement, a COMMIT).
     Partition,
+}
+
+/// Holds the write lock of the records table of `schema` for `hold`, as another program would.
+/// Whether it got the lock (not when PostgreSQL was restarting meanwhile).
+async fn lock_the_store(schema: &str, hold: Duration) -> bool {
+    let Ok(admin) = PgPool::connect(&database_url()).await else {
+        return false;
+    };
+    let Ok(mut tx) = admin.begin().await else {
+        return false;
+    };
+    let locked = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "LOCK TABLE {schema}.idempotency_records IN EXCLUSIVE MODE"
+    )))
+    .execute(&mut *tx)
+    .await
+    .is_ok();
+    if locked {
+        tokio::time::sleep(hold).await;
+    }
+    // A restart of PostgreSQL meanwhile ended it already.
+    let _ = tx.rollback().await;
+    admin.close().await;
+    locked
 }
 
 /// Stops `child` with SIGTERM and waits for it to exit (it drains first), at most 30 s.
@@ -309,6 +337,10 @@ async fn soak(secs: u64, transactional: bool, chaos: Chaos) -> Report {
     // and restart it; in the mixed mode, restart PostgreSQL once, a third of the way in.
     let mut rng = Rng::seeded(7);
     let mut restarted_db = false;
+    // The store's locks run beside the stops and restarts (a process may die while the store is
+    // locked), not in their place: each holds the table past the TTL.
+    let locked = Arc::new(AtomicU64::new(0));
+    let mut locks = tokio::task::JoinSet::new();
     while Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(1000 + rng.below(2000))).await;
         if Instant::now() >= deadline {
@@ -330,6 +362,20 @@ async fn soak(secs: u64, transactional: bool, chaos: Chaos) -> Report {
             report.db_restarts += 1;
             continue;
         }
+        // The store locked past the TTL: every renewal, claim and completion waits on it, live
+        // holders included; none may be retaken for it.
+        if chaos == Chaos::Mixed
+            && (rng.below(4) == 0
+                || (locks.is_empty() && Instant::now() >= start + Duration::from_secs(secs / 2)))
+        {
+            let (schema, locked) = (schema.clone(), locked.clone());
+            locks.spawn(async move {
+                if lock_the_store(&schema, Duration::from_secs(TTL_SECS + 1)).await {
+                    locked.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            continue;
+        }
         let victim = rng.below(INSTANCES as u64) as usize;
         if chaos == Chaos::GracefulOnly || rng.below(2) == 0 {
             stop_gracefully(&mut children[victim]).await;
@@ -346,6 +392,10 @@ async fn soak(secs: u64, transactional: bool, chaos: Chaos) -> Report {
     while let Some(done) = clients.join_next().await {
         done.expect("client");
     }
+    while let Some(done) = locks.join_next().await {
+        done.expect("the store's lock");
+    }
+    report.store_locks = locked.load(Ordering::Relaxed);
     for mut child in children {
         let _ = child.kill().await;
     }
@@ -407,7 +457,7 @@ fn print(mode: &str, secs: u64, r: &Report) {
     println!(
         "soak {mode} ({secs} s, {INSTANCES} instances, TTL {TTL_SECS} s): requests {}, keys {}, \
          duplicates {}, 409 {}, 503 {}, connection errors {}, kills {}, graceful stops {}, \
-         database restarts {}, partitions {}, \
+         database restarts {}, partitions {}, store locks {}, \
          keys with 2xx {}, unfinished {}, double charges {}, lost charges {}, provider double \
          payments {}, replay mismatches {}, longest settle {} ms",
         r.requests,
@@ -420,6 +470,7 @@ fn print(mode: &str, secs: u64, r: &Report) {
         r.graceful_stops,
         r.db_restarts,
         r.partitions,
+        r.store_locks,
         r.keys_with_2xx,
         r.unfinished_keys,
         r.double_charges,
@@ -442,6 +493,7 @@ async fn soak_under_kills_and_a_database_restart() {
     print("transactional", secs, &tx);
     assert!(tx.kills + tx.graceful_stops >= 3, "{tx:?}");
     assert_eq!(tx.db_restarts, 1, "{tx:?}");
+    assert!(tx.store_locks >= 1, "{tx:?}");
     assert!(tx.keys_with_2xx >= 20, "enough traffic got through: {tx:?}");
     assert_eq!(tx.double_charges, 0, "{tx:?}");
     assert_eq!(tx.lost_charges, 0, "{tx:?}");

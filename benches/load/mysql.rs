@@ -14,8 +14,7 @@ use axum::response::Response;
 use axum::routing::post;
 use axum_idempotency::Fingerprint;
 use axum_idempotency::store::{
-    ClaimOutcome, ClaimRequest, Finished, Generation, IdempotencyStore, LeaseToken, MySqlStore,
-    RecordKey, StoredResponse,
+    ClaimOutcome, ClaimRequest, Finished, IdempotencyStore, MySqlStore, RecordKey, StoredResponse,
 };
 use http_body_util::BodyExt;
 use sqlx::mysql::MySqlPoolOptions;
@@ -30,18 +29,16 @@ fn direct(store: MySqlStore) -> Router {
         let (parts, body) = request.into_parts();
         let header = |name: &str| parts.headers[name].to_str().unwrap_or_default().to_owned();
         let body = body.collect().await.expect("body").to_bytes();
-        let claim = ClaimRequest {
-            key: RecordKey {
+        let claim = ClaimRequest::new(
+            RecordKey {
                 key: header("idempotency-key"),
                 subject: header("authorization"),
                 endpoint: "POST /checkout".into(),
             },
-            fingerprint: Fingerprint::of(None, &body),
-            lease: LeaseToken::generate(),
-            generation: Generation::generate(),
-            in_progress_ttl: Duration::from_secs(90),
-            retention: Duration::from_secs(86_400),
-        };
+            Fingerprint::of(None, &body),
+            Duration::from_secs(90),
+            Duration::from_secs(86_400),
+        );
         match store.claim(&claim).await.expect("claim") {
             ClaimOutcome::Claimed { lease, .. } => {
                 let response = StoredResponse::new(

@@ -2,8 +2,8 @@
 //! the way back, after the server has charged, and the charge still happens once.
 //!
 //! ```text
-//! cargo run --example checkout                                      # the server, in one terminal
-//! cargo run -p axum-idempotency-client --example checkout_client    # this, in another
+//! cargo run --example checkout --features postgres                 # the server, in one terminal
+//! cargo run -p axum-idempotency-client --example checkout_client  # this, in another
 //! ```
 //!
 //! Environment: `CHECKOUT_URL` (default `http://127.0.0.1:3000`), `LOST_ANSWERS` (how many answers

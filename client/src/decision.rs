@@ -56,6 +56,10 @@ pub(crate) fn is_problem(headers: &HeaderMap) -> bool {
 
 /// Whether an answer is retried with the same key.
 ///
+/// - A replay (`replayed`: the server's replay header says so): never, whatever it says of itself.
+///   It is the recorded answer of the key's run, and the same key gets it again however often it
+///   is sent (a recorded problem that said `retryable: true` when it was first answered is final
+///   for this key now).
 /// - `2xx` and `3xx`: never.
 /// - A problem body: `idempotency_key_reuse` never (the key belongs to another request; a new key
 ///   would be a new operation), `in_progress` always (the first request is still running: poll
@@ -65,9 +69,10 @@ pub(crate) fn is_problem(headers: &HeaderMap) -> bool {
 pub(crate) fn retry_answer(
     status: StatusCode,
     problem: Option<&Problem>,
+    replayed: bool,
     policy: &RetryPolicy,
 ) -> bool {
-    if !(status.is_client_error() || status.is_server_error()) {
+    if replayed || !(status.is_client_error() || status.is_server_error()) {
         return false;
     }
     if let Some(problem) = problem {
@@ -140,7 +145,7 @@ mod tests {
     fn retried(status: u16, body: Option<&str>) -> bool {
         let status = StatusCode::from_u16(status).unwrap();
         let problem = body.map(problem);
-        retry_answer(status, problem.as_ref(), &RetryPolicy::new())
+        retry_answer(status, problem.as_ref(), false, &RetryPolicy::new())
     }
 
     #[test]
@@ -221,15 +226,47 @@ mod tests {
         }
         // The list is configurable.
         let policy = RetryPolicy::new().retry_status(StatusCode::BAD_GATEWAY);
-        assert!(retry_answer(StatusCode::BAD_GATEWAY, None, &policy));
+        assert!(retry_answer(StatusCode::BAD_GATEWAY, None, false, &policy));
         let none = RetryPolicy::new().retryable_statuses([]);
-        assert!(!retry_answer(StatusCode::SERVICE_UNAVAILABLE, None, &none));
+        assert!(!retry_answer(
+            StatusCode::SERVICE_UNAVAILABLE,
+            None,
+            false,
+            &none
+        ));
         // Even then, the protocol's retryable problems are retried.
         let in_progress = problem(r#"{"error":"in_progress","retryable":true}"#);
         assert!(retry_answer(
             StatusCode::CONFLICT,
             Some(&in_progress),
+            false,
             &none
+        ));
+    }
+
+    /// A replay is the key's recorded answer: sending the key again gets it again, so it is never
+    /// retried, even a recorded problem that said it was retryable when first answered.
+    #[test]
+    fn a_replay_is_final_whatever_its_body_says() {
+        let retryable = problem(r#"{"error":"upstream_unavailable","retryable":true}"#);
+        let policy = RetryPolicy::new();
+        assert!(retry_answer(
+            StatusCode::SERVICE_UNAVAILABLE,
+            Some(&retryable),
+            false,
+            &policy
+        ));
+        assert!(!retry_answer(
+            StatusCode::SERVICE_UNAVAILABLE,
+            Some(&retryable),
+            true,
+            &policy
+        ));
+        assert!(!retry_answer(
+            StatusCode::SERVICE_UNAVAILABLE,
+            None,
+            true,
+            &policy
         ));
     }
 

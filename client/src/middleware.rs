@@ -181,7 +181,12 @@ async fn run(
         };
         let (retryable, hint) = match &outcome {
             Ok(Answer { response, problem }) => (
-                retry_answer(response.status(), problem.as_ref(), policy),
+                retry_answer(
+                    response.status(),
+                    problem.as_ref(),
+                    replayed(response.headers(), policy),
+                    policy,
+                ),
                 server_wait(response.headers(), problem.as_ref(), SystemTime::now()),
             ),
             Err(e) => (retry_error(e), None),
@@ -222,6 +227,14 @@ async fn run(
     Err(IdempotencyError::new(ErrorKind::Failed, Some(key), attempts).into())
 }
 
+/// Whether the server's replay header marks the answer as a replay.
+fn replayed(headers: &http::HeaderMap, policy: &RetryPolicy) -> bool {
+    headers
+        .get(&policy.replayed_header)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"))
+}
+
 /// The final answer, with what the caller needs to know in its extensions.
 fn finish(
     mut response: Response,
@@ -232,10 +245,7 @@ fn finish(
     policy: &RetryPolicy,
 ) -> Response {
     let headers = response.headers();
-    let replayed = headers
-        .get(&policy.replayed_header)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
+    let replayed = replayed(headers, policy);
     let body_omitted = headers
         .get(&IDEMPOTENCY_REPLAY)
         .and_then(|v| v.to_str().ok())

@@ -149,6 +149,21 @@ async fn auth(mut request: Request, next: Next) -> Response {
     next.run(request).await
 }
 
+/// The claim of `POST /pay` by `alice` with `key` and `body` (TTL 60 s, retention 1 h), a new
+/// request's: the claim the stores' own tests make when they call a store directly.
+pub fn claim_request(key: &str, body: &[u8]) -> crate::store::ClaimRequest {
+    crate::store::ClaimRequest::new(
+        RecordKey {
+            key: key.to_owned(),
+            subject: "alice".to_owned(),
+            endpoint: "POST /pay".to_owned(),
+        },
+        crate::Fingerprint::of(None, body),
+        Duration::from_secs(60),
+        Duration::from_secs(3600),
+    )
+}
+
 /// The operation timeout of the stores the behaviour suite runs on: short, so that the suite's
 /// short in-progress TTLs stay above twice it, as `build()` requires.
 pub const SUITE_STORE_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(500);
@@ -374,12 +389,31 @@ impl<S: IdempotencyStore> IdempotencyStore for Counting<S> {
         &self,
         subject: &str,
         up_to: u64,
-    ) -> Result<Option<u64>, crate::store::StoreError> {
+    ) -> Result<Option<crate::store::SubjectUsage>, crate::store::StoreError> {
         self.store.count_records(subject, up_to).await
+    }
+
+    fn counts_records(&self) -> bool {
+        self.store.counts_records()
     }
 
     fn operation_timeout(&self) -> Option<std::time::Duration> {
         self.store.operation_timeout()
+    }
+
+    async fn keeper_session(&self) -> Result<Self, crate::store::StoreError> {
+        Ok(Counting {
+            store: self.store.keeper_session().await?,
+            claims: self.claims.clone(),
+        })
+    }
+
+    async fn show_presences(
+        &self,
+        live: &[crate::store::Presence],
+        lapse: Duration,
+    ) -> Result<(), crate::store::StoreError> {
+        self.store.show_presences(live, lapse).await
     }
 }
 

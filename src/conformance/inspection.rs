@@ -10,8 +10,8 @@ use bytes::Bytes;
 use tokio::task::JoinSet;
 
 use crate::store::{
-    ClaimOutcome, ClaimRequest, Fenced, Fingerprint, Finished, Generation, IdempotencyStore,
-    LeaseToken, RecordKey, StoredResponse,
+    ClaimOutcome, ClaimRequest, Fenced, Fingerprint, Finished, IdempotencyStore, LeaseToken,
+    RecordKey, StoredResponse,
 };
 use crate::store::{Deleted, ListRequest, RecordState};
 
@@ -24,14 +24,12 @@ fn key(key: &str, subject: &str, endpoint: &str) -> RecordKey {
 }
 
 fn claim(key: RecordKey, ttl: Duration, retention: Duration) -> ClaimRequest {
-    ClaimRequest {
+    ClaimRequest::new(
         key,
-        fingerprint: Fingerprint::of(None, b"{\"amount\":1}"),
-        lease: LeaseToken::generate(),
-        generation: Generation::generate(),
-        in_progress_ttl: ttl,
+        Fingerprint::of(None, b"{\"amount\":1}"),
+        ttl,
         retention,
-    }
+    )
 }
 
 fn answer(outcome: Finished, status: u16) -> Arc<StoredResponse> {

@@ -48,5 +48,14 @@
 pub mod app;
 pub mod cache;
 mod inspection;
+pub mod locked;
 pub mod suite;
+pub mod tenants;
 mod waiting;
+
+/// Ends the lease keepers' runtime (the thread every keeper of the process renews on) as if it
+/// had failed: its thread starts another and restarts on it every keeper that has leases, with no
+/// new claim needed. For tests that the keeper restarts by itself; `false` when it was not running.
+pub fn fail_the_keepers_runtime() -> bool {
+    crate::engine::stop_keepers_runtime()
+}

@@ -102,14 +102,21 @@ macro_rules! store_suite {
 }
 
 /// A store counts a subject's live records (for its share of the store): its own and no other
-/// subject's, up to the bound it is asked for, with the records of every endpoint. A store that
-/// keeps no subjects answers `None`, and is not checked further.
+/// subject's, up to the bound it is asked for, with the records of every endpoint; and the bytes of
+/// the answers they keep (at least their bodies; an answer sent again after it was recorded may be
+/// counted again, an estimate from above). A store that keeps no subjects answers `None`, and is not checked
+/// further.
 pub async fn count_records_counts_a_subjects_records<S: IdempotencyStore>(store: S) {
     let claim = |key: &str, subject: &str, endpoint: &str| {
         let mut request = claim_request(key, Duration::from_secs(60));
         request.key.subject = subject.into();
         request.key.endpoint = endpoint.into();
         request
+    };
+    let big = |n: usize| {
+        let mut response = (*stored("")).clone();
+        response.body = Bytes::from(vec![b'x'; n]);
+        Arc::new(response)
     };
     for i in 0..5 {
         let endpoint = if i % 2 == 0 {
@@ -118,10 +125,27 @@ pub async fn count_records_counts_a_subjects_records<S: IdempotencyStore>(store:
             "POST /refund"
         };
         let request = claim(&format!("c{i}"), "counted", endpoint);
-        assert!(matches!(
-            store.claim(&request).await.expect("claim"),
-            ClaimOutcome::Claimed { .. }
-        ));
+        let ClaimOutcome::Claimed { lease, .. } = store.claim(&request).await.expect("claim")
+        else {
+            panic!("claimed");
+        };
+        // Two of them answered, 1000 and 3000 bytes; the second sent twice.
+        if i < 2 {
+            let body = big(1000 + 2000 * i);
+            for _ in 0..=i {
+                let done = store
+                    .complete(
+                        &request.key,
+                        lease,
+                        &request.fingerprint,
+                        body.clone(),
+                        request.retention,
+                    )
+                    .await
+                    .expect("complete");
+                assert_eq!(done, Fenced::Done);
+            }
+        }
     }
     for i in 0..2 {
         let request = claim(&format!("o{i}"), "other", "POST /pay");
@@ -135,17 +159,28 @@ pub async fn count_records_counts_a_subjects_records<S: IdempotencyStore>(store:
     };
     // An estimate from above is allowed (an index that still names records that are gone), but
     // never below the live records.
-    assert!((5..=10).contains(&counted), "{counted}");
-    let other = store.count_records("other", 100).await.expect("count");
-    assert!(matches!(other, Some(2..=4)), "{other:?}");
-    assert_eq!(
-        store.count_records("counted", 3).await.expect("count"),
-        Some(3),
-        "no further than asked"
+    assert!((5..=10).contains(&counted.records), "{counted:?}");
+    // The bodies, once each; a store may count the rest of each record too (a few hundred bytes).
+    assert!(
+        (4000..4000 + 5 * 1024).contains(&counted.bytes),
+        "{counted:?}"
     );
+    let other = store
+        .count_records("other", 100)
+        .await
+        .expect("count")
+        .expect("counted");
+    assert!((2..=4).contains(&other.records), "{other:?}");
+    assert!(other.bytes < 2 * 1024, "no answer recorded: {other:?}");
+    let bounded = store
+        .count_records("counted", 3)
+        .await
+        .expect("count")
+        .expect("counted");
+    assert_eq!(bounded.records, 3, "no further than asked");
     assert_eq!(
         store.count_records("nobody", 100).await.expect("count"),
-        Some(0)
+        Some(crate::store::SubjectUsage::default())
     );
 }
 
@@ -167,14 +202,12 @@ fn record_key(key: &str) -> RecordKey {
 }
 
 fn claim_request(key: &str, ttl: Duration) -> ClaimRequest {
-    ClaimRequest {
-        key: record_key(key),
-        fingerprint: Fingerprint::of(None, b"{}"),
-        lease: LeaseToken::generate(),
-        generation: crate::store::Generation::generate(),
-        in_progress_ttl: ttl,
-        retention: Duration::from_secs(60),
-    }
+    ClaimRequest::new(
+        record_key(key),
+        Fingerprint::of(None, b"{}"),
+        ttl,
+        Duration::from_secs(60),
+    )
 }
 
 fn stored(body: &'static str) -> Arc<StoredResponse> {
@@ -557,11 +590,7 @@ pub async fn purge_removes_expired_records<S: IdempotencyStore>(store: S, purged
     tokio::time::sleep(Duration::from_millis(250)).await;
     assert_eq!(store.purge_expired().await.expect("purge"), purged);
     assert_eq!(store.purge_expired().await.expect("purge"), 0);
-    let another = ClaimRequest {
-        lease: LeaseToken::generate(),
-        generation: crate::store::Generation::generate(),
-        ..keep.clone()
-    };
+    let another = keep.from_another_request();
     assert_eq!(
         store.claim(&another).await.expect("claim"),
         ClaimOutcome::InProgress
@@ -1124,12 +1153,32 @@ impl<S: IdempotencyStore> IdempotencyStore for Faulty<S> {
         &self,
         subject: &str,
         up_to: u64,
-    ) -> Result<Option<u64>, crate::store::StoreError> {
+    ) -> Result<Option<crate::store::SubjectUsage>, crate::store::StoreError> {
         self.store.count_records(subject, up_to).await
+    }
+
+    fn counts_records(&self) -> bool {
+        self.store.counts_records()
     }
 
     fn operation_timeout(&self) -> Option<Duration> {
         self.store.operation_timeout()
+    }
+
+    async fn keeper_session(&self) -> Result<Self, crate::store::StoreError> {
+        Ok(Faulty {
+            store: self.store.keeper_session().await?,
+            fault: self.fault,
+            lost: self.lost.clone(),
+        })
+    }
+
+    async fn show_presences(
+        &self,
+        live: &[crate::store::Presence],
+        lapse: Duration,
+    ) -> Result<(), crate::store::StoreError> {
+        self.store.show_presences(live, lapse).await
     }
 }
 
@@ -1288,11 +1337,7 @@ pub async fn a_claim_sent_twice_by_its_lease_is_still_claimed<S: IdempotencyStor
             generation: Some(request.generation),
         }
     );
-    let other = ClaimRequest {
-        lease: LeaseToken::generate(),
-        generation: crate::store::Generation::generate(),
-        ..request.clone()
-    };
+    let other = request.from_another_request();
     assert_eq!(
         store.claim(&other).await.expect("claim"),
         ClaimOutcome::InProgress
@@ -1316,8 +1361,8 @@ pub async fn a_claim_sent_twice_by_its_lease_is_still_claimed<S: IdempotencyStor
     ));
 }
 
-/// A handler that blocks its thread (a synchronous SDK, a CPU loop) for three TTLs: the heartbeat
-/// runs on a task of its own, so a duplicate on another connection gets 409 all along, and the
+/// A handler that blocks its thread (a synchronous SDK, a CPU loop) for three TTLs from its first
+/// poll: the heartbeat runs on a thread of its own, so a duplicate gets 409 all along, and the
 /// handler runs once.
 pub async fn handler_blocking_its_thread_is_not_retaken<S: IdempotencyStore>(store: S) {
     let ttl = short_ttl(&store, Duration::from_millis(300));
@@ -1431,12 +1476,31 @@ impl<S: IdempotencyStore> IdempotencyStore for LateClaims<S> {
         &self,
         subject: &str,
         up_to: u64,
-    ) -> Result<Option<u64>, crate::store::StoreError> {
+    ) -> Result<Option<crate::store::SubjectUsage>, crate::store::StoreError> {
         self.inner.count_records(subject, up_to).await
+    }
+
+    fn counts_records(&self) -> bool {
+        self.inner.counts_records()
     }
 
     fn operation_timeout(&self) -> Option<Duration> {
         self.inner.operation_timeout()
+    }
+
+    async fn keeper_session(&self) -> Result<Self, crate::store::StoreError> {
+        Ok(LateClaims {
+            inner: self.inner.keeper_session().await?,
+            delay: self.delay,
+        })
+    }
+
+    async fn show_presences(
+        &self,
+        live: &[crate::store::Presence],
+        lapse: Duration,
+    ) -> Result<(), crate::store::StoreError> {
+        self.inner.show_presences(live, lapse).await
     }
 }
 

@@ -8,18 +8,16 @@ use tokio::time::Instant;
 
 use super::app::{app, post, send};
 use crate::IdempotencyLayer;
-use crate::store::{
-    ClaimOutcome, ClaimRequest, Fingerprint, Generation, IdempotencyStore, LeaseToken, RecordKey,
-};
+use crate::store::{ClaimOutcome, ClaimRequest, Fingerprint, IdempotencyStore, RecordKey};
 
 /// Many duplicates of a slow request wait on one key: the handler runs once, and each duplicate
 /// gets the replay (or `409` when it would have waited past the bound); none waits much past the
-/// bound, and more waiters than `max_waiters` get `409` at once.
+/// bound, and more waiters than `max_waiters_per_key` get `409` at once.
 pub async fn waiters_get_the_replay_and_never_wait_past_the_bound<S: IdempotencyStore>(store: S) {
     let wait = Duration::from_millis(1500);
     let layer = IdempotencyLayer::builder(store)
         .wait(wait)
-        .max_waiters(8)
+        .max_waiters_per_key(8)
         .build()
         .expect("layer");
     let (router, counters) = app(layer);
@@ -67,7 +65,7 @@ pub async fn waiters_get_the_replay_and_never_wait_past_the_bound<S: Idempotency
     assert!(replays >= 8, "the waiters got the replay ({replays} of 12)");
     assert!(
         conflicts >= 4,
-        "past max_waiters, 409 at once ({conflicts} of 12)"
+        "past max_waiters_per_key, 409 at once ({conflicts} of 12)"
     );
 }
 
@@ -79,18 +77,16 @@ pub async fn waiters_on_a_dead_holder_get_409_and_a_later_retake_runs_once<S: Id
     let ttl = super::app::short_ttl(&store, Duration::from_millis(1500));
     let wait = Duration::from_millis(400);
     // The holder: a claim made in the store and never renewed, as by a process that died.
-    let dead = ClaimRequest {
-        key: RecordKey {
+    let dead = ClaimRequest::new(
+        RecordKey {
             key: "dead-holder".into(),
             subject: "alice".into(),
             endpoint: "POST /pay".into(),
         },
-        fingerprint: Fingerprint::of(None, b"{}"),
-        lease: LeaseToken::generate(),
-        generation: Generation::generate(),
-        in_progress_ttl: ttl,
-        retention: Duration::from_secs(60),
-    };
+        Fingerprint::of(None, b"{}"),
+        ttl,
+        Duration::from_secs(60),
+    );
     assert!(matches!(
         store.claim(&dead).await.expect("claim"),
         ClaimOutcome::Claimed { .. }

@@ -17,12 +17,15 @@ use crate::store::{Fenced, IdempotencyStore, LeaseToken, RecordKey, StoreError};
 const MAX_ABANDONED: usize = 1024;
 
 impl<St: IdempotencyStore> Engine<St> {
-    /// Releases `token`'s record in the background until the release takes it, or the TTL has
-    /// passed (the record is retakeable then).
+    /// Releases `token`'s record in the background until the release takes it, or the maximum
+    /// hold and a TTL have passed. (By then its presence, which other leases of this process keep
+    /// shown for at most their maximum hold, is let go of, and the record is retakeable after its
+    /// TTL.)
     ///
     /// At most [`MAX_ABANDONED`] such clean-ups run at once in a process: during a long outage
-    /// every request fails its claim, and beyond that many the records are left to their TTL
-    /// rather than piling up tasks that all call the store when it comes back. A clean-up task
+    /// every request fails its claim, and beyond that many the records are left to their
+    /// presence's end and their TTL rather than piling up tasks that all call the store when it
+    /// comes back. A clean-up task
     /// that is dropped (the runtime shut down) gives its place back.
     pub(crate) fn abandon(&self, key: RecordKey, token: LeaseToken) {
         self.abandon_after(key, token, u32::MAX);
@@ -59,7 +62,10 @@ impl<St: IdempotencyStore> Engine<St> {
     }
 
     /// Tries to release `token`'s record until it is released, `absent_answers` answers said
-    /// nothing was held by it, or the TTL has passed (at least one attempt is made).
+    /// nothing was held by it, or, while the store answers, a TTL has passed; once the store has
+    /// failed an attempt, the maximum hold and a TTL (at least one attempt is made): a record this
+    /// process lets go of unsettled stays in progress while its presence is shown, which other
+    /// leases of the presence may keep up to their maximum hold.
     pub(crate) async fn keep_releasing(
         &self,
         key: RecordKey,
@@ -67,8 +73,11 @@ impl<St: IdempotencyStore> Engine<St> {
         absent_answers: u32,
     ) {
         let ttl = self.settings().in_progress_ttl;
-        let deadline = Instant::now() + ttl;
-        let mut pause = (ttl / 10).min(Duration::from_millis(100));
+        let start = Instant::now();
+        // While the store answers that nothing is held by the token, a TTL (the claim may land
+        // late); once it fails, the maximum hold and a TTL.
+        let mut deadline = start + ttl;
+        let mut pause = super::timing::abandon_pause(ttl);
         let mut absent = 0;
         loop {
             tokio::time::sleep(pause).await;
@@ -87,7 +96,10 @@ impl<St: IdempotencyStore> Engine<St> {
                         return;
                     }
                 }
-                Err(e) => tracing::debug!(error = %e, "release not done yet"),
+                Err(e) => {
+                    tracing::debug!(error = %e, "release not done yet");
+                    deadline = deadline.max(start + self.settings().max_hold() + ttl);
+                }
             }
         }
     }

@@ -15,10 +15,11 @@ use super::lease::Lease;
 use super::outcome::Outcome;
 use super::settings::Settings;
 use super::shares::Records;
+use super::timing::fresh_within;
 use super::wait::Stage;
 use crate::store::{
-    ClaimOutcome, ClaimRequest, FRESH_FRACTION, Fenced, Fingerprint, IdempotencyStore, RecordKey,
-    StoreError, StoredResponse, claim_ids,
+    ClaimOutcome, ClaimRequest, Fenced, Fingerprint, Generation, IdempotencyStore, RecordKey,
+    StoreError, StoredResponse, SubjectUsage,
 };
 use crate::util::metrics::{Label, timed};
 
@@ -37,6 +38,16 @@ pub(crate) enum Claim<St: IdempotencyStore> {
     Unguarded,
     /// The store failed (or answered the claim too late to be trusted): nothing runs.
     Unavailable(Unavailable),
+}
+
+/// What a subject's share of the store's records says of a claim.
+enum ShareOfRecords {
+    /// Claim it (a new key: pending until the store answers).
+    Within(Option<super::shares::NewKey>),
+    /// Refused: the subject holds its share.
+    Over,
+    /// Refused a moment: the subject's records could not be counted.
+    Unknown,
 }
 
 /// Why a claim could not be made.
@@ -72,7 +83,8 @@ impl<St: IdempotencyStore> Engine<St> {
         waiting: Option<&Stage>,
     ) -> Claim<St> {
         let settings = self.settings();
-        let (lease, generation) = claim_ids();
+        // The lease's token carries the keeper's presence (see `keeper`).
+        let (lease, generation) = (self.keeper.token(self), Generation::generate());
         let request = ClaimRequest {
             key,
             fingerprint,
@@ -81,17 +93,36 @@ impl<St: IdempotencyStore> Engine<St> {
             in_progress_ttl: settings.in_progress_ttl,
             retention: settings.retention,
         };
-        if let Some(max) = settings.max_records_per_subject
-            && self.over_its_share(&request.key, max).await
-        {
-            self.report(&label, Outcome::QuotaExceeded);
-            tracing::info!("the subject holds its share of the store's records; a new key refused");
-            return Claim::Unavailable(Unavailable::Store(StoreError::quota_exceeded(
-                "the subject holds its share of the store's records",
-            )));
+        // A new key let through the subject's share stays pending until the store answers.
+        let mut _new_key = None;
+        if let Some(max) = settings.max_records_per_subject {
+            let max_bytes = settings.max_bytes_per_subject;
+            match self.share_of_records(&request.key, max, max_bytes).await {
+                ShareOfRecords::Within(key) => _new_key = key,
+                ShareOfRecords::Over => {
+                    self.report(&label, Outcome::QuotaExceeded);
+                    tracing::info!(
+                        "the subject holds its share of the store's records; a new key refused"
+                    );
+                    return Claim::Unavailable(Unavailable::Store(StoreError::quota_exceeded(
+                        "the subject holds its share of the store's records",
+                    )));
+                }
+                ShareOfRecords::Unknown => {
+                    self.report(&label, Outcome::StoreUnavailable);
+                    tracing::warn!(
+                        "the subject's records could not be counted; its new keys are refused a \
+                         moment"
+                    );
+                    return Claim::Unavailable(Unavailable::Store(StoreError::refused_claim(
+                        "the subject's records could not be counted",
+                    )));
+                }
+            }
         }
         let sent = Instant::now();
         let outcome = self.store_claim(&request).await;
+        drop(_new_key);
         match outcome {
             Ok(ClaimOutcome::Claimed { lease, generation }) => {
                 // One rule for every store: a record an earlier run held keeps its generation.
@@ -189,35 +220,70 @@ impl<St: IdempotencyStore> Engine<St> {
         }
     }
 
-    /// Whether a claim of `key` is refused because its subject holds its share (`max`) of the
-    /// store's records: counted now and then ([`Shares::records`]); while over, only a key whose
-    /// record exists is claimed (its replay, `409` or retake). A count or a look-up that fails
-    /// refuses nothing: the claim goes on and says what the store says.
-    async fn over_its_share(&self, key: &RecordKey, max: u64) -> bool {
+    /// What the subject's share (`max`) of the store's records says of a claim of `key` (see
+    /// [`Shares::records`]): one claim of the subject counts at a time, the others wait for it;
+    /// while the subject is over its share, only a key whose record exists is claimed (its replay,
+    /// `409` or retake); a count that failed refuses the subject's new keys a moment. A look-up
+    /// that fails (or is not answered in time) refuses the claim as a new key would be, and so
+    /// does a count that failed, unless the settings fail open.
+    async fn share_of_records(
+        &self,
+        key: &RecordKey,
+        max: u64,
+        max_bytes: Option<u64>,
+    ) -> ShareOfRecords {
         let shares = &self.state.shares;
         let id = shares.id(&key.subject);
-        let over = match shares.records(id) {
-            Records::Within => false,
-            Records::Over => true,
-            Records::Count => {
-                let count = timed("count", self.store().count_records(&key.subject, max));
-                match tokio::time::timeout(self.renewal_bound(), count).await {
-                    Ok(Ok(Some(count))) => shares.counted(id, count, max),
-                    // The store keeps no subjects: it is asked again a quarter of the share later.
-                    Ok(Ok(None)) => shares.counted(id, 0, max),
-                    Ok(Err(e)) => {
-                        tracing::debug!(error = %e, "a subject's records could not be counted");
-                        false
+        // Waits and counts are each bounded, and so are the turns: a claim that finds no room in
+        // eight (its subject's other claims take the budgets as they come, or its counts keep
+        // being cut short by cancellations) is refused as over its share (`429`, retry later).
+        for _ in 0..8 {
+            match shares.records(id, max, max_bytes) {
+                Records::Within(new_key) => return ShareOfRecords::Within(Some(new_key)),
+                Records::Over => return self.over(key, ShareOfRecords::Over).await,
+                Records::Unknown => return self.over(key, ShareOfRecords::Unknown).await,
+                Records::Wait(mut counting) => {
+                    let _ = tokio::time::timeout(self.renewal_bound(), counting.changed()).await;
+                }
+                Records::Later(wait) => tokio::time::sleep(wait).await,
+                Records::Count(ticket) => {
+                    let count = timed("count", self.store().count_records(&key.subject, max));
+                    let count = match tokio::time::timeout(self.renewal_bound(), count).await {
+                        Ok(Ok(Some(usage))) => Ok(usage),
+                        // A store that keeps no subjects counts nothing (`build()` refuses the
+                        // share on one that says so; this is one that found out later).
+                        Ok(Ok(None)) => Ok(SubjectUsage::default()),
+                        Ok(Err(e)) => {
+                            tracing::debug!(error = %e, "a subject's records could not be counted");
+                            Err(())
+                        }
+                        Err(_) => Err(()),
+                    };
+                    if ticket.counted(count) {
+                        return self.over(key, ShareOfRecords::Over).await;
                     }
-                    Err(_) => false,
                 }
             }
-        };
-        if !over {
-            return false;
+        }
+        self.over(key, ShareOfRecords::Over).await
+    }
+
+    /// A claim of `key` while its subject is over its share (or could not be counted): claimed
+    /// when its record exists (a replay, a `409`, a retake), `refused` when it is a new key or
+    /// the store could not say which (unless the settings fail open: then the claim goes on, and
+    /// fails open as any claim would if the store fails it too).
+    async fn over(&self, key: &RecordKey, refused: ShareOfRecords) -> ShareOfRecords {
+        // A count that failed is a failure of the store: with fail_open, the claim goes on (and
+        // fails open should the store fail it too).
+        if matches!(refused, ShareOfRecords::Unknown) && self.settings().fail_open {
+            return ShareOfRecords::Within(None);
         }
         let lookup = tokio::time::timeout(self.renewal_bound(), self.store_lookup(key));
-        matches!(lookup.await, Ok(Ok(None)))
+        match lookup.await {
+            Ok(Ok(Some(_))) => ShareOfRecords::Within(None),
+            Ok(Err(_)) | Err(_) if self.settings().fail_open => ShareOfRecords::Within(None),
+            _ => refused,
+        }
     }
 
     /// Whether the claim sent at `sent` can be trusted as held now: at once when its answer came
@@ -227,7 +293,7 @@ impl<St: IdempotencyStore> Engine<St> {
     /// give it up.
     pub(crate) async fn fresh(&self, claim: &ClaimRequest, sent: Instant) -> Option<Instant> {
         let ttl = self.settings().in_progress_ttl;
-        if sent.elapsed() <= ttl / FRESH_FRACTION {
+        if sent.elapsed() <= fresh_within(ttl) {
             return Some(sent);
         }
         let renewing = Instant::now();
@@ -240,7 +306,7 @@ impl<St: IdempotencyStore> Engine<St> {
             });
         match tokio::time::timeout(self.renewal_bound(), renewal).await {
             // A renewal answered late is no better than the claim: give up rather than trust it.
-            Ok(Ok(Fenced::Done)) if renewing.elapsed() <= ttl / FRESH_FRACTION => Some(renewing),
+            Ok(Ok(Fenced::Done)) if renewing.elapsed() <= fresh_within(ttl) => Some(renewing),
             Ok(Ok(Fenced::Done)) => {
                 tracing::warn!("a late claim answer was confirmed too late to be trusted");
                 None

@@ -12,8 +12,8 @@ use super::settings::{ConfigError, Settings};
 use super::shares::{InFlight, Shares};
 use super::waiters::Waiters;
 use crate::store::{
-    ClaimOutcome, ClaimRequest, Fenced, Fingerprint, IdempotencyStore, LeaseToken, RecordInfo,
-    RecordKey, StoreError, StoredResponse,
+    ClaimOutcome, ClaimRequest, Fenced, Fingerprint, IdempotencyStore, LeaseToken, Presence,
+    RecordInfo, RecordKey, StoreError, StoredResponse,
 };
 use crate::util::metrics::timed;
 
@@ -65,7 +65,7 @@ impl<St: IdempotencyStore> Engine<St> {
     /// An engine over `store`, once `settings` are valid (against the store's operation timeout
     /// too). Its background work is counted in `drain`.
     pub(crate) fn new(store: St, settings: Settings, drain: Drain) -> Result<Self, ConfigError> {
-        settings.validate(store.operation_timeout())?;
+        settings.validate(store.operation_timeout(), store.counts_records())?;
         #[cfg(feature = "metrics")]
         crate::util::metrics::describe();
         Ok(Engine {
@@ -77,7 +77,7 @@ impl<St: IdempotencyStore> Engine<St> {
                 waiters: Waiters::default(),
                 shares: Arc::default(),
             }),
-            keeper: Arc::default(),
+            keeper: Keeper::new(),
         })
     }
 
@@ -92,10 +92,27 @@ impl<St: IdempotencyStore> Engine<St> {
     }
 
     /// A request of `subject` in flight at this instance, counted until the guard is dropped; or
-    /// `None` when the subject has its share in flight already.
-    pub(crate) fn in_flight(&self, subject: &str) -> Option<InFlight> {
-        let shares = &self.state.shares;
-        shares.enter(shares.id(subject), self.settings.max_in_flight_per_subject)
+    /// why not: the subject has its own bound in flight, or its share of the instance's places
+    /// (`max_running`), or every place is taken.
+    pub(crate) fn in_flight(&self, subject: &str) -> Result<InFlight, super::shares::Refused> {
+        self.enter(self.state.shares.id(subject))
+    }
+
+    /// As [`in_flight`](Self::in_flight), for an anonymous caller that the application tells
+    /// apart as `caller` (its shares only: its records stay in the anonymous scope).
+    pub(crate) fn anonymous_in_flight(
+        &self,
+        caller: &str,
+    ) -> Result<InFlight, super::shares::Refused> {
+        self.enter(self.state.shares.caller_id(caller))
+    }
+
+    fn enter(&self, id: super::shares::SubjectId) -> Result<InFlight, super::shares::Refused> {
+        self.state.shares.enter(
+            id,
+            self.settings.max_in_flight_per_subject,
+            self.settings.max_running,
+        )
     }
 
     /// The drain its work is counted in.
@@ -103,15 +120,12 @@ impl<St: IdempotencyStore> Engine<St> {
         &self.state.drain
     }
 
-    /// How long one renewal may take: a sixth of the TTL, or the store's own operation timeout
-    /// when that is longer (a healthy but slow store must not have every renewal cut short), at
-    /// most half the TTL.
+    /// How long one renewal may take (see [`timing::renewal_bound`](super::timing::renewal_bound)).
     pub(crate) fn renewal_bound(&self) -> Duration {
-        let ttl = self.settings.in_progress_ttl;
-        self.store
-            .operation_timeout()
-            .map_or(ttl / 6, |t| t.max(ttl / 6))
-            .min(ttl / 2)
+        super::timing::renewal_bound(
+            self.settings.in_progress_ttl,
+            self.store.operation_timeout(),
+        )
     }
 
     // The store's operations as the engine makes them: timed (feature `metrics`), and this
@@ -134,6 +148,7 @@ impl<St: IdempotencyStore> Engine<St> {
         fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
     ) -> Result<Fenced, StoreError> {
+        let response_len = response.body.len();
         let done = timed(
             "complete",
             self.store
@@ -145,7 +160,19 @@ impl<St: IdempotencyStore> Engine<St> {
         if done.is_ok() {
             self.let_go(key, lease);
         }
+        if let Ok(Fenced::Done) = done {
+            self.recorded(&key.subject, response_len);
+        }
         done
+    }
+
+    /// An answer of `bytes` was recorded for `subject`: it counts in the subject's share of bytes
+    /// until its next count.
+    pub(super) fn recorded(&self, subject: &str, bytes: usize) {
+        if self.settings.max_bytes_per_subject.is_some() && bytes > 0 {
+            let shares = &self.state.shares;
+            shares.recorded(shares.id(subject), bytes);
+        }
     }
 
     pub(super) async fn store_renew(
@@ -163,16 +190,18 @@ impl<St: IdempotencyStore> Engine<St> {
         renewed
     }
 
-    /// Renews `leases` in one call to the store (see [`Keeper`](super::keeper::Keeper)), each
-    /// answer kept current in this process's holds as [`store_renew`](Self::store_renew) does.
+    /// Renews `leases` in one call to `session` (the store's keeper session, or the store; see
+    /// [`Keeper`](super::keeper::Keeper)), each answer kept current in this process's holds as
+    /// [`store_renew`](Self::store_renew) does.
     pub(super) async fn store_renew_many(
         &self,
+        session: &St,
         leases: &[(&RecordKey, LeaseToken)],
     ) -> Vec<Result<Fenced, StoreError>> {
         let lifetime = self.settings.in_progress_ttl + self.settings.retention;
         // Timed as one operation, an error when any renewal failed.
         let renewed = timed("renew", async {
-            let answers = self.store.renew_many(leases, lifetime).await;
+            let answers = session.renew_many(leases, lifetime).await;
             if answers.iter().all(Result::is_ok) {
                 Ok(answers)
             } else {
@@ -215,7 +244,41 @@ impl<St: IdempotencyStore> Engine<St> {
     }
 }
 
+/// An engine without its hold on its keeper: what the keeper's task keeps (see
+/// [`Renewer::Weak`]).
+pub(super) struct WeakEngine<St> {
+    store: St,
+    settings: Arc<Settings>,
+    state: Arc<State>,
+    keeper: std::sync::Weak<Keeper<Engine<St>>>,
+}
+
 impl<St: IdempotencyStore> Renewer for Engine<St> {
+    type Session = St;
+    type Weak = WeakEngine<St>;
+
+    fn downgrade(&self) -> WeakEngine<St> {
+        WeakEngine {
+            store: self.store.clone(),
+            settings: self.settings.clone(),
+            state: self.state.clone(),
+            keeper: Arc::downgrade(&self.keeper),
+        }
+    }
+
+    fn upgrade(weak: &WeakEngine<St>) -> Option<Self> {
+        Some(Engine {
+            store: weak.store.clone(),
+            settings: weak.settings.clone(),
+            state: weak.state.clone(),
+            keeper: weak.keeper.upgrade()?,
+        })
+    }
+
+    fn keeper(&self) -> &Arc<Keeper<Self>> {
+        &self.keeper
+    }
+
     fn in_progress_ttl(&self) -> Duration {
         self.settings.in_progress_ttl
     }
@@ -224,10 +287,33 @@ impl<St: IdempotencyStore> Renewer for Engine<St> {
         Engine::renewal_bound(self)
     }
 
+    fn keeper_on_callers_runtime(&self) -> bool {
+        self.settings.keeper_on_callers_runtime
+    }
+
+    fn open_session(&self) -> impl Future<Output = Result<St, StoreError>> + Send {
+        timed("keeper_session", self.store.keeper_session())
+    }
+
+    fn without_session(&self) -> St {
+        self.store.clone()
+    }
+
     fn renew_many<'a>(
         &'a self,
+        session: &'a St,
         leases: &'a [(&'a RecordKey, LeaseToken)],
     ) -> impl Future<Output = Vec<Result<Fenced, StoreError>>> + Send + 'a {
-        self.store_renew_many(leases)
+        self.store_renew_many(session, leases)
+    }
+
+    fn show_presences<'a>(
+        &'a self,
+        session: &'a St,
+        live: &'a [Presence],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        // Shown again every third of the TTL at least: lapsed after a whole TTL without it.
+        let lapse = self.settings.in_progress_ttl;
+        timed("show_presences", session.show_presences(live, lapse))
     }
 }

@@ -1,17 +1,18 @@
 //! The life of a held claim: its heartbeat while the work runs and while its answer is recorded,
 //! then exactly one of complete or release, retried until the store answers.
 //!
-//! - **Heartbeat** (see `heartbeat.rs`): while a [`Lease`] exists (the work, the body, every
-//!   completion attempt), a task of its own renews the record, and is aborted when the lease is
-//!   dropped.
+//! - **Heartbeat** (see `keeper`): while a [`Lease`] exists (the work, the body, every completion
+//!   attempt), the engine's lease keeper renews the record and shows its presence, on a thread of
+//!   its own, until the lease is dropped.
 //! - **Complete.** Once the work has answered with a result to record, the effect has happened and
 //!   the record is never released. When the store fails, the completion is retried in the
 //!   background, heartbeat running, until it succeeds or the lease is lost; never given up on a
 //!   timer. After three attempts that failed while the store took renewals between them (it is
 //!   reachable; the completion itself fails), the body is left out of the record: a body too large
 //!   for the store, or for its timeout, must not keep the key in progress for ever.
-//! - **Release.** Retried in the background until the store answers, for at most the in-progress
-//!   TTL (after which the record is retakeable anyway).
+//! - **Release.** Retried in the background until the store answers, for at most the maximum
+//!   hold and a TTL (by then no lease of its presence is left, and the record is retakeable after
+//!   its TTL).
 //! - **Background work** (retried completions and releases, clean-ups) is spawned through the
 //!   engine's [`Drain`](super::Drain), so a graceful shutdown waits for it.
 
@@ -44,7 +45,9 @@ pub(crate) struct Lease<St: IdempotencyStore> {
     /// The answer's status and headers, once the work answered with a result to record.
     answered: Option<StoredResponse>,
     /// The lease keeper renews the record until this is dropped.
-    _kept: Registration<Engine<St>>,
+    /// Taken by the drop path into the task that settles the record, so the keeper renews it and
+    /// shows its presence without a gap, however long that task waits for its runtime.
+    kept: Option<Registration<Engine<St>>>,
     /// When the work and its body must be done: the claim plus the maximum hold.
     deadline: Instant,
     /// The subject's place in flight, when the work's request holds one: given back with the
@@ -79,9 +82,21 @@ pub(crate) enum Settled {
     Unknown,
 }
 
+/// How work run under a lease ([`Lease::run`]) ended.
+#[derive(Debug)]
+pub(crate) enum Ran<T> {
+    /// It ended with this.
+    Ended(T),
+    /// It panicked: it gave no answer to record.
+    Panicked,
+    /// It was cancelled at the maximum hold (reported as timed out).
+    TimedOut,
+}
+
 impl<St: IdempotencyStore> Lease<St> {
     /// The lease of a claim sent (or last proven held) at `held_since`, kept renewed by the
     /// engine's lease keeper.
+    #[cfg(test)]
     pub(crate) fn new(
         engine: Engine<St>,
         label: Label,
@@ -118,7 +133,7 @@ impl<St: IdempotencyStore> Lease<St> {
             label,
             done: false,
             answered: None,
-            _kept: registered.registration,
+            kept: Some(registered.registration),
             deadline,
             share: None,
         };
@@ -133,11 +148,12 @@ impl<St: IdempotencyStore> Lease<St> {
 
     /// The lease of a claim held since `held_since`, kept renewed: for work about to run under it.
     ///
-    /// When the keeper's task was just spawned (the first lease of the engine, or the first after
-    /// a pause), it sits in this worker's LIFO slot, which other workers cannot steal from: were
-    /// the work to block this thread at its first poll, the keeper would never start. Yielding
-    /// once lets it run (and arm its timer) first; its later wake-ups come from the timer and the
-    /// store's sockets, on whichever worker drives them. No yield otherwise.
+    /// Yields once before the work runs, on a multi-threaded runtime: what the claim left in this
+    /// worker's LIFO slot, which other workers cannot steal from (the return of a pooled
+    /// connection to its pool, a task the claim woke), runs first, rather than wait behind work
+    /// that blocks this thread from its first poll. (On a current-thread runtime such work stops
+    /// every task anyway; there it yields only when the keeper was just spawned on it, in the
+    /// crate's tests.)
     pub(crate) async fn started(
         engine: Engine<St>,
         label: Label,
@@ -147,7 +163,10 @@ impl<St: IdempotencyStore> Lease<St> {
         held_since: Instant,
     ) -> Self {
         let (lease, started_task) = Lease::kept(engine, label, key, fingerprint, token, held_since);
-        if started_task {
+        let shared = tokio::runtime::Handle::try_current().is_ok_and(|runtime| {
+            runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread
+        });
+        if shared || started_task {
             tokio::task::yield_now().await;
         }
         lease
@@ -156,6 +175,21 @@ impl<St: IdempotencyStore> Lease<St> {
     /// When the work and its body must be done (the maximum hold).
     pub(crate) fn deadline(&self) -> Instant {
         self.deadline
+    }
+
+    /// Runs `work` under this lease, for both doors: until it ends, panics, or reaches the
+    /// maximum hold (it is then cancelled, and the timeout reported). The keeper renews the lease
+    /// meanwhile; settling the record (complete or release) is the caller's, by what it ran to.
+    pub(crate) async fn run<F: Future>(&self, work: F) -> Ran<F::Output> {
+        let work = AssertUnwindSafe(work).catch_unwind();
+        match tokio::time::timeout_at(self.deadline, work).await {
+            Ok(Ok(ended)) => Ran::Ended(ended),
+            Ok(Err(_panic)) => Ran::Panicked,
+            Err(_) => {
+                self.timed_out();
+                Ran::TimedOut
+            }
+        }
     }
 
     /// The engine the lease is held in.
@@ -179,10 +213,7 @@ impl<St: IdempotencyStore> Lease<St> {
     }
 
     /// The endpoint label of the outcomes this lease reports.
-    #[cfg_attr(
-        not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
-        allow(dead_code)
-    )]
+    #[cfg_attr(not(sql), allow(dead_code))]
     pub(crate) fn label(&self) -> &Label {
         &self.label
     }
@@ -292,9 +323,9 @@ impl<St: IdempotencyStore> Lease<St> {
             .unwrap_or_else(|_| Err(StoreError::msg("the store's completion panicked")))
     }
 
-    /// The longest pause between retries: a quarter of the in-progress TTL, at most a second.
+    /// The longest pause between retries.
     fn longest_pause(&self) -> Duration {
-        (self.held.engine.settings().in_progress_ttl / 4).min(Duration::from_secs(1))
+        super::timing::completion_pause(self.held.engine.settings().in_progress_ttl)
     }
 
     /// Reports what a completion attempt did; `None` when the store failed.
@@ -350,21 +381,25 @@ impl<St: IdempotencyStore> Drop for Lease<St> {
         if self.done {
             return;
         }
-        let held = &self.held;
-        let (engine, label, key, fingerprint, token) = (
-            held.engine.clone(),
-            self.label.clone(),
-            held.key.clone(),
-            held.fingerprint,
-            held.token,
-        );
+        let (held, label, deadline) = (self.held.clone(), self.label.clone(), self.deadline);
         let answered = self.answered.take();
-        let held_since = *crate::util::lock::lock(&held.held_since);
-        // The new lease is made inside the task: a task the runtime drops unpolled (it is shutting
-        // down) then owns no lease whose drop would spawn again.
-        let drain = engine.drain().clone();
+        // The registration goes with the task: the record is renewed, and its presence shown,
+        // until the task settles it, with no gap while the task waits to run (a runtime whose
+        // workers are all blocked). The new lease is made inside the task: a task the runtime drops
+        // unpolled (it is shutting down) then owns no lease whose drop would spawn again, and its
+        // registration goes with it.
+        let kept = self.kept.take();
+        let drain = held.engine.drain().clone();
         drain.spawn(async move {
-            let lease = Lease::new(engine, label, key, fingerprint, token, held_since);
+            let lease = Lease {
+                held,
+                label,
+                done: false,
+                answered: None,
+                kept,
+                deadline,
+                share: None,
+            };
             match answered {
                 Some(head) => {
                     tracing::error!(
@@ -389,7 +424,7 @@ pub(crate) mod tests {
     use super::*;
     use crate::engine::{Drain, Settings};
     use crate::store::testing::Faulty;
-    use crate::store::{ClaimOutcome, ClaimRequest, Finished, Generation};
+    use crate::store::{ClaimOutcome, ClaimRequest, Finished};
 
     const TTL: Duration = Duration::from_millis(900);
 
@@ -402,25 +437,34 @@ pub(crate) mod tests {
     }
 
     /// An engine over the test store with `settings`, and the store.
+    /// The keeper runs on the test's runtime, whose paused clock drives it.
     pub(crate) fn engine_with(settings: Settings) -> (Engine<Faulty>, Faulty) {
+        let settings = Settings {
+            keeper_on_callers_runtime: true,
+            ..settings
+        };
         let store = Faulty::default();
         let engine = Engine::new(store.clone(), settings, Drain::new()).expect("valid settings");
         (engine, store)
     }
 
     pub(crate) fn request(key: &str) -> ClaimRequest {
-        ClaimRequest {
-            key: RecordKey {
+        request_with_ttl(key, TTL)
+    }
+
+    /// The claim of `POST /pay` by alice with `key`, an empty JSON body and the in-progress TTL
+    /// `ttl`: every engine test's claim is built here.
+    pub(crate) fn request_with_ttl(key: &str, ttl: Duration) -> ClaimRequest {
+        ClaimRequest::new(
+            RecordKey {
                 key: key.into(),
                 subject: "alice".into(),
                 endpoint: "POST /pay".into(),
             },
-            fingerprint: Fingerprint::of(None, b"{}"),
-            lease: LeaseToken::generate(),
-            generation: Generation::generate(),
-            in_progress_ttl: TTL,
-            retention: Duration::from_secs(60),
-        }
+            Fingerprint::of(None, b"{}"),
+            ttl,
+            Duration::from_secs(60),
+        )
     }
 
     /// A claimed record and its lease, made as the engine makes them.
@@ -598,6 +642,27 @@ pub(crate) mod tests {
         }
     }
 
+    /// A lease dropped before it settled hands its registration to the task that settles it: the
+    /// keeper keeps renewing the record, and showing its presence, with no gap while that task
+    /// waits for its runtime (one whose workers are all blocked).
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_lease_is_kept_until_its_record_is_settled() {
+        let (engine, store) = engine();
+        let (_request, mut lease) = claimed(&engine, "dropped").await;
+        lease.answered(&head(201));
+        assert_eq!(engine.keeper.leases(), 1);
+        drop(lease);
+        // The settling task has not run yet.
+        assert_eq!(
+            engine.keeper.leases(),
+            1,
+            "kept while the record is unsettled"
+        );
+        assert!(engine.drain().wait(Duration::from_secs(5)).await);
+        assert_eq!(engine.keeper.leases(), 0, "let go of once settled");
+        drop(store);
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_lease_dropped_before_the_answer_releases_and_after_it_records_the_head() {
         let (engine, store) = engine();
@@ -605,11 +670,7 @@ pub(crate) mod tests {
         let (request, lease) = claimed(&engine, "released").await;
         drop(lease);
         assert!(engine.drain().wait(Duration::from_secs(5)).await);
-        let retry = ClaimRequest {
-            lease: LeaseToken::generate(),
-            generation: Generation::generate(),
-            ..request.clone()
-        };
+        let retry = request.from_another_request();
         // The same operation again: its generation, so a retake.
         let retaken = store.claim(&retry).await.expect("claim");
         assert!(retaken.is_retake(&retry), "{retaken:?}");

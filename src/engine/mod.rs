@@ -28,6 +28,7 @@ mod outcome;
 mod report;
 mod settings;
 mod shares;
+mod timing;
 mod transactional;
 mod wait;
 mod waiters;
@@ -37,14 +38,16 @@ pub use self::context::IdempotencyContext;
 pub(crate) use self::core::Engine;
 pub(crate) use self::drain::Admitted;
 pub use self::drain::Drain;
+#[cfg(any(test, feature = "test-suite"))]
+pub(crate) use self::keeper::stop_for_test as stop_keepers_runtime;
 #[cfg(test)]
 pub(crate) use self::lease::tests;
-pub(crate) use self::lease::{Completed, Lease};
+pub(crate) use self::lease::{Completed, Lease, Ran};
 pub use self::outcome::{Outcome, OutcomeCounters};
 pub use self::settings::ConfigError;
 #[cfg(test)]
 pub(crate) use self::settings::MAX_DURATION;
-pub(crate) use self::settings::Settings;
-pub(crate) use self::shares::InFlight;
+pub(crate) use self::settings::{DEFAULT_MAX_BYTES_PER_SUBJECT, Settings, engine_setters};
+pub(crate) use self::shares::{InFlight, Refused};
 pub(crate) use self::transactional::{InTransaction, commit_with_record, rollback};
 pub(crate) use self::wait::Stage;

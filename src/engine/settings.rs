@@ -97,15 +97,18 @@ pub(crate) struct Settings {
     /// How long a duplicate of a request in progress waits for its answer; zero: not at all.
     pub(crate) wait: Duration,
     /// How many duplicates may wait on one key at this instance.
-    pub(crate) max_waiters: usize,
+    pub(crate) max_waiters_per_key: usize,
     /// How many duplicates of one subject may wait at this instance.
     pub(crate) max_waiters_per_subject: usize,
     /// How many duplicates may wait at this instance, all subjects together.
-    pub(crate) max_waiting: usize,
+    pub(crate) max_waiters_total: usize,
     /// How many requests of one subject may be in flight at this instance.
     pub(crate) max_in_flight_per_subject: usize,
     /// How many live records one subject may have in the store; `None`: no bound.
     pub(crate) max_records_per_subject: Option<u64>,
+    /// How many bytes of recorded answers one subject may have in the store, counted with its
+    /// records; `None`: no bound.
+    pub(crate) max_bytes_per_subject: Option<u64>,
     /// Whether a store failure lets the work run unguarded.
     pub(crate) fail_open: bool,
     /// The deployment secret mixed into derived keys (HMAC), if any.
@@ -114,7 +117,13 @@ pub(crate) struct Settings {
     pub(crate) on_outcome: Option<Arc<OutcomeFn>>,
     /// Whether subjects and endpoints are logged as they are (otherwise hashed).
     pub(crate) log_scope: bool,
+    /// Whether the lease keeper runs on the runtime of the request that starts it rather than on
+    /// its own thread: only for the crate's tests under a paused clock, which must drive it.
+    pub(crate) keeper_on_callers_runtime: bool,
 }
+
+/// The default share of bytes of one subject's recorded answers in the store: 256 MiB.
+pub(crate) const DEFAULT_MAX_BYTES_PER_SUBJECT: u64 = 256 * 1024 * 1024;
 
 impl Default for Settings {
     fn default() -> Self {
@@ -124,15 +133,17 @@ impl Default for Settings {
             max_hold: None,
             max_running: 1024,
             wait: Duration::ZERO,
-            max_waiters: 16,
+            max_waiters_per_key: 16,
             max_waiters_per_subject: 64,
-            max_waiting: 1024,
+            max_waiters_total: 1024,
             max_in_flight_per_subject: 256,
             max_records_per_subject: Some(100_000),
+            max_bytes_per_subject: Some(DEFAULT_MAX_BYTES_PER_SUBJECT),
             fail_open: false,
             derived_key_secret: None,
             on_outcome: None,
             log_scope: false,
+            keeper_on_callers_runtime: false,
         }
     }
 }
@@ -146,11 +157,12 @@ impl fmt::Debug for Settings {
             .field("max_hold", &self.max_hold)
             .field("max_running", &self.max_running)
             .field("wait", &self.wait)
-            .field("max_waiters", &self.max_waiters)
+            .field("max_waiters_per_key", &self.max_waiters_per_key)
             .field("max_waiters_per_subject", &self.max_waiters_per_subject)
-            .field("max_waiting", &self.max_waiting)
+            .field("max_waiters_total", &self.max_waiters_total)
             .field("max_in_flight_per_subject", &self.max_in_flight_per_subject)
             .field("max_records_per_subject", &self.max_records_per_subject)
+            .field("max_bytes_per_subject", &self.max_bytes_per_subject)
             .field("fail_open", &self.fail_open)
             .finish_non_exhaustive()
     }
@@ -164,8 +176,13 @@ impl Settings {
             .unwrap_or(DEFAULT_MAX_HOLD.max(self.in_progress_ttl))
     }
 
-    /// Checks the settings against each other and against the store's operation timeout.
-    pub(crate) fn validate(&self, operation_timeout: Option<Duration>) -> Result<(), ConfigError> {
+    /// Checks the settings against each other and against the store: its operation timeout, and
+    /// whether it counts a subject's records.
+    pub(crate) fn validate(
+        &self,
+        operation_timeout: Option<Duration>,
+        counts_records: bool,
+    ) -> Result<(), ConfigError> {
         let ttl = self.in_progress_ttl;
         if ttl < MIN_IN_PROGRESS_TTL || ttl > MAX_DURATION {
             return Err(ConfigError::new(
@@ -201,6 +218,28 @@ impl Settings {
         if self.max_running == 0 {
             return Err(ConfigError::new("max_running", "must be at least 1"));
         }
+        // A subject's own bound above the instance's would let one subject take every place.
+        for (setting, each, all, total) in [
+            (
+                "max_in_flight_per_subject",
+                self.max_in_flight_per_subject,
+                "max_running",
+                self.max_running,
+            ),
+            (
+                "max_waiters_per_subject",
+                self.max_waiters_per_subject,
+                "max_waiters_total",
+                self.max_waiters_total,
+            ),
+        ] {
+            if each > total {
+                return Err(ConfigError::new(
+                    setting,
+                    format!("must be at most {all} ({total}): one subject would take every place"),
+                ));
+            }
+        }
         if self
             .derived_key_secret
             .as_ref()
@@ -217,20 +256,27 @@ impl Settings {
                 "must be at most 5 s: a duplicate is not held longer",
             ));
         }
-        if !self.wait.is_zero() && self.max_waiters == 0 {
+        if !self.wait.is_zero() && self.max_waiters_per_key == 0 {
             return Err(ConfigError::new(
-                "max_waiters",
+                "max_waiters_per_key",
                 "must be at least 1 when the wait is on",
             ));
         }
         for (setting, value) in [
             ("max_waiters_per_subject", self.max_waiters_per_subject),
-            ("max_waiting", self.max_waiting),
+            ("max_waiters_total", self.max_waiters_total),
             ("max_in_flight_per_subject", self.max_in_flight_per_subject),
         ] {
             if value == 0 {
                 return Err(ConfigError::new(setting, "must be at least 1"));
             }
+        }
+        if self.max_records_per_subject.is_some() && !counts_records {
+            return Err(ConfigError::new(
+                "max_records_per_subject",
+                "the store keeps no subject with its records (Postgres without scope columns, \
+                 Redis without scope fields), so it cannot bound them: set None, or keep them",
+            ));
         }
         if self.max_records_per_subject == Some(0) {
             return Err(ConfigError::new(
@@ -238,6 +284,105 @@ impl Settings {
                 "must be at least 1 (or None, for no bound)",
             ));
         }
+        if self.max_bytes_per_subject == Some(0) {
+            return Err(ConfigError::new(
+                "max_bytes_per_subject",
+                "must be at least 1 (or None, for no bound)",
+            ));
+        }
+        if self.max_bytes_per_subject.is_some() && self.max_records_per_subject.is_none() {
+            return Err(ConfigError::new(
+                "max_bytes_per_subject",
+                "a subject's bytes are counted with its records: set max_records_per_subject \
+                 too (or None here)",
+            ));
+        }
         Ok(())
     }
 }
+
+/// The engine's setters, the same on both doors' builders (the layer's and `RunOnce`'s), written
+/// once: each sets the field of the builder's engine settings (`$settings`) of its name.
+macro_rules! engine_setters {
+    ($settings:ident) => {
+        /// How long an `in_progress` record may go without a heartbeat before it is presumed
+        /// abandoned (its process died) and may be retaken. The holder renews it every third of
+        /// this and shows it is alive meanwhile, so live work, however slow, is never retaken;
+        /// keep it well above the longest store outage you want to ride out. From 30 ms to 10
+        /// years, and at least twice the store's operation timeout. Default: 90 s.
+        ///
+        /// The record keeps its holder's TTL, and a claim presumes the holder dead only after the
+        /// longer of its own and the holder's: instances configured differently (a rolling deploy
+        /// that lowers it) do not retake each other's live claims. Versions before the one that
+        /// kept it neither keep nor read it: lower the TTL in a deploy after the one that brings
+        /// a version that does.
+        pub fn in_progress_ttl(mut self, ttl: std::time::Duration) -> Self {
+            self.$settings.in_progress_ttl = ttl;
+            self
+        }
+
+        /// How long finished records are kept and replayed; after that the key (or the scope) is
+        /// new again. From 100 ms to 10 years; keep it above the longest horizon over which your
+        /// clients (or your queue) send the same operation again. Default: 24 h.
+        pub fn retention(mut self, retention: std::time::Duration) -> Self {
+            self.$settings.retention = retention;
+            self
+        }
+
+        /// The longest a claim may be held: from the claim until the work has answered (for the
+        /// layer, until its response body has ended). Work still running then is cancelled. Its
+        /// effect may have happened, so the record becomes a definitive timeout that replays and
+        /// the work never runs again for that key: the layer's `504 idempotency_handler_timeout`,
+        /// `RunOnce`'s `OnceError::TimedOut`. Work in the handler's transaction committed nothing,
+        /// so that transaction is rolled back and the key released instead. A streamed body still
+        /// running then is cut, and the response recorded without its body (its client saw the
+        /// handler's status). From the in-progress TTL to 10 years. Default: 10 minutes, or the
+        /// in-progress TTL when that is longer.
+        pub fn max_hold(mut self, hold: std::time::Duration) -> Self {
+            self.$settings.max_hold = Some(hold);
+            self
+        }
+
+        /// A deployment secret (at least 16 bytes) mixed into
+        /// [`IdempotencyContext::derived_key`](crate::IdempotencyContext::derived_key) as an
+        /// HMAC-SHA-256 key. Set one per deployment whenever two deployments (staging and
+        /// production, two tenants' apps, two services) share one account at a downstream
+        /// provider: without it, the same subject, key, endpoint and body would give both the same
+        /// provider key, and one would get the other's result. Keep it stable: changing it changes
+        /// every derived key, so a retake after the change is a new operation at the provider.
+        /// Default: none.
+        pub fn derived_key_secret(mut self, secret: impl AsRef<[u8]>) -> Self {
+            self.$settings.derived_key_secret = Some(std::sync::Arc::new(
+                crate::util::secret::Secret::new(secret.as_ref()),
+            ));
+            self
+        }
+
+        /// Lets a duplicate of work still in progress wait up to `wait` for its answer instead of
+        /// being told at once that it is in progress (the layer's `409`, `RunOnce`'s
+        /// `OnceError::InProgress`): it then gets the recorded answer, or, for another body, the
+        /// layer's `422` (`RunOnce`'s `OnceError::KeyReuse`). Default: zero (off); at most 5 s.
+        ///
+        /// A waiter holds no store connection or lock: it wakes when this process's holder lets
+        /// the record go, and otherwise looks the record up every 25 ms, doubling to 250 ms. When
+        /// the record was released (a retryable answer), deleted, or is still in progress at the
+        /// bound, it is in progress as without a wait, and the client's retry settles it. A wait
+        /// never runs the work: a claim granted to a waiter (the record vanished in between) is
+        /// released at once. At most 16 wait on one key at an instance (the layer's
+        /// `max_waiters_per_key`); the others are told at once.
+        pub fn wait(mut self, wait: std::time::Duration) -> Self {
+            self.$settings.wait = wait;
+            self
+        }
+
+        /// Calls `hook` with every [`Outcome`](crate::Outcome) (its docs list them all: claimed,
+        /// replayed, in progress, recorded, released, refused by a share, ...), for metrics; see
+        /// [`OutcomeCounters`](crate::OutcomeCounters). It runs on the request's path: keep it
+        /// cheap.
+        pub fn on_outcome(mut self, hook: impl Fn(crate::Outcome) + Send + Sync + 'static) -> Self {
+            self.$settings.on_outcome = Some(std::sync::Arc::new(hook));
+            self
+        }
+    };
+}
+pub(crate) use engine_setters;

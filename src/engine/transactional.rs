@@ -85,6 +85,7 @@ pub(crate) async fn commit_with_record<St: TransactionalStore>(
             }
         }
     }
+    engine.recorded(&lease.key().subject, stored.body.len());
     lease.settled_outside(Settled::Recorded {
         status: stored.status,
     });

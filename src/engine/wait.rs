@@ -13,7 +13,7 @@
 //! - **Bounded.** Look-ups are cut at the configured time (a few seconds); the last look-up, and
 //!   the claim that reads a finished record's answer, get what is left of it and at least
 //!   [`LAST_CLAIM`] each: a waiter is answered within the wait plus half a second. At most
-//!   `max_waiters` waiters a key at this instance; the others get `409` at once.
+//!   `max_waiters_per_key` waiters a key at this instance; the others get `409` at once.
 //! - **A waiter whose client went away is dropped**, not detached as a running request is: it has
 //!   nothing to finish, and must not take a place in the layer's admission bound. Only its last
 //!   claim, which may need releasing, runs on if the client leaves during it.
@@ -25,7 +25,7 @@ use tokio::time::Instant;
 
 use super::coalesce::Scope;
 use super::core::Engine;
-use crate::store::{ClaimOutcome, ClaimRequest, Generation, IdempotencyStore, LeaseToken};
+use crate::store::{ClaimOutcome, ClaimRequest, IdempotencyStore};
 
 /// The first pause between two look-ups of the record; it doubles up to [`LONGEST_POLL`].
 const FIRST_POLL: Duration = Duration::from_millis(25);
@@ -118,14 +118,18 @@ impl<St: IdempotencyStore> Engine<St> {
         let Some(_waiting) = shares.wait(
             subject,
             settings.max_waiters_per_subject,
-            settings.max_waiting,
+            settings.max_waiters_total,
         ) else {
             tracing::debug!(
                 "this subject (or this instance) has its share of waiters; not waiting"
             );
             return in_progress();
         };
-        let Some(_place) = self.state.waiters.enter(scope, settings.max_waiters) else {
+        let Some(_place) = self
+            .state
+            .waiters
+            .enter(scope, settings.max_waiters_per_key)
+        else {
             tracing::debug!("too many duplicates wait on this key; not waiting");
             return in_progress();
         };
@@ -187,11 +191,7 @@ impl<St: IdempotencyStore> Engine<St> {
     /// lease of its own, so that if it is granted after all it is released by that token, and
     /// nothing runs.
     async fn answer_of_finished(&self, claim: &ClaimRequest, bound: Instant) -> ClaimOutcome {
-        let ask = ClaimRequest {
-            lease: LeaseToken::generate(),
-            generation: Generation::generate(),
-            ..claim.clone()
-        };
+        let ask = claim.from_another_request();
         let Ok(asked) = tokio::time::timeout_at(bound, self.store_claim(&ask)).await else {
             // Cut: it may have been granted and committed all the same (the record would have to
             // have vanished since the look-up found it finished, so most likely it was not).

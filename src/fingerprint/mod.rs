@@ -1,15 +1,54 @@
 //! Request fingerprints: what makes a retry "the same request". SHA-256 of the request's query
 //! string and body, the body canonicalised when it is JSON (object keys sorted at every depth,
-//! insignificant whitespace removed, strings and numbers in one form), raw bytes otherwise.
+//! insignificant whitespace removed, strings and numbers in one form), raw bytes otherwise. The
+//! [`Fingerprint`] type lives here whole (the stores keep it and compare it); this module needs
+//! nothing of the crate but `util`, and the store builds on it.
 
 pub(crate) mod canonical_json;
 pub(crate) mod json_pointer;
+
+use std::fmt;
 
 use sha2::{Digest, Sha256};
 
 pub use self::canonical_json::canonicalize;
 use self::json_pointer::Pointer;
-pub use crate::store::Fingerprint;
+
+/// SHA-256 of what identifies a request (by default its query string and its body, canonicalised
+/// when the body is JSON; see `Fingerprint::of`).
+///
+/// Two requests that differ anywhere in their JSON, at any depth, have different fingerprints;
+/// reordered object keys and whitespace do not count as differences.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint(pub(crate) [u8; 32]);
+
+impl Fingerprint {
+    /// The fingerprint of what a custom fingerprint function chose to identify a request by (see
+    /// [`IdempotencyLayerBuilder::fingerprint_fn`](crate::IdempotencyLayerBuilder::fingerprint_fn)):
+    /// SHA-256 of `material`, domain-separated from `Fingerprint::of`.
+    pub fn of_material(material: &[u8]) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(b"custom");
+        hasher.update(material);
+        Fingerprint(hasher.finalize().into())
+    }
+
+    /// The 32 bytes of the digest.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Lower-case hex, as shown in logs.
+    pub fn to_hex(&self) -> String {
+        crate::util::hex::encode(&self.0)
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", self.to_hex())
+    }
+}
 
 impl Fingerprint {
     /// Computes the fingerprint of a request body and its query string (`None` when the URI has none).

@@ -11,7 +11,7 @@ use super::key;
 use super::label;
 use super::problem::ErrorKind;
 use super::settings::LayerSettings;
-use crate::engine::{Engine, InFlight, Outcome};
+use crate::engine::{Engine, InFlight, Outcome, Refused};
 use crate::store::{IdempotencyStore, RecordKey};
 use crate::util::metrics::Label;
 
@@ -106,19 +106,38 @@ pub(super) fn admit<St: IdempotencyStore>(
             detached = drain.detached(),
             "too many idempotent requests running on their own; refusing a new one"
         );
-        return Admission::Refused(http.retryable(
-            ErrorKind::Overloaded,
-            "too many idempotent requests are running; retry later",
-        ));
+        return overloaded(http);
     }
-    // And so is what one subject has in flight, so that it cannot take every place.
-    let Some(in_flight) = engine.in_flight(&subject) else {
-        engine.report(&label, Outcome::QuotaExceeded);
-        tracing::info!("a subject has its share of idempotent requests in flight; refusing one");
-        return Admission::Refused(http.retryable(
-            ErrorKind::QuotaExceeded,
-            "too many idempotent requests of this subject are in flight; retry later",
-        ));
+    // And so is what one subject has in flight, its own bound and its share of the instance's
+    // places, so that no subject and no group of subjects fill them for the others. Anonymous
+    // callers share their records' scope; their shares of the instance are told apart when the
+    // application says how.
+    let caller = match (&http.anonymous_shares, subject.is_empty()) {
+        (Some(by), true) => by.subject(parts),
+        _ => None,
+    };
+    let in_flight = match caller {
+        Some(caller) => engine.anonymous_in_flight(&caller),
+        None => engine.in_flight(&subject),
+    };
+    let in_flight = match in_flight {
+        Ok(in_flight) => in_flight,
+        Err(Refused::Full) => {
+            engine.report(&label, Outcome::Overloaded);
+            tracing::warn!("every place for idempotent requests is taken; refusing a new one");
+            return overloaded(http);
+        }
+        Err(refused) => {
+            engine.report(&label, Outcome::QuotaExceeded);
+            tracing::info!(
+                ?refused,
+                "a subject has its share of idempotent requests in flight; refusing one"
+            );
+            return Admission::Refused(http.retryable(
+                ErrorKind::QuotaExceeded,
+                "too many idempotent requests of this subject are in flight; retry later",
+            ));
+        }
     };
     Admission::Guarded {
         scope: RecordKey {
@@ -129,6 +148,14 @@ pub(super) fn admit<St: IdempotencyStore>(
         label,
         in_flight,
     }
+}
+
+/// `503 idempotency_overloaded`: the instance runs as many guarded requests as it takes.
+fn overloaded(http: &LayerSettings) -> Admission {
+    Admission::Refused(http.retryable(
+        ErrorKind::Overloaded,
+        "too many idempotent requests are running; retry later",
+    ))
 }
 
 /// Whether the request carries one of the headers that count as credentials.

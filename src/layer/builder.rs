@@ -15,7 +15,7 @@ use super::policy::default_policy;
 use super::problem::Problem;
 use super::settings::{FingerprintRule, LayerSettings, Unchecked};
 use super::subject::SubjectExtractor;
-use crate::engine::{ConfigError, Drain, Engine, Outcome, Settings};
+use crate::engine::{ConfigError, Drain, Engine, Settings};
 use crate::store::{Fingerprint, IdempotencyStore, StoredResponse};
 
 impl<Store: IdempotencyStore> IdempotencyLayer<Store> {
@@ -38,7 +38,7 @@ impl<Store: IdempotencyStore> IdempotencyLayer<Store> {
 /// |---|---|---|
 /// | `in_progress_ttl` | 90 s | an `in_progress` record not renewed by its holder's heartbeat for this long is presumed abandoned and may be retaken; the heartbeat renews every third of it. 30 ms to 10 years, and at least twice the store's operation timeout (Postgres 5 s, Redis 2 s by default) |
 /// | `max_hold` | 10 min (or the TTL, if longer) | the longest a claim may be held by its handler and its body; past it a handler is cancelled and the key's record becomes a definitive `504 idempotency_handler_timeout` that replays (on the transactional path: rolled back, key released); a streamed body is cut and its response recorded without the body. From the TTL to 10 years |
-/// | `max_running` | 1024 | requests running detached (their clients went away after their body was read), counted in the layer's `Drain`; past it, new guarded requests get `503 idempotency_overloaded` before any claim |
+/// | `max_running` | 1024 | guarded requests in flight at this instance, attached or running on after their clients went away (counted in the layer's `Drain` then); a subject holding `h` of them takes one more only while `h` stay free; past it, new guarded requests get `503 idempotency_overloaded` before any claim |
 /// | `drain` | one per layer | share one `Drain` across layers, to wait for all of them (every guarded request, attached or not, and the background work) at shutdown |
 /// | `retention` | 24 h | how long completed and failed records are replayed; after that the key is new again. At most 10 years |
 /// | `retry_after_secs` | 2 | `Retry-After` of `409 in_progress` and `503` |
@@ -50,27 +50,29 @@ impl<Store: IdempotencyStore> IdempotencyLayer<Store> {
 /// | `response_policy` | `default_policy` | status to `Complete` / `Fail` / `Release` |
 /// | `subject_extractor` | the `Subject` extension | where the subject comes from |
 /// | `allow_anonymous` | `false` | one shared scope for requests without a subject |
+/// | `anonymous_shares_by` | none | what tells anonymous callers apart (their peer address, say) for their shares of requests in flight and running; by default they share one |
 /// | `endpoint` | `METHOD /path` | the endpoint part of the scope; the path is the original one (before `Router::nest`), without the query |
 /// | `fail_open` | `false` | store failure: `503` (`false`) or run unguarded, logged (`true`) |
 /// | `fingerprint_ignore` | none | JSON fields left out of the fingerprint, by JSON pointer (`/client_timestamp`, `/metadata/request_id`); see below |
 /// | `fingerprint_fn` | canonical body and query | the application's own fingerprint, `Fn(&Parts, &[u8]) -> Fingerprint` |
 /// | `replay_header` | `Idempotent-Replayed` | the header, set to `true`, that marks a replay; names with another meaning (`set-cookie`, `idempotency-key`, ...) or that are recorded are refused |
 /// | `wait` | 0 (off) | how long a duplicate of a request in progress waits for its answer (then the replay) before `409`; at most 5 s; waiting holds no connection or lock |
-/// | `max_waiters` | 16 | duplicates that may wait on one key at this instance; the others get `409` at once |
+/// | `max_waiters_per_key` | 16 | duplicates that may wait on one key at this instance; the others get `409` at once |
 /// | `on_replay` | none | a hook on every replay: the request, the stored answer, and the replay's headers to change |
 /// | `render_errors` | problem+json | the layer's own error answers rendered by the application (`Retry-After` kept) |
 /// | `expiry_header` | on | `Idempotency-Expires`: the HTTP date when the key's record expires, on recorded and replayed answers |
 /// | `body_timeout` | 10 s | how long the request body may take to arrive; past it `408 request_timeout`, nothing claimed. 100 ms to 10 min |
-/// | `on_outcome` | none | a hook called with every [`Outcome`] (claimed, replayed, 409, 422, recorded, released, ...) |
+/// | `on_outcome` | none | a hook called with every [`Outcome`](crate::Outcome) (claimed, replayed, 409, 422, recorded, released, ...) |
 /// | `derived_key_secret` | none | a deployment secret (16 bytes or more) mixed into [`IdempotencyContext::derived_key`](crate::IdempotencyContext::derived_key) by HMAC |
 /// | `log_scope` | `false` | log subjects and endpoints as they are (`true`) or only their keyed hashes (`false`) |
 /// | `min_key_length` | 1 | the shortest `Idempotency-Key` accepted, up to 255; raise it where keys must be unguessable (anonymous routes) |
 /// | `problem_type_base` | this crate's docs | the base of the `type` URI of the layer's errors, followed by the error code |
 /// | `max_waiters_per_subject` | 64 | duplicates of one subject that may wait at this instance; the others get `409` at once |
-/// | `max_waiting` | 1024 | duplicates that may wait at this instance, all subjects together |
+/// | `max_waiters_total` | 1024 | duplicates that may wait at this instance, all subjects together |
 /// | `max_in_flight_per_subject` | 256 | requests of one subject in flight at this instance (attached or detached, and answers still streaming into their records); past it `429 idempotency_quota_exceeded` before the body is read |
-/// | `max_records_per_subject` | 100 000 | live records one subject may have in the store, counted now and then; past it new keys get `429 idempotency_quota_exceeded` (its records still replay). `None`: no bound |
-/// | `credential_headers` | `authorization`, `cookie` | request headers that count as credentials: with `allow_anonymous`, a request with one but no subject gets `401`, never the shared anonymous scope |
+/// | `max_records_per_subject` | 100 000 | live records one subject may have in the store, counted by one claim of the subject at a time; past it new keys get `429 idempotency_quota_exceeded` (its records still replay), and a failed count refuses them `503` a second. `None`: no bound; a store that keeps no subjects refuses any other value at `build()` |
+/// | `max_bytes_per_subject` | 256 MiB | bytes of recorded answers (their bodies) one subject may have in the store, counted with its records; past it new keys get `429 idempotency_quota_exceeded`. Needs `max_records_per_subject` |
+/// | `credential_headers` | `authorization` | request headers that count as credentials: with `allow_anonymous`, a request with one but no subject gets `401`, never the shared anonymous scope; add `cookie` where a session cookie authenticates |
 /// | `transactions` | `false` | offer handlers an [`IdempotencyTx`](crate::IdempotencyTx) that commits with the record (stores with transactions only) |
 pub struct IdempotencyLayerBuilder<Store> {
     store: Store,
@@ -110,27 +112,7 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
         }
     }
 
-    /// How long an `in_progress` record may go without a heartbeat before it is presumed abandoned
-    /// (its worker died) and may be retaken. The holder renews it every third of this, so a live
-    /// handler, however slow, is never retaken; keep it well above the longest store outage you want
-    /// to ride out. From 30 ms to 10 years, and at least twice the store's operation timeout.
-    /// Default: 90 s.
-    ///
-    /// The record keeps its holder's TTL, and a claim presumes the holder dead only after the
-    /// longer of its own and the holder's: instances of this version configured differently (a
-    /// rolling deploy that lowers it) do not retake each other's live claims. Earlier versions
-    /// neither keep nor read it: lower the TTL in a deploy after the one that brings this version.
-    pub fn in_progress_ttl(mut self, ttl: Duration) -> Self {
-        self.engine.in_progress_ttl = ttl;
-        self
-    }
-
-    /// How long finished records are kept and replayed; after that the key is new again.
-    /// Default: 24 h.
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.engine.retention = retention;
-        self
-    }
+    crate::engine::engine_setters!(engine);
 
     /// The `Retry-After` seconds sent with `409 in_progress` and `503`. Default: 2.
     pub fn retry_after_secs(mut self, secs: u32) -> Self {
@@ -206,6 +188,38 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
         self
     }
 
+    /// What tells anonymous callers apart for their shares of the instance: requests in flight
+    /// and running on after their clients left. By default every anonymous caller shares one
+    /// share of each, so one of them that floods takes the others' places (never an
+    /// authenticated subject's). `by` names the caller of a request, typically by its
+    /// connection's peer address, which the server gives when it is started with
+    /// `into_make_service_with_connect_info::<SocketAddr>()`:
+    ///
+    /// ```
+    /// use std::net::SocketAddr;
+    /// use axum::extract::ConnectInfo;
+    /// use axum_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::builder(MemoryStore::new())
+    ///     .allow_anonymous(true)
+    ///     .anonymous_shares_by(|parts: &http::request::Parts| {
+    ///         let peer = parts.extensions.get::<ConnectInfo<SocketAddr>>()?;
+    ///         Some(peer.0.ip().to_string())
+    ///     })
+    ///     .build()
+    ///     .expect("valid settings");
+    /// # let _ = layer;
+    /// ```
+    ///
+    /// Their records stay in the one anonymous scope (a retry from another address finds its
+    /// record), so the share of records (`max_records_per_subject`) stays one for them all; so do
+    /// the waiting duplicates' places. A request `by` names nobody (`None`) shares the default
+    /// share.
+    pub fn anonymous_shares_by(mut self, by: impl SubjectExtractor) -> Self {
+        self.http.anonymous_shares = Some(Arc::new(by));
+        self
+    }
+
     /// How the endpoint part of a record's scope is named. Default: method and original path,
     /// without the query, e.g. `POST /orders/42/pay`.
     pub fn endpoint(mut self, endpoint: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
@@ -217,13 +231,6 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
     /// `503 idempotency_store_unavailable`. Default: `false` (fail closed).
     pub fn fail_open(mut self, fail_open: bool) -> Self {
         self.engine.fail_open = fail_open;
-        self
-    }
-
-    /// Calls `hook` with every [`Outcome`] of a guarded request, for metrics; see
-    /// [`OutcomeCounters`](crate::OutcomeCounters). It runs on the request path: keep it cheap.
-    pub fn on_outcome(mut self, hook: impl Fn(Outcome) + Send + Sync + 'static) -> Self {
-        self.engine.on_outcome = Some(Arc::new(hook));
         self
     }
 
@@ -264,24 +271,14 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
         self
     }
 
-    /// The longest a claim may be held: from the claim until the handler has answered and its body
-    /// has ended. A handler (or a streamed body) still running then is cancelled. Its effect may
-    /// have happened, so the record becomes a definitive `504 idempotency_handler_timeout` that
-    /// replays, and the handler never runs again for that key; on the transactional path
-    /// (`IdempotencyTx`) nothing was committed, so the transaction is rolled back and the key
-    /// released instead. From the in-progress TTL to 10 years. Default: 10 minutes, or the
-    /// in-progress TTL when that is longer. A streamed body
-    /// still running then is cut, and the response recorded without its body (its client saw the
-    /// handler's status).
-    pub fn max_hold(mut self, hold: Duration) -> Self {
-        self.engine.max_hold = Some(hold);
-        self
-    }
-
-    /// How many requests of this layer whose clients went away ([`Drain::detached`]) may run on
-    /// their own before new guarded requests get `503 idempotency_overloaded` with `Retry-After`, before any claim. Bounds what a
-    /// client that resets requests in a loop can make the server run. At least 1. Default:
-    /// 1024.
+    /// How many guarded requests this layer's instance holds in flight at once, attached to their
+    /// clients or running on after they went away ([`Drain::detached`] counts those, with
+    /// everything else counted in its drain): past it, new guarded requests get
+    /// `503 idempotency_overloaded` with `Retry-After`, before their bodies are read or anything
+    /// claimed. Bounds what a client that resets requests in a loop can make the server run. A
+    /// subject that holds `h` of these places takes one more only while `h` stay free after it, so
+    /// `n` subjects that all want more hold about `max_running / (n + 1)` each. At least 1.
+    /// Default: 1024.
     pub fn max_running(mut self, tasks: usize) -> Self {
         self.engine.max_running = tasks;
         self
@@ -292,19 +289,6 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
     /// [`max_running`](Self::max_running) applies to everything counted in it.
     pub fn drain(mut self, drain: Drain) -> Self {
         self.drain = drain;
-        self
-    }
-
-    /// A deployment secret (at least 16 bytes) mixed into
-    /// [`IdempotencyContext::derived_key`](crate::IdempotencyContext::derived_key) as an
-    /// HMAC-SHA-256 key. Set one per deployment whenever two deployments (staging and production,
-    /// two tenants' apps, two services) share one account at a downstream provider: without it, the
-    /// same subject, key, endpoint and body would give both the same provider key, and one would
-    /// get the other's result. Keep it stable: changing it changes every derived key, so a retake
-    /// after the change is a new operation at the provider. Default: none.
-    pub fn derived_key_secret(mut self, secret: impl AsRef<[u8]>) -> Self {
-        self.engine.derived_key_secret =
-            Some(Arc::new(crate::util::secret::Secret::new(secret.as_ref())));
         self
     }
 
@@ -338,26 +322,10 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
         self
     }
 
-    /// Lets a duplicate of a request in progress wait up to `wait` for its answer, and get the
-    /// replay, instead of `409` at once (default: zero, off; at most 5 s).
-    ///
-    /// A waiter holds no store connection or lock: it wakes when this process's holder lets the
-    /// record go, and otherwise looks the record up ([`IdempotencyStore::lookup`]) every 25 ms,
-    /// doubling to 250 ms. When the record is finished it answers as a claim would (the replay, or
-    /// `422` for another body); when it was released (a retryable answer), deleted, or still in
-    /// progress at the bound, `409` as without a wait, and the client's retry settles it. A wait
-    /// never runs the handler: a claim granted to a waiter (the record vanished in between) is
-    /// released at once. At most [`max_waiters`](Self::max_waiters) wait on one key at this
-    /// instance; the others get `409` at once.
-    pub fn wait(mut self, wait: Duration) -> Self {
-        self.engine.wait = wait;
-        self
-    }
-
     /// How many duplicates may wait on one key at this instance (default
     /// 16); see [`wait`](Self::wait).
-    pub fn max_waiters(mut self, waiters: usize) -> Self {
-        self.engine.max_waiters = waiters;
+    pub fn max_waiters_per_key(mut self, waiters: usize) -> Self {
+        self.engine.max_waiters_per_key = waiters;
         self
     }
 
@@ -409,8 +377,8 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
 
     /// How many duplicates may wait for an answer at this instance, all subjects together
     /// (default 1024); past it a duplicate gets `409` at once. See [`wait`](Self::wait).
-    pub fn max_waiting(mut self, waiters: usize) -> Self {
-        self.engine.max_waiting = waiters;
+    pub fn max_waiters_total(mut self, waiters: usize) -> Self {
+        self.engine.max_waiters_total = waiters;
         self
     }
 
@@ -424,22 +392,57 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
     }
 
     /// How many live records (within their retention) one subject may have in the store (default
-    /// 100 000; `None`: no bound). It is counted now and then
-    /// ([`IdempotencyStore::count_records`]): past it the subject's new keys get
-    /// `429 idempotency_quota_exceeded` with `Retry-After` until some of its records expire, while
-    /// its existing records still replay; other subjects are served. Several instances let a
-    /// subject pass it by about a quarter of it each between two counts. A store that keeps no
-    /// subjects (Postgres without scope columns, Redis without scope fields) bounds nothing.
+    /// 100 000; `None`: no bound). It is counted ([`IdempotencyStore::count_records`]) by one
+    /// claim of the subject at a time at this instance, the others waiting for that count, and
+    /// this instance lets through a quarter of what is left before it counts again: past the share
+    /// the subject's new keys get `429 idempotency_quota_exceeded` with `Retry-After` until some
+    /// of its records expire, while its existing records still replay; a count that fails refuses
+    /// its new keys a second (`503`); other subjects are served. One instance never lets a subject
+    /// pass its share; `n` instances by at most `n * max(left / 4, 1) - left`, where `left` was
+    /// free at the last count (about `(n / 4 - 1)` times `left`, `n - 1` when little was left). A
+    /// subject is counted at most ten times a second at an instance: new keys that find the budget
+    /// spent sooner wait for the next count (a claim that finds no room in eight turns gets
+    /// `429`). With `fail_open`, a count that fails lets the claim go on. A store that keeps no
+    /// subjects (Postgres without scope columns, Redis without scope fields) cannot count them:
+    /// `build()` refuses the bound on it (set `None`). `None` also turns off the default share of
+    /// bytes ([`max_bytes_per_subject`](Self::max_bytes_per_subject)), counted with the records.
     pub fn max_records_per_subject(mut self, records: Option<u64>) -> Self {
         self.engine.max_records_per_subject = records;
+        if records.is_none()
+            && self.engine.max_bytes_per_subject
+                == Some(crate::engine::DEFAULT_MAX_BYTES_PER_SUBJECT)
+        {
+            self.engine.max_bytes_per_subject = None;
+        }
         self
     }
 
-    /// The request headers that count as credentials (default: `authorization` and `cookie`). With
+    /// How many bytes of recorded answers (their bodies) one subject may have in the store
+    /// (default 256 MiB; `None`: no bound), so that no subject fills a shared store (Redis
+    /// `maxmemory`, a database's disk) with large answers. Counted with its records (the SQL stores
+    /// sum the bodies of the records they count; Redis keeps an account of each subject's bytes
+    /// by when they expire; the memory store counts whole records), by the same claims and at the
+    /// same times, this instance adding the answers it records meanwhile and counting again once
+    /// a quarter of what was left has been recorded: past it, the subject's new keys get `429
+    /// idempotency_quota_exceeded` as past its share of records. Its answers in progress are not
+    /// counted until recorded, so a subject passes its share by at most its requests in flight
+    /// times the response limit, at each instance; with `n` instances, each recording up to a
+    /// quarter of what was left before its next count, by up to `(n / 4 - 1)` times what was left
+    /// besides. On MySQL, run `migrate()` after upgrading: it adds `body_bytes`, the length of each
+    /// body kept with its row, without which a count reads the bodies. Needs
+    /// [`max_records_per_subject`](Self::max_records_per_subject): `build()` refuses it alone.
+    pub fn max_bytes_per_subject(mut self, bytes: Option<u64>) -> Self {
+        self.engine.max_bytes_per_subject = bytes;
+        self
+    }
+
+    /// The request headers that count as credentials (default: `authorization`). With
     /// [`allow_anonymous`](Self::allow_anonymous), a request that carries one of them but reached
     /// the layer without a subject (an authentication layer misconfigured, or skipped on one
     /// route) is refused with `401 missing_subject`, never put in the scope that every anonymous
-    /// caller shares.
+    /// caller shares. `cookie` is not among them by default, since browsers send cookies of every
+    /// kind (consent, analytics) to anonymous routes too, which would answer them all `401`: add
+    /// it (`["authorization", "cookie"]`) where a session cookie is how users authenticate.
     pub fn credential_headers(
         mut self,
         names: impl IntoIterator<Item = impl Into<String>>,
@@ -475,7 +478,7 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
     }
 }
 
-#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+#[cfg(sql)]
 impl<Store, DB> IdempotencyLayerBuilder<Store>
 where
     DB: sqlx::Database,
@@ -516,11 +519,24 @@ mod tests {
     #[test]
     fn every_setter_is_in_both_settings_tables() {
         let source = include_str!("builder.rs");
-        let setters: Vec<&str> = source
-            .lines()
-            .filter_map(|line| line.trim_start().strip_prefix("pub fn "))
-            .filter_map(|rest| rest.split(['(', '<']).next())
-            .filter(|name| !["build", "new", "builder"].contains(name))
+        // The engine's setters, written once for both builders (`engine_setters!`).
+        let shared = include_str!("../engine/settings.rs")
+            .split("macro_rules! engine_setters")
+            .nth(1)
+            .expect("the engine's setters");
+        let setters_of = |source: &'static str| -> Vec<&'static str> {
+            source
+                .lines()
+                .filter_map(|line| line.trim_start().strip_prefix("pub fn "))
+                .filter_map(|rest| rest.split(['(', '<']).next())
+                .filter(|name| !["build", "new", "builder"].contains(name))
+                .collect()
+        };
+        let shared = setters_of(shared);
+        assert_eq!(shared.len(), 6, "{shared:?}");
+        let setters: Vec<&str> = setters_of(source)
+            .into_iter()
+            .chain(shared.clone())
             .collect();
         assert!(setters.len() > 30, "{setters:?}");
         let docs = table_names(source, "/// ");
@@ -538,12 +554,7 @@ mod tests {
         // `RunOnceBuilder`'s setters are the layer's, by name, each in the README's table and in
         // the README's list of those `RunOnce` takes.
         let once = include_str!("../once/builder.rs");
-        let once_setters: Vec<&str> = once
-            .lines()
-            .filter_map(|line| line.trim_start().strip_prefix("pub fn "))
-            .filter_map(|rest| rest.split(['(', '<']).next())
-            .filter(|name| !["build", "new", "builder"].contains(name))
-            .collect();
+        let once_setters: Vec<&str> = setters_of(once).into_iter().chain(shared).collect();
         assert!(once_setters.len() >= 8, "{once_setters:?}");
         let readme_text = include_str!("../../README.md");
         let list = readme_text
@@ -572,6 +583,27 @@ mod tests {
             Ok(_) => panic!("configuration accepted"),
             Err(e) => e.to_string(),
         }
+    }
+
+    /// The bytes share needs the records share it is counted with; `None` for records turns
+    /// the default bytes share off, not one set on purpose.
+    #[test]
+    fn the_bytes_share_goes_with_the_records_share() {
+        assert!(
+            refused(builder().max_bytes_per_subject(Some(0))).contains("max_bytes_per_subject")
+        );
+        assert!(builder().max_records_per_subject(None).build().is_ok());
+        let alone = builder()
+            .max_records_per_subject(None)
+            .max_bytes_per_subject(Some(1024));
+        assert!(refused(alone).contains("max_records_per_subject too"));
+        assert!(
+            builder()
+                .max_records_per_subject(Some(10))
+                .max_bytes_per_subject(None)
+                .build()
+                .is_ok()
+        );
     }
 
     #[test]

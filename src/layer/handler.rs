@@ -2,11 +2,9 @@
 //! where the layer has them, the handler bounded by the maximum hold, and its answer recorded (or
 //! the record released).
 
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
 use axum::body::Body;
-use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 use http::{Request, Response};
 use tower::{BoxError, Service, ServiceExt};
@@ -15,7 +13,7 @@ use super::problem::ErrorKind;
 use super::recording;
 use super::replay;
 use super::settings::LayerSettings;
-use crate::engine::{IdempotencyContext, Lease};
+use crate::engine::{IdempotencyContext, Lease, Ran};
 use crate::header::IDEMPOTENCY_REPLAY;
 use crate::store::IdempotencyStore;
 
@@ -39,10 +37,7 @@ pub(crate) trait Offered<St: IdempotencyStore>: Send {
 
 /// What a handler left of the transaction it was offered (only stores with transactions offer
 /// one).
-#[cfg_attr(
-    not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
-    allow(dead_code)
-)]
+#[cfg_attr(not(sql), allow(dead_code))]
 pub(crate) enum Left<St: IdempotencyStore> {
     /// It wrote nothing through one: record as usual.
     Nothing,
@@ -91,39 +86,37 @@ where
     let offered = transactions.map(|t| t.offer(&lease, http, &mut request));
     // The handler runs until it answers or the maximum hold; the heartbeat runs on a task of its
     // own meanwhile.
-    let handler = AssertUnwindSafe(inner.oneshot(request)).catch_unwind();
-    let answer = tokio::time::timeout_at(lease.deadline(), handler).await;
+    let answer = lease.run(inner.oneshot(request)).await;
     // A transaction the handler wrote through is rolled back on every path but a recorded answer.
     let left = offered.map_or(Left::Nothing, |offered| offered.take_back());
-    let Ok(answer) = answer else {
-        // Cancelled at the maximum hold. A transaction it wrote through was never committed: it
-        // is rolled back, then the key released. Otherwise (or when the handler moved its
-        // transaction into a task that may still commit it) its effect may have happened: the
-        // timeout is recorded as the key's definitive answer.
-        lease.timed_out();
-        if let Left::Written(tx) = left {
-            tracing::warn!("the handler was still running at the maximum hold; rolled back");
-            tx.rollback().await;
-            lease.release("the handler ran past the maximum hold").await;
-            return Ok(http.retryable(
-                ErrorKind::HandlerTimeout,
-                "the operation did not finish in time and was rolled back; retry later",
-            ));
-        }
-        tracing::warn!(
-            "the handler was still running at the maximum hold; cancelled, and recorded as a \
-             timeout"
-        );
-        let timeout = Arc::new(recording::handler_timeout(http));
-        let mut response = replay::fresh(&timeout);
-        if http.expiry_header {
-            replay::mark_expiry(response.headers_mut(), lease.engine().settings().retention);
-        }
-        lease.complete(timeout).await;
-        return Ok(response);
-    };
     match answer {
-        Ok(Ok(response)) => {
+        Ran::TimedOut => {
+            // Cancelled at the maximum hold. A transaction it wrote through was never committed:
+            // it is rolled back, then the key released. Otherwise (or when the handler moved its
+            // transaction into a task that may still commit it) its effect may have happened: the
+            // timeout is recorded as the key's definitive answer.
+            if let Left::Written(tx) = left {
+                tracing::warn!("the handler was still running at the maximum hold; rolled back");
+                tx.rollback().await;
+                lease.release("the handler ran past the maximum hold").await;
+                return Ok(http.retryable(
+                    ErrorKind::HandlerTimeout,
+                    "the operation did not finish in time and was rolled back; retry later",
+                ));
+            }
+            tracing::warn!(
+                "the handler was still running at the maximum hold; cancelled, and recorded as a \
+                 timeout"
+            );
+            let timeout = Arc::new(recording::handler_timeout(http));
+            let mut response = replay::fresh(&timeout);
+            if http.expiry_header {
+                replay::mark_expiry(response.headers_mut(), lease.engine().settings().retention);
+            }
+            lease.complete(timeout).await;
+            Ok(response)
+        }
+        Ran::Ended(Ok(response)) => {
             let mut response = response.map(Body::new);
             // A fresh answer never says it is a replay: a client told so would take a new charge
             // for an old one. The default marker goes too when another one is set.
@@ -148,14 +141,14 @@ where
                 Left::Nothing => Ok(recording::record(http, lease, response).await),
             }
         }
-        Ok(Err(e)) => {
+        Ran::Ended(Err(e)) => {
             if let Left::Written(tx) = left {
                 tx.rollback().await;
             }
             lease.release("the handler returned an error").await;
             Err(e)
         }
-        Err(_panic) => {
+        Ran::Panicked => {
             if let Left::Written(tx) = left {
                 tx.rollback().await;
             }

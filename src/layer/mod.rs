@@ -35,7 +35,7 @@ mod run;
 mod service;
 mod settings;
 mod subject;
-#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+#[cfg(sql)]
 mod transaction;
 
 #[cfg(all(test, feature = "openapi"))]
@@ -50,5 +50,9 @@ pub use self::policy::{Disposition, default_policy};
 pub use self::problem::{ErrorKind, IdempotencyRejection, Problem};
 pub use self::service::IdempotencyService;
 pub use self::subject::{Subject, SubjectExtractor};
-#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+#[cfg(sql)]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
+)]
 pub use self::transaction::IdempotencyTx;

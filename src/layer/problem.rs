@@ -3,219 +3,235 @@
 use axum::body::Body;
 use http::{HeaderValue, Response, StatusCode, header};
 
-/// Every error the layer answers with, by its stable machine code.
-///
-/// Each answer is `application/problem+json` (RFC 9457) with these members:
-///
-/// | member | meaning |
-/// |---|---|
-/// | `type` | an absolute URI documenting the error: by default this page, at the variant's anchor (`…/enum.ErrorKind.html#variant.InProgress`); with [`problem_type_base`](crate::IdempotencyLayerBuilder::problem_type_base), the base followed by the `error` code |
-/// | `title`, `status`, `detail` | as RFC 9457 defines them |
-/// | `error` | the stable code, e.g. `in_progress` |
-/// | `instance` | `urn:uuid:<version 4 UUID>`, unique to this occurrence; the layer logs it with the answer (at WARN for 5xx, DEBUG otherwise), so a client's report can be matched to the server's log |
-/// | `retryable` | whether sending **the same request with the same key** again can succeed; when true the answer also has `Retry-After` (seconds) |
-/// | `retryAfterSeconds` | on `in_progress` only: the `Retry-After` value |
-///
-/// **The client contract.** When `retryable` is true, retry the same request with the same
-/// `Idempotency-Key` after `Retry-After` seconds (with backoff and a bound): it is never run twice.
-/// When false, do not retry as is: fix the request (the 400s, 401, 413), use the key only for
-/// the request it was first used for (422), or treat the answer as final (a replayed 504). A new
-/// key is a new operation: use one only for a new operation, never to get past an error of an
-/// operation that may have happened.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ErrorKind {
-    /// `400 missing_idempotency_key`: the route requires an `Idempotency-Key` and the request has
-    /// none. Not retryable: send a key (a new one for a new operation).
-    MissingIdempotencyKey,
-    /// `400 invalid_idempotency_key`: the `Idempotency-Key` header is empty, too long, not visible
-    /// ASCII, badly quoted or repeated. Not retryable: send one valid key.
-    InvalidIdempotencyKey,
-    /// `400 unreadable_request_body`: the request body could not be read to its end; nothing was
-    /// claimed. Not retryable as is: the client sent an incomplete body; send it whole.
-    UnreadableBody,
-    /// `401 missing_subject`: no authenticated subject, and anonymous scope is not enabled. Not
-    /// retryable: authenticate first.
-    MissingSubject,
-    /// `400 subject_too_long`: the authenticated subject is longer than 1024 bytes; nothing was
-    /// claimed. Not retryable: the application's authentication gives subjects the layer does
-    /// not take.
-    SubjectTooLong,
-    /// `414 endpoint_too_long`: the request's method and path are longer than 4096 bytes; nothing
-    /// was claimed. Not retryable: use a shorter path.
-    EndpointTooLong,
-    /// `413 request_too_large`: the request body is over the layer's limit, or over one set
-    /// outside the layer (such as tower-http's `RequestBodyLimitLayer`) that cut it while the
-    /// layer read it; nothing was claimed and nothing ran. Not retryable: send a smaller body.
-    RequestTooLarge,
-    /// `408 request_timeout`: the request body did not arrive within the layer's deadline
-    /// ([`body_timeout`](crate::IdempotencyLayerBuilder::body_timeout)); nothing was claimed.
-    /// Retryable: send the same request, with the same key, again.
-    RequestTimeout,
-    /// `422 idempotency_key_reuse`: the key was already used for a request with another
-    /// fingerprint (body or query); nothing ran. Not retryable: this key belongs to the first
-    /// request; a different operation needs a new key.
-    KeyReuse,
-    /// `409 in_progress`: a request with this key is still being processed. Retryable: retry the
-    /// same request with the same key after `Retry-After`; you get its answer once it is done.
-    InProgress,
-    /// `503 idempotency_store_unavailable`: the store could not be reached or failed (or a record
-    /// could not be decrypted); the handler did not run, or its effect was rolled back. Retryable:
-    /// same request, same key, after `Retry-After`.
-    StoreUnavailable,
-    /// `503 idempotency_store_full`: the store has no room for a new record (a memory store at
-    /// its capacity, a Redis out of memory, a database whose disk is full); nothing ran.
-    /// Retryable: same request, same key, after `Retry-After` (records expire and make room).
-    StoreFull,
-    /// `429 idempotency_quota_exceeded`: this subject's records hold its share of the store, so
-    /// no new key is taken for it until some expire; its finished records still replay. Retryable
-    /// after `Retry-After`.
-    QuotaExceeded,
-    /// `503 idempotency_overloaded`: the layer is running as many requests on tasks of their own as
-    /// it may ([`max_running`](crate::IdempotencyLayerBuilder::max_running)); nothing was claimed.
-    /// Retryable: same request, same key, after `Retry-After`.
-    Overloaded,
-    /// `504 idempotency_handler_timeout`: the handler was still running at the maximum hold
-    /// ([`max_hold`](crate::IdempotencyLayerBuilder::max_hold)) and was cancelled. Its effect may
-    /// have happened, so this is recorded and replayed for the key: not retryable, the answer is
-    /// final for that key (find out from the service what happened). On the transactional path
-    /// the effect was rolled back and the key released: then it is retryable (same key, after
-    /// `Retry-After`).
-    HandlerTimeout,
-    /// `500 internal_error`: the handler panicked, or the route is misconfigured; the record was
-    /// released. Not retryable by contract: report it, with its `instance`.
-    InternalError,
+/// Declares [`ErrorKind`] from one table: each variant with its status, its stable code, its
+/// title and whether an answer of it can be retryable; every method below reads that table.
+macro_rules! error_kinds {
+    (
+        $(#[$meta:meta])*
+        pub enum ErrorKind {
+            $(
+                $(#[$doc:meta])*
+                $variant:ident {
+                    status: $status:ident,
+                    code: $code:literal,
+                    title: $title:literal,
+                    may_retry: $retry:literal,
+                },
+            )*
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        #[non_exhaustive]
+        pub enum ErrorKind {
+            $( $(#[$doc])* $variant, )*
+        }
+
+        impl ErrorKind {
+            /// The stable `error` field.
+            pub fn code(self) -> &'static str {
+                match self {
+                    $( ErrorKind::$variant => $code, )*
+                }
+            }
+
+            /// The HTTP status.
+            pub fn status(self) -> StatusCode {
+                match self {
+                    $( ErrorKind::$variant => StatusCode::$status, )*
+                }
+            }
+
+            /// The name of the variant, as docs.rs anchors it.
+            fn variant(self) -> &'static str {
+                match self {
+                    $( ErrorKind::$variant => stringify!($variant), )*
+                }
+            }
+
+            /// Every kind, in a fixed order.
+            pub const ALL: [ErrorKind; [$( stringify!($variant) ),*].len()] =
+                [$( ErrorKind::$variant ),*];
+
+            /// Whether an answer of this kind can be retryable, and so carry `Retry-After`.
+            #[cfg(feature = "openapi")]
+            pub(crate) fn may_retry(self) -> bool {
+                match self {
+                    $( ErrorKind::$variant => $retry, )*
+                }
+            }
+
+            /// The problem's `title`.
+            pub(crate) fn title(self) -> &'static str {
+                match self {
+                    $( ErrorKind::$variant => $title, )*
+                }
+            }
+        }
+    };
 }
 
-impl ErrorKind {
-    /// The stable `error` field.
-    pub fn code(self) -> &'static str {
-        match self {
-            ErrorKind::MissingIdempotencyKey => "missing_idempotency_key",
-            ErrorKind::InvalidIdempotencyKey => "invalid_idempotency_key",
-            ErrorKind::UnreadableBody => "unreadable_request_body",
-            ErrorKind::MissingSubject => "missing_subject",
-            ErrorKind::RequestTooLarge => "request_too_large",
-            ErrorKind::SubjectTooLong => "subject_too_long",
-            ErrorKind::EndpointTooLong => "endpoint_too_long",
-            ErrorKind::RequestTimeout => "request_timeout",
-            ErrorKind::KeyReuse => "idempotency_key_reuse",
-            ErrorKind::InProgress => "in_progress",
-            ErrorKind::StoreUnavailable => "idempotency_store_unavailable",
-            ErrorKind::InternalError => "internal_error",
-            ErrorKind::Overloaded => "idempotency_overloaded",
-            ErrorKind::StoreFull => "idempotency_store_full",
-            ErrorKind::QuotaExceeded => "idempotency_quota_exceeded",
-            ErrorKind::HandlerTimeout => "idempotency_handler_timeout",
-        }
-    }
-
-    /// The HTTP status.
-    pub fn status(self) -> StatusCode {
-        match self {
-            ErrorKind::MissingIdempotencyKey
-            | ErrorKind::InvalidIdempotencyKey
-            | ErrorKind::UnreadableBody
-            | ErrorKind::SubjectTooLong => StatusCode::BAD_REQUEST,
-            ErrorKind::EndpointTooLong => StatusCode::URI_TOO_LONG,
-            ErrorKind::MissingSubject => StatusCode::UNAUTHORIZED,
-            ErrorKind::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            ErrorKind::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
-            ErrorKind::KeyReuse => StatusCode::UNPROCESSABLE_ENTITY,
-            ErrorKind::InProgress => StatusCode::CONFLICT,
-            ErrorKind::StoreUnavailable | ErrorKind::Overloaded | ErrorKind::StoreFull => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
-            ErrorKind::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
-            ErrorKind::HandlerTimeout => StatusCode::GATEWAY_TIMEOUT,
-            ErrorKind::InternalError => StatusCode::INTERNAL_SERVER_ERROR,
-        }
-    }
-
-    /// The name of the variant, as docs.rs anchors it.
-    fn variant(self) -> &'static str {
-        match self {
-            ErrorKind::MissingIdempotencyKey => "MissingIdempotencyKey",
-            ErrorKind::InvalidIdempotencyKey => "InvalidIdempotencyKey",
-            ErrorKind::UnreadableBody => "UnreadableBody",
-            ErrorKind::MissingSubject => "MissingSubject",
-            ErrorKind::RequestTooLarge => "RequestTooLarge",
-            ErrorKind::SubjectTooLong => "SubjectTooLong",
-            ErrorKind::EndpointTooLong => "EndpointTooLong",
-            ErrorKind::RequestTimeout => "RequestTimeout",
-            ErrorKind::KeyReuse => "KeyReuse",
-            ErrorKind::InProgress => "InProgress",
-            ErrorKind::StoreUnavailable => "StoreUnavailable",
-            ErrorKind::Overloaded => "Overloaded",
-            ErrorKind::StoreFull => "StoreFull",
-            ErrorKind::QuotaExceeded => "QuotaExceeded",
-            ErrorKind::HandlerTimeout => "HandlerTimeout",
-            ErrorKind::InternalError => "InternalError",
-        }
-    }
-
-    /// Every kind, in a fixed order.
-    pub const ALL: [ErrorKind; 16] = [
-        ErrorKind::MissingIdempotencyKey,
-        ErrorKind::InvalidIdempotencyKey,
-        ErrorKind::UnreadableBody,
-        ErrorKind::MissingSubject,
-        ErrorKind::RequestTooLarge,
-        ErrorKind::SubjectTooLong,
-        ErrorKind::EndpointTooLong,
-        ErrorKind::RequestTimeout,
-        ErrorKind::KeyReuse,
-        ErrorKind::InProgress,
-        ErrorKind::StoreUnavailable,
-        ErrorKind::Overloaded,
-        ErrorKind::StoreFull,
-        ErrorKind::QuotaExceeded,
-        ErrorKind::HandlerTimeout,
-        ErrorKind::InternalError,
-    ];
-
-    /// Whether an answer of this kind can be retryable, and so carry `Retry-After`.
-    #[cfg(feature = "openapi")]
-    pub(crate) fn may_retry(self) -> bool {
-        match self {
-            ErrorKind::RequestTimeout
-            | ErrorKind::InProgress
-            | ErrorKind::StoreUnavailable
-            | ErrorKind::StoreFull
-            | ErrorKind::QuotaExceeded
-            | ErrorKind::Overloaded
-            | ErrorKind::HandlerTimeout => true,
-            ErrorKind::MissingIdempotencyKey
-            | ErrorKind::InvalidIdempotencyKey
-            | ErrorKind::UnreadableBody
-            | ErrorKind::MissingSubject
-            | ErrorKind::SubjectTooLong
-            | ErrorKind::EndpointTooLong
-            | ErrorKind::RequestTooLarge
-            | ErrorKind::KeyReuse
-            | ErrorKind::InternalError => false,
-        }
-    }
-
-    pub(crate) fn title(self) -> &'static str {
-        match self {
-            ErrorKind::MissingIdempotencyKey => "Idempotency-Key header required",
-            ErrorKind::InvalidIdempotencyKey => "Invalid Idempotency-Key header",
-            ErrorKind::UnreadableBody => "Request body could not be read",
-            ErrorKind::MissingSubject => "Authentication required",
-            ErrorKind::RequestTooLarge => "Request body too large",
-            ErrorKind::SubjectTooLong => "Subject too long",
-            ErrorKind::EndpointTooLong => "Request path too long",
-            ErrorKind::RequestTimeout => "Request body too slow",
-            ErrorKind::KeyReuse => "Idempotency-Key reused for a different request",
-            ErrorKind::InProgress => "Request with this Idempotency-Key is in progress",
-            ErrorKind::StoreUnavailable => "Idempotency store unavailable",
-            ErrorKind::InternalError => "Internal error",
-            ErrorKind::Overloaded => "Too many idempotent requests running",
-            ErrorKind::StoreFull => "Idempotency store full",
-            ErrorKind::QuotaExceeded => "Share of the idempotency store used up",
-            ErrorKind::HandlerTimeout => "The operation did not finish in time",
-        }
+error_kinds! {
+    /// Every error the layer answers with, by its stable machine code.
+    ///
+    /// Each answer is `application/problem+json` (RFC 9457) with these members:
+    ///
+    /// | member | meaning |
+    /// |---|---|
+    /// | `type` | an absolute URI documenting the error: by default this page, at the variant's anchor (`…/enum.ErrorKind.html#variant.InProgress`); with [`problem_type_base`](crate::IdempotencyLayerBuilder::problem_type_base), the base followed by the `error` code |
+    /// | `title`, `status`, `detail` | as RFC 9457 defines them |
+    /// | `error` | the stable code, e.g. `in_progress` |
+    /// | `instance` | `urn:uuid:<version 4 UUID>`, unique to this occurrence; the layer logs it with the answer (at WARN for 5xx, DEBUG otherwise), so a client's report can be matched to the server's log |
+    /// | `retryable` | whether sending **the same request with the same key** again can succeed; when true the answer also has `Retry-After` (seconds) |
+    /// | `retryAfterSeconds` | on `in_progress` only: the `Retry-After` value |
+    ///
+    /// **The client contract.** When `retryable` is true, retry the same request with the same
+    /// `Idempotency-Key` after `Retry-After` seconds (with backoff and a bound): it is never run twice.
+    /// When false, do not retry as is: fix the request (the 400s, 401, 413), use the key only for
+    /// the request it was first used for (422), or treat the answer as final (a replayed 504). A new
+    /// key is a new operation: use one only for a new operation, never to get past an error of an
+    /// operation that may have happened.
+    pub enum ErrorKind {
+        /// `400 missing_idempotency_key`: the route requires an `Idempotency-Key` and the request has
+        /// none. Not retryable: send a key (a new one for a new operation).
+        MissingIdempotencyKey {
+            status: BAD_REQUEST,
+            code: "missing_idempotency_key",
+            title: "Idempotency-Key header required",
+            may_retry: false,
+        },
+        /// `400 invalid_idempotency_key`: the `Idempotency-Key` header is empty, too long, not visible
+        /// ASCII, badly quoted or repeated. Not retryable: send one valid key.
+        InvalidIdempotencyKey {
+            status: BAD_REQUEST,
+            code: "invalid_idempotency_key",
+            title: "Invalid Idempotency-Key header",
+            may_retry: false,
+        },
+        /// `400 unreadable_request_body`: the request body could not be read to its end; nothing was
+        /// claimed. Not retryable as is: the client sent an incomplete body; send it whole.
+        UnreadableBody {
+            status: BAD_REQUEST,
+            code: "unreadable_request_body",
+            title: "Request body could not be read",
+            may_retry: false,
+        },
+        /// `401 missing_subject`: no authenticated subject, and anonymous scope is not enabled. Not
+        /// retryable: authenticate first.
+        MissingSubject {
+            status: UNAUTHORIZED,
+            code: "missing_subject",
+            title: "Authentication required",
+            may_retry: false,
+        },
+        /// `413 request_too_large`: the request body is over the layer's limit, or over one set
+        /// outside the layer (such as tower-http's `RequestBodyLimitLayer`) that cut it while the
+        /// layer read it; nothing was claimed and nothing ran. Not retryable: send a smaller body.
+        RequestTooLarge {
+            status: PAYLOAD_TOO_LARGE,
+            code: "request_too_large",
+            title: "Request body too large",
+            may_retry: false,
+        },
+        /// `400 subject_too_long`: the authenticated subject is longer than 1024 bytes; nothing was
+        /// claimed. Not retryable: the application's authentication gives subjects the layer does
+        /// not take.
+        SubjectTooLong {
+            status: BAD_REQUEST,
+            code: "subject_too_long",
+            title: "Subject too long",
+            may_retry: false,
+        },
+        /// `414 endpoint_too_long`: the request's method and path are longer than 4096 bytes; nothing
+        /// was claimed. Not retryable: use a shorter path.
+        EndpointTooLong {
+            status: URI_TOO_LONG,
+            code: "endpoint_too_long",
+            title: "Request path too long",
+            may_retry: false,
+        },
+        /// `408 request_timeout`: the request body did not arrive within the layer's deadline
+        /// ([`body_timeout`](crate::IdempotencyLayerBuilder::body_timeout)); nothing was claimed.
+        /// Retryable: send the same request, with the same key, again.
+        RequestTimeout {
+            status: REQUEST_TIMEOUT,
+            code: "request_timeout",
+            title: "Request body too slow",
+            may_retry: true,
+        },
+        /// `422 idempotency_key_reuse`: the key was already used for a request with another
+        /// fingerprint (body or query); nothing ran. Not retryable: this key belongs to the first
+        /// request; a different operation needs a new key.
+        KeyReuse {
+            status: UNPROCESSABLE_ENTITY,
+            code: "idempotency_key_reuse",
+            title: "Idempotency-Key reused for a different request",
+            may_retry: false,
+        },
+        /// `409 in_progress`: a request with this key is still being processed. Retryable: retry the
+        /// same request with the same key after `Retry-After`; you get its answer once it is done.
+        InProgress {
+            status: CONFLICT,
+            code: "in_progress",
+            title: "Request with this Idempotency-Key is in progress",
+            may_retry: true,
+        },
+        /// `503 idempotency_store_unavailable`: the store could not be reached or failed (or a record
+        /// could not be decrypted); the handler did not run, or its effect was rolled back. Retryable:
+        /// same request, same key, after `Retry-After`.
+        StoreUnavailable {
+            status: SERVICE_UNAVAILABLE,
+            code: "idempotency_store_unavailable",
+            title: "Idempotency store unavailable",
+            may_retry: true,
+        },
+        /// `503 idempotency_overloaded`: the instance holds as many guarded requests in flight as it
+        /// may ([`max_running`](crate::IdempotencyLayerBuilder::max_running)); nothing was claimed.
+        /// Retryable: same request, same key, after `Retry-After`.
+        Overloaded {
+            status: SERVICE_UNAVAILABLE,
+            code: "idempotency_overloaded",
+            title: "Too many idempotent requests running",
+            may_retry: true,
+        },
+        /// `503 idempotency_store_full`: the store has no room for a new record (a memory store at
+        /// its capacity, a Redis out of memory, a database whose disk is full); nothing ran.
+        /// Retryable: same request, same key, after `Retry-After` (records expire and make room).
+        StoreFull {
+            status: SERVICE_UNAVAILABLE,
+            code: "idempotency_store_full",
+            title: "Idempotency store full",
+            may_retry: true,
+        },
+        /// `429 idempotency_quota_exceeded`: this subject's records hold its share of the store, so
+        /// no new key is taken for it until some expire; its finished records still replay. Retryable
+        /// after `Retry-After`.
+        QuotaExceeded {
+            status: TOO_MANY_REQUESTS,
+            code: "idempotency_quota_exceeded",
+            title: "Share of the idempotency store used up",
+            may_retry: true,
+        },
+        /// `504 idempotency_handler_timeout`: the handler was still running at the maximum hold
+        /// ([`max_hold`](crate::IdempotencyLayerBuilder::max_hold)) and was cancelled. Its effect may
+        /// have happened, so this is recorded and replayed for the key: not retryable, the answer is
+        /// final for that key (find out from the service what happened). On the transactional path
+        /// the effect was rolled back and the key released: then it is retryable (same key, after
+        /// `Retry-After`).
+        HandlerTimeout {
+            status: GATEWAY_TIMEOUT,
+            code: "idempotency_handler_timeout",
+            title: "The operation did not finish in time",
+            may_retry: true,
+        },
+        /// `500 internal_error`: the handler panicked, or the route is misconfigured; the record was
+        /// released. Not retryable by contract: report it, with its `instance`.
+        InternalError {
+            status: INTERNAL_SERVER_ERROR,
+            code: "internal_error",
+            title: "Internal error",
+            may_retry: false,
+        },
     }
 }
 

@@ -67,6 +67,9 @@ pub(crate) struct LayerSettings {
     pub(crate) policy: Arc<PolicyFn>,
     pub(crate) subject: Arc<dyn SubjectExtractor>,
     pub(crate) allow_anonymous: bool,
+    /// What tells anonymous callers apart for their shares of the instance (not for their
+    /// records, which they share): `None`, one share for them all.
+    pub(crate) anonymous_shares: Option<Arc<dyn SubjectExtractor>>,
     pub(crate) endpoint: Arc<EndpointFn>,
     pub(crate) replay_header: HeaderName,
     pub(crate) fingerprint: FingerprintRule,
@@ -182,6 +185,7 @@ impl Default for LayerSettings {
             policy: Arc::new(default_policy),
             subject: Arc::new(SubjectExtension),
             allow_anonymous: false,
+            anonymous_shares: None,
             endpoint: Arc::new(default_endpoint),
             replay_header: crate::header::IDEMPOTENT_REPLAYED,
             fingerprint: FingerprintRule::Canonical(Arc::new([])),
@@ -189,7 +193,7 @@ impl Default for LayerSettings {
             min_key_length: 1,
             on_replay: None,
             expiry_header: true,
-            credential_headers: vec![http::header::AUTHORIZATION, http::header::COOKIE],
+            credential_headers: vec![http::header::AUTHORIZATION],
         }
     }
 }

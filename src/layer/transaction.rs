@@ -28,8 +28,9 @@ use crate::store::{StoreError, TransactionalStore};
 /// wrappers of them): write the handler's effects through it, and the layer commits them together
 /// with the record of the response. The layer must be built with
 /// [`transactions(true)`](crate::IdempotencyLayerBuilder::transactions). `DB` is the store's
-/// database (`IdempotencyTx` alone is PostgreSQL's, `IdempotencyTx<sqlx::Sqlite>` SQLite's,
-/// `IdempotencyTx<sqlx::MySql>` MySQL's).
+/// database, always written: `IdempotencyTx<sqlx::Postgres>`, `IdempotencyTx<sqlx::Sqlite>`,
+/// `IdempotencyTx<sqlx::MySql>`. One of another database than the route's store answers `500`
+/// with a log that names both, and its handler does not run.
 ///
 /// ```
 /// # #[cfg(feature = "postgres")] {
@@ -38,7 +39,7 @@ use crate::store::{StoreError, TransactionalStore};
 /// use serde_json::{Value, json};
 ///
 /// async fn checkout(
-///     mut tx: IdempotencyTx,
+///     mut tx: IdempotencyTx<sqlx::Postgres>,
 ///     Json(order): Json<Value>,
 /// ) -> Result<(StatusCode, Json<Value>), StatusCode> {
 ///     // A slow call to a provider may come first: no transaction is open yet.
@@ -76,16 +77,7 @@ use crate::store::{StoreError, TransactionalStore};
 /// - On a route whose layer offers no transactions (its store has none, `transactions(true)` was
 ///   not set, or the layer did not claim the request: no key, or a failing store with
 ///   `fail_open`), extracting it answers `500 internal_error` and logs why; the handler does not
-///   run without its transaction. `Option<IdempotencyTx>` is `None` there instead.
-#[cfg(feature = "postgres")]
-pub struct IdempotencyTx<DB: sqlx::Database = sqlx::Postgres> {
-    slot: Arc<TxSlot<DB>>,
-    tx: Option<sqlx::Transaction<'static, DB>>,
-}
-
-/// The transaction of an idempotent request on a store that has transactions: see the docs with
-/// the `postgres` feature, where `DB` defaults to PostgreSQL.
-#[cfg(not(feature = "postgres"))]
+///   run without its transaction. `Option<IdempotencyTx<DB>>` is `None` there instead.
 pub struct IdempotencyTx<DB: sqlx::Database> {
     slot: Arc<TxSlot<DB>>,
     tx: Option<sqlx::Transaction<'static, DB>>,
@@ -126,6 +118,22 @@ impl<S: Send + Sync, DB: sqlx::Database> FromRequestParts<S> for IdempotencyTx<D
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
         let Some(slot) = parts.extensions.get::<Arc<TxSlot<DB>>>().cloned() else {
+            if let Some(OfferedDatabase(offered)) = parts.extensions.get::<OfferedDatabase>() {
+                // A transaction of another database than the store's: a mistake in the code,
+                // said as such rather than as a missing transaction.
+                tracing::error!(
+                    asked = DB::NAME,
+                    offered,
+                    "the handler takes an IdempotencyTx of another database than its route's \
+                     store: take IdempotencyTx<sqlx::{}>; the handler was not run",
+                    sqlx_type(offered)
+                );
+                return Err(IdempotencyRejection::plain(
+                    ErrorKind::InternalError,
+                    "this operation's transaction is of another database than the idempotency \
+                     store's",
+                ));
+            }
             tracing::error!(
                 "IdempotencyTx needs this route's IdempotencyLayer to be built with \
                  transactions(true) on a store of this database, and the request to be claimed \
@@ -181,6 +189,21 @@ fn take<DB: sqlx::Database>(
 type Begin<DB> = dyn Fn() -> BoxFuture<'static, Result<sqlx::Transaction<'static, DB>, StoreError>>
     + Send
     + Sync;
+
+/// The name of sqlx's type for the database called `name` (`sqlx::Database::NAME`).
+fn sqlx_type(name: &str) -> &str {
+    match name {
+        "PostgreSQL" => "Postgres",
+        "SQLite" => "Sqlite",
+        "MySQL" => "MySql",
+        other => other,
+    }
+}
+
+/// The database of the transaction the layer offered for a request (`sqlx::Database::NAME`), so
+/// that a handler asking for another database's is told so.
+#[derive(Clone, Copy)]
+struct OfferedDatabase(&'static str);
 
 /// Where the layer hands the transaction to the handler and gets it back.
 pub(crate) struct TxSlot<DB: sqlx::Database> {
@@ -248,6 +271,7 @@ where
             state: Mutex::new(SlotState::Unused),
         });
         request.extensions_mut().insert(slot.clone());
+        request.extensions_mut().insert(OfferedDatabase(DB::NAME));
         Box::new(SlotEnd { slot, store })
     }
 }

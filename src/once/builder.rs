@@ -1,15 +1,11 @@
 //! [`RunOnceBuilder`]: the settings of a [`RunOnce`], checked when it is built.
 
 use std::fmt;
-use std::sync::Arc;
-use std::time::Duration;
 
 #[cfg(doc)]
 use super::OnceError;
 use super::{RUN_ONCE_LABEL, RunOnce};
-#[cfg(doc)]
-use crate::engine::IdempotencyContext;
-use crate::engine::{ConfigError, Drain, Engine, Outcome, Settings};
+use crate::engine::{ConfigError, Drain, Engine, Settings};
 use crate::store::IdempotencyStore;
 use crate::util::metrics::Label;
 
@@ -36,11 +32,14 @@ impl<St: IdempotencyStore> RunOnceBuilder<St> {
             // A run-once subject is a consumer or a job, not a tenant: no share of records.
             settings: Settings {
                 max_records_per_subject: None,
+                max_bytes_per_subject: None,
                 ..Settings::default()
             },
             drain: Drain::new(),
         }
     }
+
+    crate::engine::engine_setters!(settings);
 
     /// How many live records one subject may have in the store (default: no bound). Past it, new
     /// scopes of the subject answer [`OnceError::Store`] with a
@@ -52,59 +51,17 @@ impl<St: IdempotencyStore> RunOnceBuilder<St> {
         self
     }
 
-    /// How long an in-progress record may go without a heartbeat before it is presumed abandoned
-    /// (its process died) and retaken. From 30 ms to 10 years, and at least twice the store's
-    /// operation timeout. Default: 90 s.
-    pub fn in_progress_ttl(mut self, ttl: Duration) -> Self {
-        self.settings.in_progress_ttl = ttl;
-        self
-    }
-
-    /// How long recorded outputs are kept and returned; after that the scope is new again. From
-    /// 100 ms to 10 years; keep it above the longest redelivery horizon of your queue. Default:
-    /// 24 h.
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.settings.retention = retention;
-        self
-    }
-
-    /// The longest a run may hold its claim; a closure still running then is cancelled and the
-    /// scope settled as [`OnceError::TimedOut`]. From the in-progress TTL to
-    /// 10 years. Default: 10 minutes, or the TTL when that is longer.
-    pub fn max_hold(mut self, hold: Duration) -> Self {
-        self.settings.max_hold = Some(hold);
-        self
-    }
-
-    /// The deployment secret (at least 16 bytes) mixed into
-    /// [`IdempotencyContext::derived_key`], as
-    /// [`IdempotencyLayerBuilder::derived_key_secret`](crate::IdempotencyLayerBuilder::derived_key_secret).
-    pub fn derived_key_secret(mut self, secret: impl AsRef<[u8]>) -> Self {
-        self.settings.derived_key_secret =
-            Some(Arc::new(crate::util::secret::Secret::new(secret.as_ref())));
-        self
-    }
-
-    /// Lets a call that finds the scope in progress wait up to `wait` for the holder's output
-    /// instead of answering [`OnceError::InProgress`] at once, as
-    /// [`IdempotencyLayerBuilder::wait`](crate::IdempotencyLayerBuilder::wait) does for requests:
-    /// no connection or lock is held, `f` never runs for a waiter, and a released or vanished
-    /// record ends the wait with `InProgress`. Default: zero (off); at most 5 s.
-    pub fn wait(mut self, wait: Duration) -> Self {
-        self.settings.wait = wait;
+    /// How many bytes of recorded outputs one subject may have in the store (default: no bound),
+    /// counted with its records (so [`max_records_per_subject`](Self::max_records_per_subject)
+    /// must be set too). Past it, as past the share of records.
+    pub fn max_bytes_per_subject(mut self, bytes: Option<u64>) -> Self {
+        self.settings.max_bytes_per_subject = bytes;
         self
     }
 
     /// Counts the calls and background work in `drain`, shared with layers or other `RunOnce`s.
     pub fn drain(mut self, drain: Drain) -> Self {
         self.drain = drain;
-        self
-    }
-
-    /// Calls `hook` with every [`Outcome`] of a call (claimed, retaken, recorded, released,
-    /// replayed, in progress, key reuse, store unavailable, timed out).
-    pub fn on_outcome(mut self, hook: impl Fn(Outcome) + Send + Sync + 'static) -> Self {
-        self.settings.on_outcome = Some(Arc::new(hook));
         self
     }
 

@@ -87,13 +87,12 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
-use futures_util::FutureExt;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tracing::Instrument;
 
 pub use crate::engine::IdempotencyContext;
-use crate::engine::{Claim, Completed, ConfigError, Drain, Engine, Lease, Unavailable, span};
+use crate::engine::{Claim, Completed, ConfigError, Drain, Engine, Lease, Ran, Unavailable, span};
 pub use crate::store::{Fingerprint, RecordKey};
 use crate::store::{Finished, IdempotencyStore, StoreError, StoredResponse};
 use crate::util::metrics::Label;
@@ -260,20 +259,25 @@ where
 {
     // The call of `f` itself is inside, so that a closure that panics before its first await is
     // caught too.
-    let run = AssertUnwindSafe(async move { f(context).await }).catch_unwind();
-    let Ok(ended) = tokio::time::timeout_at(lease.deadline(), run).await else {
-        lease.timed_out();
-        tracing::warn!(
-            "the closure was still running at the maximum hold; cancelled, and recorded as a \
+    let ended = match lease.run(async move { f(context).await }).await {
+        Ran::Ended(ended) => ended,
+        Ran::Panicked => {
+            lease.release("the closure panicked").await;
+            return Err(OnceError::Panicked);
+        }
+        Ran::TimedOut => {
+            tracing::warn!(
+                "the closure was still running at the maximum hold; cancelled, and recorded as a \
              timeout"
-        );
-        lease
-            .complete(Arc::new(recorded(TIMED_OUT, Vec::new())))
-            .await;
-        return Err(OnceError::TimedOut);
+            );
+            lease
+                .complete(Arc::new(recorded(TIMED_OUT, Vec::new())))
+                .await;
+            return Err(OnceError::TimedOut);
+        }
     };
     match ended {
-        Ok(Ok(value)) => {
+        Ok(value) => {
             // The effect has happened: from here on, a panic before the completion starts records
             // this head without its body rather than releasing the record. (A task dropped while
             // the completion is under way, at a runtime's shutdown, leaves the record in progress,
@@ -296,13 +300,9 @@ where
                 }
             }
         }
-        Ok(Err(e)) => {
+        Err(e) => {
             lease.release("the closure returned an error").await;
             Err(OnceError::Failed(e))
-        }
-        Err(_panic) => {
-            lease.release("the closure panicked").await;
-            Err(OnceError::Panicked)
         }
     }
 }

@@ -248,7 +248,8 @@ fn what_the_operation_says_already_is_kept() {
         ParameterBuilder::new()
             .name("idempotency-key")
             .parameter_in(ParameterIn::Header)
-            .build(),
+            .build()
+            .into(),
     ]);
     let mut openapi = OpenApi::new(
         Info::new("Checkout", "1.0.0"),
@@ -298,7 +299,7 @@ fn one_operation_with_its_components() {
     assert!(components.schemas.contains_key(super::PROBLEM_SCHEMA));
     let keys = operation.parameters.as_ref().expect("parameters");
     assert_eq!(keys.len(), 1);
-    assert!(keys[0].required == Required::False);
+    assert!(matches!(&keys[0], utoipa::openapi::RefOr::T(key) if key.required == Required::False));
     assert!(operation.responses.responses.contains_key("422"));
 }
 

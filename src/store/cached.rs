@@ -359,13 +359,38 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         self.inner.purge_expired().await
     }
 
-    async fn count_records(&self, subject: &str, up_to: u64) -> Result<Option<u64>, StoreError> {
+    async fn count_records(
+        &self,
+        subject: &str,
+        up_to: u64,
+    ) -> Result<Option<crate::store::SubjectUsage>, StoreError> {
         self.inner.count_records(subject, up_to).await
     }
 
     /// The inner store's: the cache changes nothing that is written.
+    fn counts_records(&self) -> bool {
+        self.inner.counts_records()
+    }
+
     fn operation_timeout(&self) -> Option<Duration> {
         self.inner.operation_timeout()
+    }
+
+    /// The inner store's session, behind this cache (the keeper only renews, which changes no
+    /// cached answer).
+    async fn keeper_session(&self) -> Result<Self, StoreError> {
+        Ok(CachedStore {
+            inner: self.inner.keeper_session().await?,
+            cache: self.cache.clone(),
+        })
+    }
+
+    async fn show_presences(
+        &self,
+        live: &[super::Presence],
+        lapse: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.show_presences(live, lapse).await
     }
 
     async fn lookup(&self, key: &RecordKey) -> Result<Option<RecordInfo>, StoreError> {
@@ -379,9 +404,10 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
     async fn delete(&self, key: &RecordKey) -> Result<Deleted, StoreError> {
         let scope = key.digest();
         let deleted = self.inner.delete(key).await;
-        // Forgotten on every answer: a delete sent again after its first attempt committed (its
-        // answer was lost) answers `NotFound`, and an error may hide a delete that landed. Only
-        // the store's answers that cannot be stale are cached, and this one may be.
+        // Forgotten on every answer: an error may hide a delete that landed, and a store of
+        // someone else's may answer `NotFound` to a delete it sent again after its first attempt
+        // committed. Only the store's answers that cannot be stale are cached, and this one may
+        // be.
         self.cache.deleted(&scope);
         deleted
     }

@@ -53,6 +53,18 @@ impl fmt::Display for RecordState {
     }
 }
 
+/// What one subject holds in a store, as
+/// [`IdempotencyStore::count_records`](super::IdempotencyStore::count_records) answers it: its live
+/// records, and the bytes of the answers they keep (their bodies; a store may count more of each
+/// record, never less). Both are counted no further than the bound asked for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SubjectUsage {
+    /// Live records (released ones included: they are kept until their expiry).
+    pub records: u64,
+    /// Bytes of the recorded answers' bodies of those records.
+    pub bytes: u64,
+}
+
 /// A record as [`IdempotencyStore::lookup`](super::IdempotencyStore::lookup) and [`IdempotencyStore::list`](super::IdempotencyStore::list) answer it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -143,7 +155,7 @@ fn micros(t: SystemTime) -> i64 {
 
 /// A table row's state, stored status and times as inspection shows them: the status only for a
 /// finished record. `store` names the backend in the error for a status it does not know.
-#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+#[cfg(sql)]
 pub(crate) fn row_info(
     store: &str,
     status: &str,
@@ -168,15 +180,7 @@ pub(crate) fn row_info(
 }
 
 /// The time `us` microseconds after the Unix epoch.
-#[cfg_attr(
-    not(any(
-        feature = "postgres",
-        feature = "redis",
-        feature = "mysql",
-        feature = "sqlite"
-    )),
-    allow(dead_code)
-)]
+#[cfg_attr(not(any(sql, feature = "redis")), allow(dead_code))]
 pub(crate) fn from_micros(us: i64) -> SystemTime {
     if us >= 0 {
         UNIX_EPOCH + Duration::from_micros(us.unsigned_abs())

@@ -4,7 +4,8 @@
 //! finds everything here: the record's scope ([`RecordKey`]), the claim ([`ClaimRequest`],
 //! [`ClaimOutcome`]), the fencing token ([`LeaseToken`], [`Fenced`]), the recorded answer
 //! ([`StoredResponse`], [`Finished`]), inspection ([`RecordInfo`], [`ListRequest`], ...), errors
-//! ([`StoreError`]), and the capability only some stores have ([`TransactionalStore`]).
+//! ([`StoreError`]), the lease keeper's liveness ([`Presence`]), and the capability only some
+//! stores have ([`TransactionalStore`]).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -12,7 +13,6 @@ use std::time::Duration;
 
 mod cached;
 mod error;
-mod fingerprint;
 #[cfg(any(
     feature = "redis",
     feature = "encryption",
@@ -22,54 +22,56 @@ mod fingerprint;
 mod header_list;
 mod inspection;
 mod memory;
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-mod parking;
+mod presence;
 mod purge;
 mod record;
-#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
-mod sql_name;
+#[cfg(sql)]
+pub(crate) mod sql;
 #[cfg(test)]
 pub(crate) mod testing;
 mod transactional;
 
+pub use crate::fingerprint::Fingerprint;
 pub use cached::CachedStore;
 pub use error::StoreError;
-pub use fingerprint::Fingerprint;
-#[cfg(any(
-    feature = "postgres",
-    feature = "redis",
-    feature = "mysql",
-    feature = "sqlite"
-))]
+#[cfg(any(sql, feature = "redis"))]
 pub(crate) use inspection::from_micros;
-#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+#[cfg(sql)]
 pub(crate) use inspection::row_info;
 pub use inspection::{
     Deleted, InvalidCursor, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage,
-    RecordState,
+    RecordState, SubjectUsage,
 };
+#[cfg(sql)]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
+)]
+pub use sql::InvalidTableName;
 
 pub use memory::MemoryStore;
+pub use presence::Presence;
 pub use purge::spawn_purge;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) use record::delete_token;
 pub use record::{
     ClaimOutcome, ClaimRequest, Fenced, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
 };
-pub(crate) use record::{FRESH_FRACTION, claim_ids};
 pub use transactional::{FailedCommit, TransactionalStore};
 
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "postgres")]
-pub use postgres::{PostgresStore, PostgresStoreError};
+pub use postgres::PostgresStore;
 
 #[cfg(feature = "sqlite")]
 mod sqlite;
 #[cfg(feature = "sqlite")]
-pub use sqlite::{SqliteStore, SqliteStoreError};
+pub use sqlite::SqliteStore;
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "mysql")]
-pub use mysql::{MySqlStore, MySqlStoreError};
+pub use mysql::MySqlStore;
 
 #[cfg(feature = "encryption")]
 mod encrypted;
@@ -88,8 +90,9 @@ pub use self::redis::RedisStore;
 /// `store_suite!`) checks an implementation against all of this; every store of the crate runs it.
 ///
 /// A store that wraps another forwards every operation, and its inner store's
-/// [`operation_timeout`](Self::operation_timeout) (a required method, so that a wrapper cannot
-/// drop it by leaving a default in place). A wrapper of a [`TransactionalStore`] implements that
+/// [`operation_timeout`](Self::operation_timeout), [`keeper_session`](Self::keeper_session) and
+/// [`show_presences`](Self::show_presences) (required methods, so that a wrapper cannot drop them
+/// by leaving a default in place). A wrapper of a [`TransactionalStore`] implements that
 /// trait too, to pass the capability on. Here, a wrapper counting claims:
 ///
 /// ```
@@ -98,7 +101,8 @@ pub use self::redis::RedisStore;
 /// use std::time::Duration;
 /// use axum_idempotency::store::{
 ///     ClaimOutcome, ClaimRequest, Deleted, Fenced, Fingerprint, IdempotencyStore, LeaseToken,
-///     ListRequest, MemoryStore, RecordInfo, RecordKey, RecordPage, StoreError, StoredResponse,
+///     ListRequest, MemoryStore, Presence, RecordInfo, RecordKey, RecordPage, StoreError,
+///     StoredResponse, SubjectUsage,
 /// };
 /// use axum_idempotency::IdempotencyLayer;
 ///
@@ -146,11 +150,25 @@ pub use self::redis::RedisStore;
 ///     async fn list(&self, subject: &str, page: ListRequest) -> Result<RecordPage, StoreError> {
 ///         self.inner.list(subject, page).await
 ///     }
-///     async fn count_records(&self, subject: &str, up_to: u64) -> Result<Option<u64>, StoreError> {
+///     async fn count_records(
+///         &self,
+///         subject: &str,
+///         up_to: u64,
+///     ) -> Result<Option<SubjectUsage>, StoreError> {
 ///         self.inner.count_records(subject, up_to).await
+///     }
+///     fn counts_records(&self) -> bool {
+///         self.inner.counts_records()
 ///     }
 ///     fn operation_timeout(&self) -> Option<Duration> {
 ///         self.inner.operation_timeout()
+///     }
+///     async fn keeper_session(&self) -> Result<Self, StoreError> {
+///         let inner = self.inner.keeper_session().await?;
+///         Ok(Counted { inner, claims: self.claims.clone() })
+///     }
+///     async fn show_presences(&self, live: &[Presence], lapse: Duration) -> Result<(), StoreError> {
+///         self.inner.show_presences(live, lapse).await
 ///     }
 /// }
 ///
@@ -165,7 +183,8 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     ///   `request.lease`, committed before this returns, and answer [`ClaimOutcome::Claimed`];
     /// - a record with another fingerprint: [`ClaimOutcome::KeyReuse`], changing nothing;
     /// - a finished record: [`ClaimOutcome::Finished`] with its response;
-    /// - an `in_progress` record claimed or renewed less than `in_progress_ttl` ago:
+    /// - an `in_progress` record claimed or renewed less than `in_progress_ttl` ago, or whose
+    ///   lease's [`Presence`] the store shows (its holder lives, whatever delayed its renewals):
     ///   [`ClaimOutcome::InProgress`];
     /// - an `in_progress` record held by `request.lease` itself (this claim, sent twice: a resend
     ///   after its answer was lost): [`ClaimOutcome::Claimed`], changing nothing;
@@ -265,16 +284,23 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<RecordPage, StoreError>> + Send;
 
     /// How many live records (not past their retention; released ones included, since they are
-    /// kept until then) `subject` has on every endpoint, counting no further than `up_to`: a store
-    /// may stop there, and answer `up_to`. The engine asks it now and then to hold each subject to
-    /// its share of the store (`max_records_per_subject`); an estimate close to the count is
-    /// enough. `None` when the store cannot tell (it keeps no subject with its records): then no
-    /// share is enforced on it.
+    /// kept until then) `subject` has on every endpoint, and the bytes of the answers they keep,
+    /// counting no further than `up_to` records: a store may stop there, and answer `up_to` (with
+    /// the bytes of the records it counted). The engine asks it now and then to hold each subject
+    /// to its share of the store (`max_records_per_subject`, `max_bytes_per_subject`); an estimate
+    /// close to the count, or above it, is enough. `None` when the store cannot tell (it keeps no
+    /// subject with its records): then no share is enforced on it.
     fn count_records(
         &self,
         subject: &str,
         up_to: u64,
-    ) -> impl Future<Output = Result<Option<u64>, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Option<SubjectUsage>, StoreError>> + Send;
+
+    /// Whether [`count_records`](Self::count_records) counts: `false` for a store that keeps no
+    /// subject with its records (it answers `None`). A layer with `max_records_per_subject` on
+    /// such a store is refused when it is built, rather than bound nothing. A wrapper answers its
+    /// inner store's.
+    fn counts_records(&self) -> bool;
 
     /// The longest one operation of the store may take before it fails, if the store bounds its
     /// operations (the Postgres and Redis stores do). The layer refuses an in-progress TTL under
@@ -282,4 +308,34 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     /// the record), and bounds the heartbeat's renewals by it. A wrapper answers its inner
     /// store's.
     fn operation_timeout(&self) -> Option<Duration>;
+
+    /// The lease keeper's own copy of this store: the same records, reached through connections
+    /// of its own, opened now, on the calling runtime (the keeper's, on a thread of its own). The
+    /// keeper renews its leases and shows its presences through it, so that neither handlers
+    /// holding every pooled connection nor a runtime whose workers are all blocked stop them. The
+    /// keeper drops it once it has no lease left, which closes those connections.
+    ///
+    /// A store without connections (memory) answers a clone of itself; a wrapper wraps its inner
+    /// store's session. An error leaves the keeper renewing through the store itself meanwhile.
+    fn keeper_session(&self) -> impl Future<Output = Result<Self, StoreError>> + Send;
+
+    /// Called on a [`keeper_session`](Self::keeper_session), again and again: shows exactly the
+    /// presences in `live` from now on (see [`Presence`]), taking what is new and letting go of
+    /// what is not in it, and re-shows what a lost connection dropped. While a presence is shown,
+    /// a claim of any instance sharing the records never retakes a record held by a lease of it,
+    /// however long ago it was renewed.
+    ///
+    /// What is shown lapses when no further call comes within `lapse` (the keeper calls again
+    /// well within it, a third of the in-progress TTL apart), when the session is dropped, and
+    /// when its process dies: a holder that died, or was cut off from the store, without closing
+    /// its connections (a machine that lost power) is not shown alive for longer than that.
+    ///
+    /// A store that cannot show presences (memory, in one process; Redis) answers `Ok(())` and
+    /// judges holders by the in-progress TTL alone. A presence it could not show now (held by
+    /// another session a moment) is tried again at the next call.
+    fn show_presences(
+        &self,
+        live: &[Presence],
+        lapse: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 }

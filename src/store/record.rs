@@ -56,11 +56,21 @@ impl LeaseToken {
     }
 }
 
-/// A fresh lease token and generation for a claim, drawn together: one read of the process id
-/// and of the clock for both (see [`unique_u64s`]).
-pub(crate) fn claim_ids() -> (LeaseToken, Generation) {
-    let [token, a, b] = unique_u64s::<3>();
-    (LeaseToken::from_u64(token), Generation::from_halves(a, b))
+/// The token of one delete, written where a deleted record's fingerprint was, so that the same
+/// delete sent again knows it was the one that deleted it: 32 unpredictable bytes, which no
+/// request's fingerprint is.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn delete_token() -> [u8; 32] {
+    let mut token = [0u8; 32];
+    for (at, value) in unique_u64s::<4>().into_iter().enumerate() {
+        token[at * 8..at * 8 + 8].copy_from_slice(&value.to_be_bytes());
+    }
+    token
+}
+
+/// One unpredictable 64-bit value (see [`unique_u64s`]).
+pub(crate) fn unique_u64() -> u64 {
+    unique_u64s::<1>()[0]
 }
 
 /// `N` unpredictable 64-bit values, unique with overwhelming probability across threads,
@@ -208,11 +218,6 @@ impl StoredResponse {
     }
 }
 
-/// A claim answered within this fraction of its in-progress TTL is trusted at once; a later answer
-/// may describe a record another instance has retaken since, so the layer proves it held (a guarded
-/// renewal) before running anything, and answers no duplicate from it.
-pub(crate) const FRESH_FRACTION: u32 = 10;
-
 /// A claim to make: the record's scope and fingerprint, and the layer's time limits.
 #[derive(Debug, Clone)]
 pub struct ClaimRequest {
@@ -231,6 +236,38 @@ pub struct ClaimRequest {
     /// How long a record lives; a claim that is never completed is purged after
     /// `in_progress_ttl + retention`.
     pub retention: Duration,
+}
+
+impl ClaimRequest {
+    /// The claim of `key` with `fingerprint` by a new request: a lease token and a generation of
+    /// its own, and these time limits. (The engine draws its own lease tokens, which carry its
+    /// process's presence; stores of your own and tests build their claims here.)
+    pub fn new(
+        key: RecordKey,
+        fingerprint: Fingerprint,
+        in_progress_ttl: Duration,
+        retention: Duration,
+    ) -> Self {
+        ClaimRequest {
+            key,
+            fingerprint,
+            lease: LeaseToken::generate(),
+            generation: Generation::generate(),
+            in_progress_ttl,
+            retention,
+        }
+    }
+
+    /// The same claim sent by another request: the same scope, fingerprint and time limits, with
+    /// a lease token and a generation of its own.
+    pub fn from_another_request(&self) -> Self {
+        ClaimRequest::new(
+            self.key.clone(),
+            self.fingerprint,
+            self.in_progress_ttl,
+            self.retention,
+        )
+    }
 }
 
 /// What a write fenced by a lease (complete, renew, release) found: the lease held the record and
@@ -326,7 +363,10 @@ mod tests {
                     (0..20_000)
                         .map(|i| match i % 2 {
                             0 => (LeaseToken::generate(), Generation::generate()),
-                            _ => claim_ids(),
+                            _ => (
+                                crate::store::Presence::generate().lease(i),
+                                Generation::generate(),
+                            ),
                         })
                         .collect::<Vec<_>>()
                 })

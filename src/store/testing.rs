@@ -121,11 +121,31 @@ impl IdempotencyStore for Faulty {
         self.inner.list(subject, request).await
     }
 
-    async fn count_records(&self, subject: &str, up_to: u64) -> Result<Option<u64>, StoreError> {
+    async fn count_records(
+        &self,
+        subject: &str,
+        up_to: u64,
+    ) -> Result<Option<crate::store::SubjectUsage>, StoreError> {
         self.inner.count_records(subject, up_to).await
+    }
+
+    fn counts_records(&self) -> bool {
+        true
     }
 
     fn operation_timeout(&self) -> Option<Duration> {
         self.operation_timeout
+    }
+
+    async fn keeper_session(&self) -> Result<Self, StoreError> {
+        Ok(self.clone())
+    }
+
+    async fn show_presences(
+        &self,
+        live: &[super::Presence],
+        lapse: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.show_presences(live, lapse).await
     }
 }

@@ -77,9 +77,22 @@ pub async fn start_with_url(url: &str, env: &[(&str, String)]) -> (Child, Socket
 
 /// The example on the database at `url` (any `DATABASE_URL` it takes) with `env`.
 pub async fn start_url(url: String, env: &[(&str, String)]) -> (Child, SocketAddr) {
+    start_process(Some(url), env).await
+}
+
+/// The example on the memory store (no `DATABASE_URL`, no `REDIS_URL`) with `env`.
+pub async fn start_memory(env: &[(&str, String)]) -> (Child, SocketAddr) {
+    start_process(None, env).await
+}
+
+/// The example with `DATABASE_URL` set to `url` (unset: the memory store) and `env`.
+async fn start_process(url: Option<String>, env: &[(&str, String)]) -> (Child, SocketAddr) {
     let mut command = Command::new(binary());
+    match url {
+        Some(url) => command.env("DATABASE_URL", url),
+        None => command.env_remove("DATABASE_URL"),
+    };
     command
-        .env("DATABASE_URL", url)
         .env_remove("REDIS_URL")
         .env("BIND", "127.0.0.1:0")
         .env("NO_COLOR", "1")

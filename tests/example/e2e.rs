@@ -1,10 +1,7 @@
-//! End to end: the checkout example served on real TCP listeners, talked to over real HTTP, on both
-//! stores; and the example binary itself, killed and restarted, on Postgres.
+//! End to end: the checkout example started as the process it is (its binary, as `cargo run`
+//! builds it), talked to over real HTTP, on each store; killed and restarted, on Postgres.
 #![cfg(feature = "postgres")]
 
-#[path = "../../examples/checkout.rs"]
-#[allow(dead_code)]
-pub(crate) mod checkout;
 use crate::common;
 
 use std::net::SocketAddr;
@@ -12,9 +9,6 @@ use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
-use axum_idempotency::MemoryStore;
-use axum_idempotency::store::{IdempotencyStore, PostgresStore};
-use checkout::{Ledger, Settings};
 use common::Answer;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use tokio::io::AsyncWriteExt;
@@ -56,48 +50,53 @@ fn rand_suffix() -> u64 {
     N.fetch_add(1, Ordering::SeqCst)
 }
 
-pub(crate) fn settings(delay_ms: u64) -> Settings {
-    Settings::new(Duration::from_secs(90), Duration::from_millis(delay_ms))
+/// The example running as a process of its own, and its address: killed when dropped.
+pub(crate) struct Served {
+    _process: Child,
+    pub(crate) addr: SocketAddr,
 }
 
-/// Serves the example's router on a loopback port of its own.
-async fn serve<S: IdempotencyStore>(store: S, ledger: Ledger, settings: Settings) -> SocketAddr {
-    let idempotency = checkout::idempotency(store, &settings)
-        .build()
-        .expect("valid settings");
-    serve_layer(idempotency, ledger, settings).await
+/// `CHECKOUT_DELAY_MS`, the simulated payment's latency, and `more`.
+pub(crate) fn delayed(
+    delay_ms: u64,
+    more: &[(&'static str, String)],
+) -> Vec<(&'static str, String)> {
+    let mut env = vec![("CHECKOUT_DELAY_MS", delay_ms.to_string())];
+    env.extend(more.iter().cloned());
+    env
 }
 
-/// Serves the example's router behind `idempotency` on a loopback port of its own.
-pub(crate) async fn serve_layer<S: IdempotencyStore>(
-    idempotency: axum_idempotency::IdempotencyLayer<S>,
-    ledger: Ledger,
-    settings: Settings,
-) -> SocketAddr {
-    let router = checkout::app(idempotency, ledger, settings).expect("app");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move { axum::serve(listener, router).await });
-    addr
+/// The example on the memory store, its payments taking `delay_ms`, with `more` settings.
+pub(crate) async fn serve_memory_with(delay_ms: u64, more: &[(&'static str, String)]) -> Served {
+    let (process, addr) = example::start_memory(&delayed(delay_ms, more)).await;
+    Served {
+        _process: process,
+        addr,
+    }
 }
 
-async fn serve_memory(delay_ms: u64) -> SocketAddr {
-    serve(MemoryStore::new(), Ledger::memory(), settings(delay_ms)).await
+async fn serve_memory(delay_ms: u64) -> Served {
+    serve_memory_with(delay_ms, &[]).await
 }
 
-async fn serve_postgres(delay_ms: u64) -> SocketAddr {
-    let (_, pool) = schema_pool().await;
-    let store = PostgresStore::new(pool.clone());
-    store.migrate().await.expect("migrate");
-    let ledger = Ledger::postgres(pool).await.expect("ledger");
-    let settings = settings(delay_ms);
-    let idempotency = checkout::idempotency(store, &settings)
-        .transactions(settings.transactional)
-        .build()
-        .expect("valid settings");
-    serve_layer(idempotency, ledger, settings).await
+/// The example on Postgres, in a schema of its own (it migrates the store and makes its ledger
+/// there), checkouts written in the layer's transaction.
+async fn serve_postgres(delay_ms: u64) -> Served {
+    let (schema, _) = schema_pool().await;
+    let (process, addr) = example::start(&schema, &delayed(delay_ms, &[])).await;
+    Served {
+        _process: process,
+        addr,
+    }
+}
+
+/// The example on the database at `url` (`sqlite://PATH`, `mysql://...`).
+pub(crate) async fn serve_url(url: &str, delay_ms: u64) -> Served {
+    let (process, addr) = example::start_with_url(url, &delayed(delay_ms, &[])).await;
+    Served {
+        _process: process,
+        addr,
+    }
 }
 
 /// One HTTP/1.1 request on a connection of its own.
@@ -275,32 +274,38 @@ pub(crate) async fn outcomes_and_isolation(addr: SocketAddr) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn memory_duplicates_during_a_slow_checkout() {
-    duplicates_during_a_slow_checkout(serve_memory(1500).await).await;
+    let served = serve_memory(1500).await;
+    duplicates_during_a_slow_checkout(served.addr).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_duplicates_during_a_slow_checkout() {
-    duplicates_during_a_slow_checkout(serve_postgres(1500).await).await;
+    let served = serve_postgres(1500).await;
+    duplicates_during_a_slow_checkout(served.addr).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn memory_client_closes_mid_checkout() {
-    client_closes_mid_checkout(serve_memory(800).await).await;
+    let served = serve_memory(800).await;
+    client_closes_mid_checkout(served.addr).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_client_closes_mid_checkout() {
-    client_closes_mid_checkout(serve_postgres(800).await).await;
+    let served = serve_postgres(800).await;
+    client_closes_mid_checkout(served.addr).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn memory_outcomes_and_isolation() {
-    outcomes_and_isolation(serve_memory(0).await).await;
+    let served = serve_memory(0).await;
+    outcomes_and_isolation(served.addr).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_outcomes_and_isolation() {
-    outcomes_and_isolation(serve_postgres(0).await).await;
+    let served = serve_postgres(0).await;
+    outcomes_and_isolation(served.addr).await;
 }
 
 // ---- the example binary, killed and restarted ----
@@ -745,7 +750,8 @@ async fn sigterm_with_clients_attached_keeps_one_deadline_and_runs_nothing_twice
 /// error the layer answers carries a documentation `type`, an `instance` and `retryable`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_unserved_method_gets_the_routers_405_untouched() {
-    let addr = serve_memory(0).await;
+    let served = serve_memory(0).await;
+    let addr = served.addr;
     let body = r#"{"amount":300}"#;
     let no_key = http(addr, "PATCH", "/checkout", "mia", None, body).await;
     assert_eq!(no_key.status, StatusCode::METHOD_NOT_ALLOWED, "{no_key:?}");
@@ -831,13 +837,14 @@ pub(crate) async fn inspection_routes(addr: SocketAddr) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn inspection_routes_and_the_wait() {
-    inspection_routes(serve_memory(400).await).await;
-    inspection_routes(serve_postgres(400).await).await;
+    let served = serve_memory(400).await;
+    inspection_routes(served.addr).await;
+    let served = serve_postgres(400).await;
+    inspection_routes(served.addr).await;
 
     // With a wait, a duplicate of a checkout in progress gets its replay.
-    let mut waiting = settings(400);
-    waiting.wait = Duration::from_secs(2);
-    let addr = serve(MemoryStore::new(), Ledger::memory(), waiting).await;
+    let waiting = serve_memory_with(400, &[("IDEMPOTENCY_WAIT_MS", "2000".to_owned())]).await;
+    let addr = waiting.addr;
     let body = r#"{"amount":700}"#;
     let first = tokio::spawn(async move { checkout_req(addr, "alice", "order-w", body).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -854,7 +861,6 @@ async fn inspection_routes_and_the_wait() {
 #[cfg(feature = "mysql")]
 mod mysql {
     use super::*;
-    use axum_idempotency::store::MySqlStore;
     use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 
     /// A fresh database, its URL, and a pool on it; databases earlier runs left are dropped after
@@ -900,36 +906,31 @@ mod mysql {
         (url, pool)
     }
 
-    async fn serve_mysql(delay_ms: u64) -> SocketAddr {
-        let (_, pool) = database().await;
-        let store = MySqlStore::new(pool.clone());
-        store.migrate().await.expect("migrate");
-        let ledger = checkout::mysql_ledger::ledger_in(pool)
-            .await
-            .expect("ledger");
-        let settings = settings(delay_ms);
-        let idempotency = checkout::idempotency(store, &settings)
-            .transactions(settings.transactional)
-            .build()
-            .expect("valid settings");
-        serve_layer(idempotency, ledger, settings).await
+    /// The example on a MySQL database of its own (it migrates the store and makes its ledger
+    /// there).
+    async fn serve_mysql(delay_ms: u64) -> Served {
+        let (url, _) = database().await;
+        serve_url(&url, delay_ms).await
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn mysql_duplicates_during_a_slow_checkout() {
-        duplicates_during_a_slow_checkout(serve_mysql(1500).await).await;
+        let served = serve_mysql(1500).await;
+        duplicates_during_a_slow_checkout(served.addr).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn mysql_outcomes_and_isolation() {
-        outcomes_and_isolation(serve_mysql(0).await).await;
+        let served = serve_mysql(0).await;
+        outcomes_and_isolation(served.addr).await;
     }
 
     /// The inspection routes on MySQL: a checkout's state while it runs and once finished, 409
     /// for a delete while it runs, 204 then a new key after a delete of a finished one.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn mysql_inspection_routes() {
-        let addr = serve_mysql(400).await;
+        let served = serve_mysql(400).await;
+        let addr = served.addr;
         let path = "/checkout/idempotency/order-9";
         let none = http(addr, "GET", path, "alice", None, "").await;
         assert_eq!(none.status, StatusCode::NOT_FOUND);

@@ -1,14 +1,13 @@
-//! The checkout example's `GET /openapi.json`, fetched over HTTP from the example's own router:
+//! The checkout example's `GET /openapi.json`, fetched over HTTP from the example's process:
 //! a valid OpenAPI 3.1 document in which every route behind the idempotency layer, and only those,
 //! carries the layer's contract, and whose key parameter says what the running layer does.
 #![cfg(all(feature = "postgres", feature = "openapi"))]
 
 use axum::http::StatusCode;
-use axum_idempotency::MemoryStore;
 use serde_json::Value;
 
 use crate::common::openapi::validate;
-use crate::e2e::{checkout, http, serve_layer, settings};
+use crate::e2e::{http, serve_memory_with};
 
 const GUARDED: [&str; 2] = ["/checkout", "/refund"];
 
@@ -23,11 +22,8 @@ fn key_parameter(operation: &Value) -> Option<&Value> {
 
 #[tokio::test]
 async fn the_example_documents_the_layer_on_every_guarded_route() {
-    let settings = settings(0);
-    let idempotency = checkout::idempotency(MemoryStore::new(), &settings)
-        .build()
-        .expect("valid settings");
-    let addr = serve_layer(idempotency, checkout::Ledger::memory(), settings).await;
+    let served = serve_memory_with(0, &[]).await;
+    let addr = served.addr;
 
     let served = http(addr, "GET", "/openapi.json", "alice", None, "").await;
     assert_eq!(served.status, StatusCode::OK);
@@ -83,4 +79,65 @@ async fn the_example_documents_the_layer_on_every_guarded_route() {
     }
     let charges = http(addr, "GET", "/charges", "alice", None, "").await;
     assert_eq!(charges.status, StatusCode::OK);
+}
+
+/// Every route the document lists is exercised: unauthenticated, it answers the `401` the
+/// document gives it, with every member its problem schema requires; authenticated, it answers a
+/// status the document lists for it.
+#[tokio::test]
+async fn every_documented_route_answers_as_documented() {
+    let served = serve_memory_with(0, &[]).await;
+    let addr = served.addr;
+    let doc = http(addr, "GET", "/openapi.json", "alice", None, "")
+        .await
+        .json();
+    let problem = &doc["components"]["schemas"]["CheckoutProblem"];
+    let required: Vec<&str> = problem["required"]
+        .as_array()
+        .expect("the example's problem lists its members")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(required.contains(&"detail") && required.contains(&"instance"));
+    assert_eq!(
+        doc["components"]["securitySchemes"]["bearer"]["scheme"],
+        "bearer"
+    );
+    let mut exercised = 0;
+    for (path, item) in doc["paths"].as_object().expect("paths") {
+        let concrete = path.replace("{key}", "no-such-key");
+        for (method, operation) in item.as_object().expect("path item") {
+            if method == "parameters" {
+                continue;
+            }
+            let responses = &operation["responses"];
+            let upper = method.to_uppercase();
+            let body = r#"{"amount":100}"#;
+            let key = Some("openapi-route");
+
+            let refused = http(addr, &upper, &concrete, "", key, body).await;
+            assert_eq!(refused.status, StatusCode::UNAUTHORIZED, "{method} {path}");
+            let documented = &responses["401"]["content"]["application/problem+json"]["schema"];
+            let own = |s: &Value| s["$ref"] == "#/components/schemas/CheckoutProblem";
+            let choices = documented["anyOf"].as_array().cloned().unwrap_or_default();
+            assert!(
+                own(documented) || choices.iter().any(own),
+                "{method} {path} documents its 401: {documented:#}"
+            );
+            let answer = refused.json();
+            for member in &required {
+                assert!(answer.get(*member).is_some(), "{member} of {answer:#}");
+            }
+
+            let served = http(addr, &upper, &concrete, "alice", key, body).await;
+            let status = served.status.as_str().to_owned();
+            assert!(
+                responses.get(&status).is_some(),
+                "{method} {path} answered {status}, which its document does not list: {:?}",
+                served.json()
+            );
+            exercised += 1;
+        }
+    }
+    assert_eq!(exercised, 5, "every documented operation");
 }

@@ -1,5 +1,5 @@
-//! The checkout example on SQLite (`DATABASE_URL=sqlite://PATH`): its scenarios served in process
-//! on a file of their own, and the example binary itself on a file, killed and restarted: the
+//! The checkout example on SQLite (`DATABASE_URL=sqlite://PATH`): its scenarios, the example
+//! started on a file of its own, and the example binary itself on a file, killed and restarted: the
 //! records and the ledger survive it, and a charge written in the layer's transaction by a process
 //! killed before its commit is charged once.
 #![cfg(all(feature = "postgres", feature = "sqlite"))]
@@ -13,45 +13,40 @@ use axum_idempotency::store::SqliteStore;
 use sqlx::SqlitePool;
 use tokio::process::Child;
 
-use super::e2e::checkout::{self, Ledger};
 use super::e2e::{
-    charges, checkout_req, client_closes_mid_checkout, duplicates_during_a_slow_checkout,
-    inspection_routes, outcomes_and_isolation, provider_payments, serve_layer, settings, try_http,
+    Served, charges, checkout_req, client_closes_mid_checkout, duplicates_during_a_slow_checkout,
+    inspection_routes, outcomes_and_isolation, provider_payments, serve_url, try_http,
 };
 use crate::common::{example, sqlite::fresh_path};
 
-/// The example's router on a SQLite file of its own, records and ledger in it, checkouts written
-/// in the layer's transaction.
-async fn serve_sqlite(delay_ms: u64) -> SocketAddr {
-    let store = SqliteStore::open(fresh_path()).await.expect("open");
-    store.migrate().await.expect("migrate");
-    let ledger = Ledger::sqlite(store.pool().clone()).await.expect("ledger");
-    let settings = settings(delay_ms);
-    let idempotency = checkout::idempotency(store, &settings)
-        .transactions(settings.transactional)
-        .build()
-        .expect("valid settings");
-    serve_layer(idempotency, ledger, settings).await
+/// The example on a SQLite file of its own, records and ledger in it, checkouts written in the
+/// layer's transaction.
+async fn serve_sqlite(delay_ms: u64) -> Served {
+    serve_url(&format!("sqlite://{}", fresh_path().display()), delay_ms).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite_duplicates_during_a_slow_checkout() {
-    duplicates_during_a_slow_checkout(serve_sqlite(1500).await).await;
+    let served = serve_sqlite(1500).await;
+    duplicates_during_a_slow_checkout(served.addr).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite_client_closes_mid_checkout() {
-    client_closes_mid_checkout(serve_sqlite(800).await).await;
+    let served = serve_sqlite(800).await;
+    client_closes_mid_checkout(served.addr).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite_outcomes_and_isolation() {
-    outcomes_and_isolation(serve_sqlite(0).await).await;
+    let served = serve_sqlite(0).await;
+    outcomes_and_isolation(served.addr).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite_inspection_routes() {
-    inspection_routes(serve_sqlite(400).await).await;
+    let served = serve_sqlite(400).await;
+    inspection_routes(served.addr).await;
 }
 
 /// The example as a process of its own on the SQLite file at `path`, with `env`.

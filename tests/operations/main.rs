@@ -12,6 +12,7 @@ mod faults;
 mod instances;
 mod mysql;
 mod once;
+mod once_transactions;
 mod redis_faults;
 mod tenants;
 mod tower_http;

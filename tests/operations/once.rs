@@ -12,13 +12,10 @@ use std::time::Duration;
 use axum_idempotency::Fingerprint;
 
 /// The transaction a Postgres run-once closure writes through.
-type OnceTx = axum_idempotency::once::OnceTransaction<
-    axum_idempotency::sqlx::Transaction<'static, sqlx::Postgres>,
->;
+#[cfg(feature = "postgres")]
+type OnceTx = axum_idempotency::once::OnceTransaction<axum_idempotency::store::PostgresStore>;
 use axum_idempotency::once::{OnceError, RunOnce};
-use axum_idempotency::store::{
-    ClaimOutcome, ClaimRequest, Generation, IdempotencyStore, LeaseToken, RecordKey,
-};
+use axum_idempotency::store::{ClaimOutcome, ClaimRequest, IdempotencyStore, RecordKey};
 use serde_json::json;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
@@ -204,14 +201,7 @@ async fn racing_callers_run_it_once_per_round<St: IdempotencyStore>(store: St) {
 async fn a_holder_that_stopped_is_retaken_once_after_the_ttl<St: IdempotencyStore>(store: St) {
     let once = once(store.clone());
     // A claim made by another process, which died: its lease is never renewed.
-    let dead = ClaimRequest {
-        key: scope("m4"),
-        fingerprint: fingerprint(4),
-        lease: LeaseToken::generate(),
-        generation: Generation::generate(),
-        in_progress_ttl: TTL,
-        retention: Duration::from_secs(60),
-    };
+    let dead = ClaimRequest::new(scope("m4"), fingerprint(4), TTL, Duration::from_secs(60));
     assert!(matches!(
         store.claim(&dead).await.expect("claim"),
         ClaimOutcome::Claimed { .. }
@@ -595,7 +585,7 @@ async fn effects_in_the_transaction_commit_with_the_output() {
                 "INSERT INTO {effects} (message) VALUES ($1)"
             )))
             .bind(message)
-            .execute(&mut *tx)
+            .execute(tx.conn().await.map_err(|e| e.to_string())?)
             .await
             .map_err(|e| e.to_string())?;
             if steal {

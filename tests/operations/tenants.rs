@@ -38,12 +38,14 @@ fn slow_post(key: &str, user: &str) -> Request<Body> {
 
 /// The reproduction: an outer timeout (as services put one outside the layer) drops many requests
 /// of one subject whose bodies never finish arriving. None of them is run on detached (their
-/// bodies were not read), so they take none of the places the admission bound counts, and another
-/// subject's request is answered 201.
+/// bodies were not read), so they take none of the places the admission bound counts; while they
+/// wait, the subject is held to its share of the instance's places (the rest get `429`); and
+/// another subject's request is answered 201.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_bodies_from_one_subject_shut_nobody_out() {
     let layer = IdempotencyLayer::builder(MemoryStore::new())
         .max_running(8)
+        .max_in_flight_per_subject(8)
         .build()
         .expect("layer");
     let drain = layer.drain();
@@ -61,12 +63,19 @@ async fn slow_bodies_from_one_subject_shut_nobody_out() {
             .await
         }));
     }
+    let mut held = 0;
     for task in slow {
-        assert!(
-            task.await.expect("task").is_err(),
-            "the outer timeout fired"
-        );
+        match task.await.expect("task") {
+            // The outer timeout fired.
+            Err(_) => held += 1,
+            Ok(answer) => assert_eq!(
+                answer.expect("answer").status(),
+                StatusCode::TOO_MANY_REQUESTS,
+                "past its share"
+            ),
+        }
     }
+    assert!(held >= 2, "{held} held until the outer timeout");
     assert_eq!(drain.detached(), 0, "nothing was run on without its body");
     let mut request = Request::post("/pay")
         .header("idempotency-key", "ordinary")
@@ -242,7 +251,9 @@ async fn scopes_past_their_bounds_are_refused_before_any_claim() {
 }
 
 /// With anonymous requests allowed, a request that carries credentials but no subject is refused
-/// (`401`), never put in the scope every anonymous caller shares; one without credentials is.
+/// (`401`), never put in the scope every anonymous caller shares; one without credentials is. A
+/// cookie is not a credential by default (browsers send cookies of every kind to anonymous
+/// routes); where a session cookie authenticates, it is one by setting.
 #[tokio::test]
 async fn credentials_without_a_subject_never_fall_into_the_anonymous_scope() {
     let layer = IdempotencyLayer::builder(MemoryStore::new())
@@ -250,14 +261,28 @@ async fn credentials_without_a_subject_never_fall_into_the_anonymous_scope() {
         .build()
         .expect("layer");
     let (router, counters) = app(layer);
-    for (name, value) in [("authorization", "Bearer secret"), ("cookie", "session=1")] {
-        let answer = send(&router, post("/pay").key("k").header(name, value)).await;
-        assert_eq!(answer.status, StatusCode::UNAUTHORIZED, "{name}");
-        assert_eq!(answer.problem(), "missing_subject");
-    }
+    let answer = send(
+        &router,
+        post("/pay").key("k").header("authorization", "Bearer x"),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(answer.problem(), "missing_subject");
     let anonymous = send(&router, post("/pay").key("k")).await;
     assert_eq!(anonymous.status, StatusCode::CREATED);
     assert_eq!(counters.started(), 1);
+    // A consent cookie on an anonymous route is anonymous.
+    let consent = send(&router, post("/pay").key("c").header("cookie", "consent=1")).await;
+    assert_eq!(consent.status, StatusCode::CREATED);
+    // A session cookie counts where it is said to.
+    let layer = IdempotencyLayer::builder(MemoryStore::new())
+        .allow_anonymous(true)
+        .credential_headers(["authorization", "cookie"])
+        .build()
+        .expect("layer");
+    let (router, _) = app(layer);
+    let answer = send(&router, post("/pay").key("k").header("cookie", "session=1")).await;
+    assert_eq!(answer.status, StatusCode::UNAUTHORIZED);
     // Which headers count is a setting.
     let layer = IdempotencyLayer::builder(MemoryStore::new())
         .allow_anonymous(true)
@@ -431,4 +456,54 @@ async fn a_response_still_streaming_keeps_its_subjects_place_in_flight() {
         .await
         .expect("answer");
     assert_ne!(after.status(), StatusCode::TOO_MANY_REQUESTS);
+}
+
+/// Anonymous callers share their records' scope, but their shares of the instance are told apart
+/// when the application says how (here by a header standing for the peer address): one anonymous
+/// caller at its bound in flight does not take the others' places. Without it, they share one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anonymous_callers_have_shares_of_their_own_when_told_apart() {
+    let layer = |split: bool| {
+        let builder = IdempotencyLayer::builder(MemoryStore::new())
+            .allow_anonymous(true)
+            .max_in_flight_per_subject(1);
+        let builder = if split {
+            builder.anonymous_shares_by(|parts: &axum::http::request::Parts| {
+                Some(parts.headers.get("x-peer")?.to_str().ok()?.to_owned())
+            })
+        } else {
+            builder
+        };
+        builder.build().expect("layer")
+    };
+    for split in [true, false] {
+        let (router, _) = app(layer(split));
+        let slow = tokio::spawn({
+            let router = router.clone();
+            async move {
+                send(
+                    &router,
+                    post("/pay")
+                        .key("slow")
+                        .header("x-peer", "a")
+                        .header("x-delay-ms", "800"),
+                )
+                .await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let again = send(&router, post("/pay").key("a2").header("x-peer", "a")).await;
+        assert_eq!(again.status, StatusCode::TOO_MANY_REQUESTS, "{again:?}");
+        let other = send(&router, post("/pay").key("b1").header("x-peer", "b")).await;
+        if split {
+            assert_eq!(other.status, StatusCode::CREATED, "{other:?}");
+        } else {
+            assert_eq!(
+                other.status,
+                StatusCode::TOO_MANY_REQUESTS,
+                "one share for all"
+            );
+        }
+        assert_eq!(slow.await.expect("slow").status, StatusCode::CREATED);
+    }
 }

@@ -48,7 +48,7 @@ struct World {
 async fn charge(
     State(world): State<World>,
     ctx: IdempotencyContext,
-    mut tx: IdempotencyTx,
+    mut tx: IdempotencyTx<sqlx::Postgres>,
     headers: HeaderMap,
 ) -> Response {
     let run = world.runs.fetch_add(1, Ordering::SeqCst);
@@ -403,9 +403,12 @@ async fn retaker_and_late_worker_commit_one_effect() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // The late worker stops heartbeating (as if stalled): its record looks abandoned.
+    // The late worker is cut off from the store past its TTL and past its presence (its session
+    // lapsed): its record looks abandoned. (A live keeper's presence would keep it: the record is
+    // aged and its lease put under no presence, as the lapse leaves it.)
     sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE {} SET updated_at = now() - interval '1 hour'",
+        "UPDATE {} SET updated_at = now() - interval '1 hour', \
+           lease_token = lease_token & 4294967295",
         s.store.table()
     )))
     .execute(&s.pool)

@@ -111,7 +111,7 @@ async fn pay(State(world): State<World>, body: Bytes) -> Response {
 #[cfg(feature = "postgres")]
 async fn pay_in_transaction(
     State(world): State<World>,
-    mut tx: axum_idempotency::IdempotencyTx,
+    mut tx: axum_idempotency::IdempotencyTx<sqlx::Postgres>,
     headers: axum::http::HeaderMap,
     body: Bytes,
 ) -> Response {
@@ -150,8 +150,13 @@ fn router<S: IdempotencyStore>(layer: IdempotencyLayer<S>, world: &World) -> Rou
         .with_state(world.clone())
 }
 
+/// The layer over `store`, bounding subjects' records where the store can count them.
 fn layer<S: IdempotencyStore>(store: S) -> IdempotencyLayer<S> {
-    IdempotencyLayer::new(store).expect("valid settings")
+    let counts = store.counts_records();
+    IdempotencyLayer::builder(store)
+        .max_records_per_subject(counts.then_some(100_000))
+        .build()
+        .expect("valid settings")
 }
 
 /// The layer over a store with transactions, offering them to handlers.
@@ -291,20 +296,20 @@ mod postgres {
     async fn the_table_holds_keyed_hashes_and_records_in_clear_are_found() {
         use axum_idempotency::Fingerprint;
         use axum_idempotency::store::{
-            ClaimOutcome, ClaimRequest, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
+            ClaimOutcome, ClaimRequest, Finished, RecordKey, StoredResponse,
         };
         let (plain, _) = plain_store(4).await;
-        let request = |key: &str, body: &[u8]| ClaimRequest {
-            key: RecordKey {
-                key: key.into(),
-                subject: "alice".into(),
-                endpoint: "POST /pay".into(),
-            },
-            fingerprint: Fingerprint::of(None, body),
-            lease: LeaseToken::generate(),
-            generation: Generation::generate(),
-            in_progress_ttl: Duration::from_secs(60),
-            retention: Duration::from_secs(600),
+        let request = |key: &str, body: &[u8]| {
+            ClaimRequest::new(
+                RecordKey {
+                    key: key.into(),
+                    subject: "alice".into(),
+                    endpoint: "POST /pay".into(),
+                },
+                Fingerprint::of(None, body),
+                Duration::from_secs(60),
+                Duration::from_secs(600),
+            )
         };
         let store = EncryptedStore::new(plain.clone(), keys(&[1]), SECRET);
         let claim = request("new", br#"{"amount":100}"#);
@@ -863,15 +868,16 @@ mod redis_store {
             .query_async(&mut connection)
             .await
             .expect("keys");
-        // The record, and its subject's listing index (digests only, no response in it).
-        let index = format!("{prefix}subject:");
-        // Every name is a hash: the subject's index too.
+        // The record, its subject's listing index (digests only, no response in it) and its
+        // subject's account of bytes (numbers only).
+        let (index, account) = (format!("{prefix}subject:"), format!("{prefix}bytes:"));
+        // Every name is a hash: the subject's index and account too.
         for name in &names {
             assert!(!name.contains("alice") && !name.contains("pay"), "{name}");
         }
         let names: Vec<String> = names
             .into_iter()
-            .filter(|n| !n.starts_with(&index))
+            .filter(|n| !n.starts_with(&index) && !n.starts_with(&account))
             .collect();
         assert_eq!(names.len(), 1, "{names:?}");
         let fields: Vec<Vec<u8>> = redis::cmd("HGETALL")

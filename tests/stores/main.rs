@@ -9,10 +9,14 @@
 mod common;
 
 mod encryption;
+mod flood;
+mod liveness;
+mod locked_rows;
 mod memory;
 mod mysql;
 mod postgres;
 mod properties;
 mod redis_cluster;
 mod redis_store;
+mod sql_backends;
 mod sqlite;

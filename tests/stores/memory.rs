@@ -246,11 +246,29 @@ impl IdempotencyStore for DownStore {
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         Err(StoreError::msg("connection refused"))
     }
-    async fn count_records(&self, _: &str, _: u64) -> Result<Option<u64>, StoreError> {
+    async fn count_records(
+        &self,
+        _: &str,
+        _: u64,
+    ) -> Result<Option<axum_idempotency::store::SubjectUsage>, StoreError> {
         Err(StoreError::msg("connection refused"))
     }
+    fn counts_records(&self) -> bool {
+        true
+    }
+
     fn operation_timeout(&self) -> Option<Duration> {
         None
+    }
+    async fn keeper_session(&self) -> Result<Self, StoreError> {
+        Err(StoreError::msg("connection refused"))
+    }
+    async fn show_presences(
+        &self,
+        _: &[axum_idempotency::store::Presence],
+        _lapse: Duration,
+    ) -> Result<(), StoreError> {
+        Err(StoreError::msg("connection refused"))
     }
     async fn lookup(
         &self,
@@ -295,17 +313,17 @@ async fn store_failure_runs_unguarded_when_failing_open() {
 #[tokio::test]
 async fn memory_is_bounded_by_retention() {
     let store = MemoryStore::new();
-    let claim = |i: usize, retention: Duration| ClaimRequest {
-        key: RecordKey {
-            key: format!("k{i}"),
-            subject: format!("s{}", i % 100),
-            endpoint: "POST /pay".into(),
-        },
-        fingerprint: Fingerprint::of(None, b"{}"),
-        lease: LeaseToken::generate(),
-        generation: axum_idempotency::store::Generation::generate(),
-        in_progress_ttl: Duration::from_millis(10),
-        retention,
+    let claim = |i: usize, retention: Duration| {
+        ClaimRequest::new(
+            RecordKey {
+                key: format!("k{i}"),
+                subject: format!("s{}", i % 100),
+                endpoint: "POST /pay".into(),
+            },
+            Fingerprint::of(None, b"{}"),
+            Duration::from_millis(10),
+            retention,
+        )
     };
     // 50 000 live records (many subjects, many keys each), then all expire.
     for i in 0..50_000 {
@@ -515,6 +533,7 @@ async fn stalled_stream_with_the_client_connected_ends_at_the_maximum_hold() {
 async fn detached_requests_are_bounded() {
     let layer = IdempotencyLayer::builder(MemoryStore::new())
         .max_running(3)
+        .max_in_flight_per_subject(3)
         .build()
         .expect("layer");
     let drain = layer.drain();
@@ -523,7 +542,7 @@ async fn detached_requests_are_bounded() {
     for i in 0..20 {
         let req = post("/pay")
             .key(&format!("k{i}"))
-            .user("alice")
+            .user(&format!("user-{i}"))
             .header("x-delay-ms", "3000");
         // The client gives up (its future is dropped: a reset stream) before the handler answers.
         match tokio::time::timeout(Duration::from_millis(50), send(&router, req)).await {
@@ -554,7 +573,7 @@ async fn detached_requests_are_bounded() {
         &router,
         post("/pay")
             .key("k0")
-            .user("alice")
+            .user("user-0")
             .header("x-delay-ms", "3000"),
     )
     .await;
@@ -638,20 +657,20 @@ async fn one_subject_cannot_fill_the_memory_store_for_the_others() {
 /// fill the store through the answers of the claims it holds, and another subject is still served.
 #[tokio::test]
 async fn answers_past_a_subjects_share_are_kept_without_their_body() {
-    use axum_idempotency::store::{Finished, Generation};
+    use axum_idempotency::store::Finished;
     use std::sync::Arc;
     let store = MemoryStore::with_capacity_and_share(64 * 1024, 8 * 1024);
-    let claim = |key: String, subject: &str| ClaimRequest {
-        key: RecordKey {
-            key,
-            subject: subject.into(),
-            endpoint: "POST /export".into(),
-        },
-        fingerprint: Fingerprint::of(None, b"{}"),
-        lease: LeaseToken::generate(),
-        generation: Generation::generate(),
-        in_progress_ttl: Duration::from_secs(30),
-        retention: Duration::from_secs(600),
+    let claim = |key: String, subject: &str| {
+        ClaimRequest::new(
+            RecordKey {
+                key,
+                subject: subject.into(),
+                endpoint: "POST /export".into(),
+            },
+            Fingerprint::of(None, b"{}"),
+            Duration::from_secs(30),
+            Duration::from_secs(600),
+        )
     };
     // Twenty claims in flight at once, each small.
     let mut held = Vec::new();
@@ -1131,7 +1150,7 @@ fn wait_settings_are_checked() {
     assert!(too_long.is_err());
     let nobody = IdempotencyLayer::builder(MemoryStore::new())
         .wait(Duration::from_secs(1))
-        .max_waiters(0)
+        .max_waiters_per_key(0)
         .build();
     assert!(nobody.is_err());
     assert!(
@@ -1172,4 +1191,82 @@ async fn a_waiter_whose_client_left_is_not_detached() {
     let replay = send(&router, req()).await;
     assert!(replay.replayed());
     assert_eq!(counters.started(), 1);
+}
+
+/// The default memory store's share adapts to the subjects present: a lone subject holds up to
+/// half the store (the rest kept for subjects to come), and sixteen subjects that flood it
+/// together with fresh keys cannot fill it for a seventeenth, which finds room, and leaves room
+/// for an eighteenth; the sixteen get `429`.
+#[tokio::test]
+async fn no_group_of_subjects_fills_the_memory_store_for_another() {
+    const CAPACITY: usize = 64 * 1024;
+    let take_all = |router: axum::Router, user: String| async move {
+        let mut taken = 0;
+        loop {
+            let key = format!("k-{taken}");
+            let answer = send(&router, post("/pay").key(&key).user(&user)).await;
+            if answer.status != StatusCode::CREATED {
+                // Its share reached, or the store full (the last of it is the seventeenth's).
+                assert!(
+                    matches!(
+                        answer.problem().as_str(),
+                        "idempotency_quota_exceeded" | "idempotency_store_full"
+                    ),
+                    "{answer:?}"
+                );
+                return taken;
+            }
+            taken += 1;
+            assert!(taken < 10_000, "never refused");
+        }
+    };
+    // Alone, a subject holds half the store, the rest kept for subjects to come; a second then
+    // fills what it can, and a third still finds room: two subjects that come in turn do not
+    // fill it either.
+    let store = MemoryStore::with_capacity(CAPACITY);
+    let (router, _) = app(IdempotencyLayer::new(store.clone()).expect("valid settings"));
+    take_all(router.clone(), "alone".to_owned()).await;
+    assert!(
+        store.bytes() > CAPACITY * 2 / 5 && store.bytes() <= CAPACITY / 2,
+        "a lone subject holds {} of {CAPACITY} bytes",
+        store.bytes()
+    );
+    assert!(take_all(router.clone(), "second".to_owned()).await >= 3);
+    assert!(take_all(router.clone(), "third".to_owned()).await >= 3);
+    assert!(store.bytes() <= CAPACITY);
+    // Sixteen flood it together, a key each in turn, until every one of them is refused; the
+    // seventeenth still finds room.
+    let store = MemoryStore::with_capacity(CAPACITY);
+    let (router, _) = app(IdempotencyLayer::new(store.clone()).expect("valid settings"));
+    let mut refused = [false; 16];
+    let mut turn = 0;
+    while refused.iter().any(|r| !r) {
+        turn += 1;
+        assert!(turn < 10_000, "never refused");
+        for (n, refused) in refused.iter_mut().enumerate().filter(|(_, r)| !**r) {
+            let answer = send(
+                &router,
+                post("/pay")
+                    .key(&format!("k-{turn}"))
+                    .user(&format!("flood-{n}")),
+            )
+            .await;
+            if answer.status != StatusCode::CREATED {
+                assert_eq!(answer.status, StatusCode::TOO_MANY_REQUESTS, "{answer:?}");
+                *refused = true;
+            }
+        }
+    }
+    let before = store.bytes();
+    // Each of them holds about a seventeenth, and about as much stays free.
+    assert!(
+        before + CAPACITY / 20 <= CAPACITY,
+        "the sixteen left {} of {CAPACITY} bytes free",
+        CAPACITY - before
+    );
+    let taken = take_all(router.clone(), "the-seventeenth".to_owned()).await;
+    assert!(taken >= 3, "the seventeenth got {taken} keys");
+    let taken = take_all(router.clone(), "the-eighteenth".to_owned()).await;
+    assert!(taken >= 1, "the eighteenth got {taken} keys");
+    assert!(store.bytes() <= CAPACITY, "{} > {CAPACITY}", store.bytes());
 }

@@ -12,19 +12,18 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use axum_idempotency::store::{
-    ClaimOutcome, ClaimRequest, Deleted, Finished, Generation, IdempotencyStore, LeaseToken,
-    ListRequest, MySqlStore, RecordKey, StoredResponse,
+    ClaimOutcome, Deleted, Finished, IdempotencyStore, ListRequest, MySqlStore, StoredResponse,
 };
 use axum_idempotency::{Fingerprint, IdempotencyLayer};
 use common::{app, post, send};
 use sqlx::Connection;
 use sqlx::mysql::{MySqlConnection, MySqlPool, MySqlPoolOptions};
 
-fn mysql_url() -> String {
+pub(crate) fn mysql_url() -> String {
     common::servers::mysql_url()
 }
 
-async fn pool(connections: u32) -> MySqlPool {
+pub(crate) async fn pool(connections: u32) -> MySqlPool {
     MySqlPoolOptions::new()
         .max_connections(connections)
         .acquire_timeout(Duration::from_secs(30))
@@ -35,7 +34,7 @@ async fn pool(connections: u32) -> MySqlPool {
 
 /// A table name no other test uses; tables that earlier runs left behind are dropped after an
 /// hour.
-async fn fresh_table(pool: &MySqlPool) -> String {
+pub(crate) async fn fresh_table(pool: &MySqlPool) -> String {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -67,7 +66,7 @@ async fn fresh_table(pool: &MySqlPool) -> String {
     )
 }
 
-async fn store() -> MySqlStore {
+pub(crate) async fn store() -> MySqlStore {
     let pool = pool(16).await;
     let table = fresh_table(&pool).await;
     let store = MySqlStore::with_table(pool, &table)
@@ -80,21 +79,9 @@ async fn store() -> MySqlStore {
 store_suite!(store());
 cache_suite!(store(), purged = 5);
 
-/// The claim of `POST /pay` by alice with `key` and `body`.
-fn claim_request(key: &str, body: &[u8]) -> ClaimRequest {
-    ClaimRequest {
-        key: RecordKey {
-            key: key.to_owned(),
-            subject: "alice".to_owned(),
-            endpoint: "POST /pay".to_owned(),
-        },
-        fingerprint: Fingerprint::of(None, body),
-        lease: LeaseToken::generate(),
-        generation: Generation::generate(),
-        in_progress_ttl: Duration::from_secs(60),
-        retention: Duration::from_secs(3600),
-    }
-}
+/// The claim of `POST /pay` by alice with `key` and `body`: the one helper every store's tests
+/// build their claims with.
+pub(crate) use axum_idempotency::conformance::app::claim_request;
 
 fn stored(body: &'static [u8]) -> Arc<StoredResponse> {
     Arc::new(StoredResponse::new(
@@ -360,7 +347,11 @@ async fn the_longest_scopes_are_stored_whole() {
     assert_eq!(page.records.len(), 1);
     assert_eq!(page.records[0].endpoint, endpoint);
     assert_eq!(
-        store.count_records(&subject, 10).await.expect("count"),
+        store
+            .count_records(&subject, 10)
+            .await
+            .expect("count")
+            .map(|usage| usage.records),
         Some(1)
     );
     let admin = pool(1).await;
@@ -556,10 +547,11 @@ async fn a_claim_that_loses_the_race_to_another_fingerprint_is_a_mismatch() {
 }
 
 /// A row lock held elsewhere (a handler's transaction that froze, an operator's session): the
-/// claim's wait is bounded on the server, the client gets 503, and the handler does not run; once
-/// the lock is let go, the request runs, once.
+/// claim's wait is bounded on the server, the record is in progress in another transaction's hands
+/// (409, the retry settles it), and the handler does not run; once the lock is let go, the request
+/// runs, once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_lock_wait_is_503_and_never_a_second_run() {
+async fn a_lock_wait_is_409_and_never_a_second_run() {
     let store = store().await;
     let (router, counters) = app(IdempotencyLayer::new(store.clone()).expect("valid settings"));
     let req = || post("/pay").key("locked").user("alice").json("{}");
@@ -586,11 +578,7 @@ async fn a_lock_wait_is_503_and_never_a_second_run() {
     .await
     .expect("lock the row");
     let refused = send(&router, req()).await;
-    assert_eq!(
-        refused.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{refused:?}"
-    );
+    assert_eq!(refused.status, StatusCode::CONFLICT, "{refused:?}");
     assert_eq!(counters.started(), 0);
     tx.rollback().await.expect("let go");
     let charged = common::until_not_in_progress(&router, req, 100).await;
@@ -676,4 +664,126 @@ async fn delete_spares_a_record_in_progress() {
         store.delete(&claim.key).await.expect("delete"),
         Deleted::NotFound
     );
+}
+
+/// A pool whose connections start with `autocommit = 0` (set by the application, or the server's
+/// `init_connect`): every statement of the store still commits on its own, so a claim is seen by
+/// other connections at once, and the session gets its own value back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_without_autocommit_still_commits_every_claim() {
+    let plain = pool(2).await;
+    let table = fresh_table(&plain).await;
+    MySqlStore::with_table(plain.clone(), &table)
+        .expect("table")
+        .migrate()
+        .await
+        .expect("migrate");
+    let manual = MySqlPoolOptions::new()
+        .max_connections(1)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::raw_sql("SET autocommit = 0")
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect(&mysql_url())
+        .await
+        .expect("connect");
+    let store = MySqlStore::with_table(manual.clone(), &table)
+        .expect("table")
+        .with_timeout(Duration::from_secs(2));
+    let first = claim_request("manual", b"{}");
+    assert!(
+        matches!(
+            store.claim(&first).await.expect("claim"),
+            ClaimOutcome::Claimed { .. }
+        ),
+        "the claim is made"
+    );
+    assert_eq!(
+        count_rows(&plain, &table).await,
+        1,
+        "seen by another connection"
+    );
+    let other = MySqlStore::with_table(plain.clone(), &table)
+        .expect("table")
+        .with_timeout(Duration::from_secs(2));
+    assert_eq!(
+        other
+            .claim(&claim_request("manual", b"{}"))
+            .await
+            .expect("claim"),
+        ClaimOutcome::InProgress,
+        "another instance finds it in progress, without waiting on its row"
+    );
+    // The session keeps the value it had.
+    let (autocommit,): (i64,) = sqlx::query_as("SELECT @@session.autocommit")
+        .fetch_one(&manual)
+        .await
+        .expect("read");
+    assert_eq!(autocommit, 0);
+}
+
+/// A subject's bytes are read from `body_bytes`, the length the server keeps with each row
+/// (`migrations/mysql/0002`), and counted the same from the bodies on a table not migrated since,
+/// until `migrate()` adds the column back.
+#[tokio::test]
+async fn bytes_are_counted_from_the_kept_length_and_without_it() {
+    let pool = pool(4).await;
+    let table = fresh_table(&pool).await;
+    let store = MySqlStore::with_table(pool.clone(), &table)
+        .expect("valid table name")
+        .with_timeout(common::SUITE_STORE_TIMEOUT);
+    store.migrate().await.expect("migrate");
+    for (i, body) in [&b"12345"[..], &[b'x'; 70_000][..]].into_iter().enumerate() {
+        let request = claim_request(&format!("k{i}"), b"{}");
+        let ClaimOutcome::Claimed { lease, .. } = store.claim(&request).await.expect("claim")
+        else {
+            panic!("claimed");
+        };
+        let mut response = (*stored(b"")).clone();
+        response.body = axum::body::Bytes::copy_from_slice(body);
+        let done = store
+            .complete(
+                &request.key,
+                lease,
+                &request.fingerprint,
+                Arc::new(response),
+                request.retention,
+            )
+            .await
+            .expect("complete");
+        assert_eq!(done, axum_idempotency::store::Fenced::Done);
+    }
+    let counted = |store: MySqlStore| async move {
+        store
+            .count_records("alice", 100)
+            .await
+            .expect("count")
+            .expect("counted")
+    };
+    let kept: (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT CAST(SUM(body_bytes) AS SIGNED) FROM `{table}`"
+    )))
+    .fetch_one(&pool)
+    .await
+    .expect("the column is there");
+    assert_eq!(kept.0, 70_005);
+    assert_eq!(counted(store.clone()).await.bytes, 70_005);
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE `{table}` DROP COLUMN body_bytes"
+    )))
+    .execute(&pool)
+    .await
+    .expect("drop the column");
+    let usage = counted(store.clone()).await;
+    assert_eq!(
+        (usage.records, usage.bytes),
+        (2, 70_005),
+        "read from the bodies"
+    );
+    store.migrate().await.expect("migrate again");
+    assert_eq!(counted(store).await.bytes, 70_005, "the column back");
 }

@@ -19,11 +19,11 @@ use common::{app, post, send};
 use sqlx::Connection;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 
-fn database_url() -> String {
+pub(crate) fn database_url() -> String {
     common::servers::database_url()
 }
 
-async fn pool(connections: u32) -> PgPool {
+pub(crate) async fn pool(connections: u32) -> PgPool {
     PgPoolOptions::new()
         .max_connections(connections)
         .acquire_timeout(Duration::from_secs(30))
@@ -33,7 +33,7 @@ async fn pool(connections: u32) -> PgPool {
 }
 
 /// A schema no other test uses; schemas that earlier runs left behind are dropped after an hour.
-async fn fresh_schema(pool: &PgPool) -> String {
+pub(crate) async fn fresh_schema(pool: &PgPool) -> String {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -65,7 +65,7 @@ async fn fresh_schema(pool: &PgPool) -> String {
     schema
 }
 
-async fn store() -> PostgresStore {
+pub(crate) async fn store() -> PostgresStore {
     let pool = pool(34).await;
     let schema = fresh_schema(&pool).await;
     let store = PostgresStore::with_table(pool, &format!("{schema}.idempotency_records"))
@@ -439,21 +439,9 @@ async fn rows_in(pool: &PgPool, table: String) -> i64 {
     rows
 }
 
-/// The claim of `POST /pay` by alice with `key` and `body`. Every claim in this file is built here.
-fn claim_request(key: &str, body: &[u8]) -> ClaimRequest {
-    ClaimRequest {
-        key: RecordKey {
-            key: key.to_owned(),
-            subject: "alice".to_owned(),
-            endpoint: "POST /pay".to_owned(),
-        },
-        fingerprint: Fingerprint::of(None, body),
-        lease: LeaseToken::generate(),
-        generation: axum_idempotency::store::Generation::generate(),
-        in_progress_ttl: Duration::from_secs(60),
-        retention: Duration::from_secs(3600),
-    }
-}
+/// The claim of `POST /pay` by alice with `key` and `body`: the one helper every store's tests
+/// build their claims with.
+pub(crate) use axum_idempotency::conformance::app::claim_request;
 
 /// Writes a record into `table` the way the store lays it out (migrations/0001): `in_progress`, or
 /// `completed` with `response` (status, body). Every row this file writes by hand is written here.
@@ -1138,19 +1126,19 @@ async fn concurrent_migrations_make_the_subject_index_once() {
 /// not waited for: that lease alone gets an error (retried), the others are renewed at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_locked_row_fails_only_its_own_lease_of_a_renewal_batch() {
-    use axum_idempotency::store::{Fenced, Generation};
+    use axum_idempotency::store::Fenced;
     let store = store().await.with_timeout(Duration::from_secs(2));
-    let request = |key: &str| ClaimRequest {
-        key: RecordKey {
-            key: key.into(),
-            subject: "alice".into(),
-            endpoint: "POST /pay".into(),
-        },
-        fingerprint: Fingerprint::of(None, b"{}"),
-        lease: LeaseToken::generate(),
-        generation: Generation::generate(),
-        in_progress_ttl: Duration::from_secs(30),
-        retention: Duration::from_secs(600),
+    let request = |key: &str| {
+        ClaimRequest::new(
+            RecordKey {
+                key: key.into(),
+                subject: "alice".into(),
+                endpoint: "POST /pay".into(),
+            },
+            Fingerprint::of(None, b"{}"),
+            Duration::from_secs(30),
+            Duration::from_secs(600),
+        )
     };
     let (a, b) = (request("locked"), request("free"));
     for claim in [&a, &b] {

@@ -42,7 +42,7 @@ fn prefix() -> String {
     )
 }
 
-async fn store() -> RedisStore {
+pub(crate) async fn store() -> RedisStore {
     RedisStore::cluster(client())
         .expect("store")
         .with_prefix(&prefix())
@@ -98,16 +98,16 @@ async fn masters() -> Vec<String> {
 }
 
 /// This prefix's record keys on one master (not the subjects' listing indexes, under
-/// `<prefix>subject:`).
+/// `<prefix>subject:`, nor their accounts of bytes, under `<prefix>bytes:`).
 async fn records_on(master: &str, prefix: &str) -> Vec<String> {
     let keys: Vec<String> = redis::cmd("KEYS")
         .arg(format!("{prefix}*"))
         .query_async(&mut node(master).await)
         .await
         .expect("KEYS");
-    let index = format!("{prefix}subject:");
+    let (index, account) = (format!("{prefix}subject:"), format!("{prefix}bytes:"));
     keys.into_iter()
-        .filter(|k| !k.starts_with(&index))
+        .filter(|k| !k.starts_with(&index) && !k.starts_with(&account))
         .collect()
 }
 

@@ -23,7 +23,7 @@ fn redis_url() -> String {
     common::servers::redis_url()
 }
 
-async fn store() -> RedisStore {
+pub(crate) async fn store() -> RedisStore {
     store_and_prefix().0
 }
 
@@ -139,14 +139,12 @@ async fn claim_records(store: &RedisStore, subject: &str, count: usize) -> Vec<R
             subject: subject.into(),
             endpoint: "POST /pay".into(),
         };
-        let request = ClaimRequest {
-            key: key.clone(),
-            fingerprint: Fingerprint::of(None, b"{}"),
-            lease: LeaseToken::generate(),
-            generation: Generation::generate(),
-            in_progress_ttl: Duration::from_secs(30),
-            retention: Duration::from_secs(3600),
-        };
+        let request = ClaimRequest::new(
+            key.clone(),
+            Fingerprint::of(None, b"{}"),
+            Duration::from_secs(30),
+            Duration::from_secs(3600),
+        );
         let outcome = store.claim(&request).await.expect("claim");
         assert!(
             matches!(outcome, ClaimOutcome::Claimed { .. }),
@@ -258,18 +256,16 @@ pub(crate) async fn index_sizes_on(
 /// time for the last sweeps, which run on tasks of their own.
 pub(crate) async fn churn_a_subject_never_listed(store: &RedisStore) {
     let claim = |key: String, life: Duration| async move {
-        let request = ClaimRequest {
-            key: RecordKey {
+        let request = ClaimRequest::new(
+            RecordKey {
                 key,
                 subject: String::new(),
                 endpoint: "POST /pay".into(),
             },
-            fingerprint: Fingerprint::of(None, b"{}"),
-            lease: LeaseToken::generate(),
-            generation: Generation::generate(),
-            in_progress_ttl: life,
-            retention: Duration::from_millis(1),
-        };
+            Fingerprint::of(None, b"{}"),
+            life,
+            Duration::from_millis(1),
+        );
         let outcome = store.claim(&request).await.expect("claim");
         assert!(
             matches!(outcome, ClaimOutcome::Claimed { .. }),
@@ -391,7 +387,14 @@ async fn a_listing_reads_a_bounded_number_of_entries_and_continues() {
 async fn without_scope_fields_nothing_is_in_clear_and_nothing_is_listed() {
     let (store, prefix) = store_and_prefix();
     let store = store.without_scope_fields();
-    let (router, _) = app(IdempotencyLayer::new(store.clone()).expect("valid settings"));
+    // It keeps no subjects, so it cannot bound a subject's records.
+    let refused = IdempotencyLayer::new(store.clone()).expect_err("a records share it can't count");
+    assert_eq!(refused.setting(), "max_records_per_subject");
+    let layer = IdempotencyLayer::builder(store.clone())
+        .max_records_per_subject(None)
+        .build()
+        .expect("valid settings");
+    let (router, _) = app(layer);
     let answer = send(
         &router,
         post("/pay")

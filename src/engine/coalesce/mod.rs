@@ -17,7 +17,8 @@ use tokio::time::Instant;
 pub(crate) use local::LocalClaims;
 pub(crate) use scope::{ByScope, Scope};
 
-use crate::store::{ClaimOutcome, ClaimRequest, FRESH_FRACTION, StoreError};
+use super::timing::fresh_within;
+use crate::store::{ClaimOutcome, ClaimRequest, StoreError};
 
 /// The answer to `request`: from this process's own claims when it holds or is claiming the
 /// scope, else from the store (`ask`), whose answer then settles the duplicates that followed it.
@@ -34,7 +35,7 @@ where
     match local.enter(scope, request.fingerprint, request.lease) {
         local::Entry::Answer(answer) => Ok(answer),
         local::Entry::Follow(leader, answer) => {
-            let patience = request.in_progress_ttl / FRESH_FRACTION;
+            let patience = fresh_within(request.in_progress_ttl);
             match LocalClaims::follow(leader, request.fingerprint, answer, patience).await? {
                 Some(answer) => Ok(answer),
                 None => ask(request).await,
@@ -43,7 +44,7 @@ where
         local::Entry::Lead(leader) => {
             let sent = Instant::now();
             let outcome = ask(request).await;
-            if sent.elapsed() > request.in_progress_ttl / FRESH_FRACTION {
+            if sent.elapsed() > fresh_within(request.in_progress_ttl) {
                 // A late answer may describe a record that another instance has retaken since
                 // (the engine proves a late grant held before it runs anything): it settles no
                 // follower and makes no hold. Dropped, the leader sends its followers to the
@@ -74,25 +75,12 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::store::{
-        Fingerprint, Generation, IdempotencyStore, LeaseToken, MemoryStore, RecordKey,
-    };
+    use crate::store::{IdempotencyStore, MemoryStore};
 
     const TTL: Duration = Duration::from_millis(900);
 
     fn request(key: &str) -> ClaimRequest {
-        ClaimRequest {
-            key: RecordKey {
-                key: key.into(),
-                subject: "alice".into(),
-                endpoint: "POST /pay".into(),
-            },
-            fingerprint: Fingerprint::of(None, b"{}"),
-            lease: LeaseToken::generate(),
-            generation: Generation::generate(),
-            in_progress_ttl: TTL,
-            retention: Duration::from_secs(60),
-        }
+        crate::engine::tests::request_with_ttl(key, TTL)
     }
 
     /// A claim answered on time settles its followers and holds the key; one answered later than a

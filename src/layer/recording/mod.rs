@@ -15,10 +15,7 @@
 //! status and headers with the body omitted; never released, since the effect has happened.
 
 mod stream;
-#[cfg_attr(
-    not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
-    allow(dead_code)
-)]
+#[cfg_attr(not(sql), allow(dead_code))]
 pub(crate) mod transactional;
 
 use std::collections::VecDeque;
@@ -299,10 +296,7 @@ impl http_body::Body for Prefixed {
     }
 }
 
-#[cfg_attr(
-    not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
-    allow(dead_code)
-)]
+#[cfg_attr(not(sql), allow(dead_code))]
 /// A body read for a record that must be written before the client sees anything.
 pub(crate) struct Read {
     /// The whole body, or `None` when it is omitted from the record.
@@ -312,10 +306,7 @@ pub(crate) struct Read {
     rest: Option<Body>,
 }
 
-#[cfg_attr(
-    not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
-    allow(dead_code)
-)]
+#[cfg_attr(not(sql), allow(dead_code))]
 /// Reads `body` until it ends or is over `limit` (or has trailers, fails, panics, or is still
 /// going at `deadline`); what is left is unread, to be streamed to the client afterwards.
 pub(crate) async fn read_up_to(mut body: Body, limit: usize, deadline: Instant) -> Read {
@@ -364,10 +355,7 @@ pub(crate) async fn read_up_to(mut body: Body, limit: usize, deadline: Instant) 
     }
 }
 
-#[cfg_attr(
-    not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
-    allow(dead_code)
-)]
+#[cfg_attr(not(sql), allow(dead_code))]
 /// The body the client gets for what [`read_up_to`] read: the whole body, or what was read followed
 /// by the rest of the stream.
 pub(crate) fn body_of(read: Read) -> Body {

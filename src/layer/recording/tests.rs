@@ -216,7 +216,7 @@ async fn a_retryable_answer_releases_the_record() {
     ));
 }
 
-#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+#[cfg(sql)]
 #[tokio::test(start_paused = true)]
 async fn a_body_still_going_at_the_deadline_is_left_out_and_still_reaches_the_client() {
     let body = slow_body(&["a", "b", "c"], Duration::from_millis(100));

@@ -381,14 +381,39 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
         Ok(page)
     }
 
-    async fn count_records(&self, subject: &str, up_to: u64) -> Result<Option<u64>, StoreError> {
+    async fn count_records(
+        &self,
+        subject: &str,
+        up_to: u64,
+    ) -> Result<Option<crate::store::SubjectUsage>, StoreError> {
         self.inner
             .count_records(&self.secret.subject(subject), up_to)
             .await
     }
 
+    fn counts_records(&self) -> bool {
+        self.inner.counts_records()
+    }
+
     fn operation_timeout(&self) -> Option<Duration> {
         self.inner.operation_timeout()
+    }
+
+    async fn keeper_session(&self) -> Result<Self, StoreError> {
+        Ok(EncryptedStore {
+            inner: self.inner.keeper_session().await?,
+            keys: self.keys.clone(),
+            secret: self.secret.clone(),
+            in_clear: self.in_clear,
+        })
+    }
+
+    async fn show_presences(
+        &self,
+        live: &[crate::store::Presence],
+        lapse: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.show_presences(live, lapse).await
     }
 }
 

@@ -109,7 +109,7 @@ impl MemoryStore {
             }
         }
         let usage = self.inner.subjects.usage(&request.key.subject);
-        if usage.bytes + size > self.inner.share {
+        if !self.admits(usage.bytes, size) {
             return Err(StoreError::quota_exceeded(format!(
                 "this subject's records hold {} bytes, its share of the memory store",
                 usage.bytes

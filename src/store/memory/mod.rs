@@ -37,10 +37,16 @@ const SHARDS: usize = 16;
 /// body (replayed with `Idempotency-Replay: omitted`), so the store goes over its capacity by
 /// headers at most, and no subject fills it through the answers of the claims it holds.
 ///
-/// **Each subject has a share of the capacity** (an eighth by default;
-/// [`with_capacity_and_share`](Self::with_capacity_and_share)): a subject whose records hold its
-/// share is refused new keys (`429 idempotency_quota_exceeded`) until some of them expire, and the
-/// other subjects keep the rest of the room. Its finished records still replay.
+/// **Each subject has a share of the capacity that adapts to the subjects present**: a subject
+/// whose records hold `h` bytes takes more room only while at least `h` stay free after it. So `n`
+/// subjects that all want more hold about `capacity / (n + 1)` each (a lone subject, half the
+/// store; a store for one subject alone is `with_capacity_and_share(bytes, bytes)`); the less a
+/// subject holds, the nearer to full the store it is let into, so the room freed as records expire
+/// goes first to the subjects that hold the least, and the last of it to one that holds nothing:
+/// no group of subjects, however many, fills the store for a subject that comes while they each
+/// hold some. A subject refused room gets `429 idempotency_quota_exceeded` for new keys until some
+/// records expire; the others are served, and its finished records still replay.
+/// [`with_capacity_and_share`](Self::with_capacity_and_share) sets a fixed share instead.
 ///
 /// **What it loses on restart: everything.** Records live in this process only: after a restart
 /// (a deploy, a crash) every key is new, and a retry of a payment that finished before the restart
@@ -80,8 +86,10 @@ struct Inner {
     /// The bytes the records hold, by the capacity's count.
     bytes: AtomicUsize,
     capacity: usize,
-    /// The most bytes one subject's records may hold.
+    /// The most bytes one subject's records may hold, whatever room is free.
     share: usize,
+    /// Whether the share adapts to what the others hold (otherwise it is `share`, fixed).
+    adaptive: bool,
     /// What each subject holds.
     subjects: Subjects,
 }
@@ -124,21 +132,29 @@ enum State {
 }
 
 impl MemoryStore {
-    /// An empty store with the default capacity (256 MiB, 32 MiB a subject).
+    /// An empty store with the default capacity (256 MiB), shared among the subjects present (see
+    /// the type's docs).
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// An empty store that holds at most about `bytes` of records, and at most an eighth of that
-    /// for any one subject (see the type's docs).
+    /// An empty store that holds at most about `bytes` of records, shared among the subjects
+    /// present (see the type's docs).
     pub fn with_capacity(bytes: usize) -> Self {
-        Self::with_capacity_and_share(bytes, bytes / 8)
+        let mut store = Self::with_capacity_and_share(bytes, bytes);
+        if let Some(inner) = Arc::get_mut(&mut store.inner) {
+            inner.adaptive = true;
+        }
+        store
     }
 
     /// An empty store that holds at most about `bytes` of records, and at most about `share` bytes
-    /// for any one subject (the shared anonymous subject included): past its share a subject's
-    /// new keys are refused (the layer answers `429 idempotency_quota_exceeded`), and the other
-    /// subjects are served.
+    /// for any one subject (the shared anonymous subject included), a fixed share: past it a
+    /// subject's new keys are refused (the layer answers `429 idempotency_quota_exceeded`), and the
+    /// other subjects are served. A fixed share does not adapt to the subjects present:
+    /// `bytes / share` subjects at their share fill the store for the others, where the default
+    /// ([`with_capacity`](Self::with_capacity)) keeps room for a subject that comes. With
+    /// `share == bytes`, one subject may fill the whole store (a store for one subject alone).
     pub fn with_capacity_and_share(bytes: usize, share: usize) -> Self {
         MemoryStore {
             inner: Arc::new(Inner {
@@ -147,6 +163,7 @@ impl MemoryStore {
                 bytes: AtomicUsize::new(0),
                 capacity: bytes,
                 share,
+                adaptive: false,
                 subjects: Subjects::default(),
             }),
         }
@@ -155,6 +172,20 @@ impl MemoryStore {
     /// The bytes the records hold now, by the capacity's count.
     pub fn bytes(&self) -> usize {
         self.inner.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Whether a subject whose records hold `held` bytes may hold `more`: never past a fixed
+    /// share; with the adaptive one, while at least `held` bytes stay free after it (see the
+    /// type's docs).
+    fn admits(&self, held: usize, more: usize) -> bool {
+        let after = held.saturating_add(more);
+        if after > self.inner.share {
+            return false;
+        }
+        if !self.inner.adaptive {
+            return true;
+        }
+        self.bytes().saturating_add(more).saturating_add(held) <= self.inner.capacity
     }
 
     fn add(&self, bytes: usize) {
@@ -264,7 +295,7 @@ impl IdempotencyStore for MemoryStore {
                 let mut grown = response_size(&response);
                 let usage = self.inner.subjects.usage(&key.subject);
                 if !response.body_omitted
-                    && (usage.bytes + grown > self.inner.share
+                    && (!self.admits(usage.bytes, grown)
                         || self.bytes() + grown > self.inner.capacity)
                 {
                     // Past the subject's share or the store's capacity: the answer is kept
@@ -330,13 +361,40 @@ impl IdempotencyStore for MemoryStore {
         Ok(self.sweep_all(Instant::now()))
     }
 
+    fn counts_records(&self) -> bool {
+        true
+    }
+
     fn operation_timeout(&self) -> Option<Duration> {
         None
     }
 
+    /// The store itself: it has no connection to keep apart, and lives in the process.
+    async fn keeper_session(&self) -> Result<Self, StoreError> {
+        Ok(self.clone())
+    }
+
+    /// Nothing to show: every holder of a memory store lives in its process, whose keeper runs on
+    /// a thread of its own, and no other program can lock it.
+    async fn show_presences(
+        &self,
+        _live: &[crate::store::Presence],
+        _lapse: Duration,
+    ) -> Result<(), StoreError> {
+        Ok(())
+    }
+
     /// Exact: the store keeps every subject's count (expired records not yet swept included).
-    async fn count_records(&self, subject: &str, up_to: u64) -> Result<Option<u64>, StoreError> {
-        Ok(Some(self.inner.subjects.usage(subject).records.min(up_to)))
+    async fn count_records(
+        &self,
+        subject: &str,
+        up_to: u64,
+    ) -> Result<Option<crate::store::SubjectUsage>, StoreError> {
+        let usage = self.inner.subjects.usage(subject);
+        Ok(Some(crate::store::SubjectUsage {
+            records: usage.records.min(up_to),
+            bytes: u64::try_from(usage.bytes).unwrap_or(u64::MAX),
+        }))
     }
 
     async fn lookup(&self, key: &RecordKey) -> Result<Option<RecordInfo>, StoreError> {

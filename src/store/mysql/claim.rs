@@ -31,6 +31,12 @@ impl MySqlStore {
                     self.sql.table
                 )));
             }
+            // A wait on a lock cut short (a row locked by a handler's transaction between the
+            // completion it wrote and its commit; a table locked): whether this claim's insert
+            // committed before it is read from what is committed now.
+            Err(e) if matches!(error_number(&e), Some(1205 | 1213 | 1969 | 3024)) => {
+                return self.after_a_lock_wait(request, &scope, e).await;
+            }
             Err(e) => return Err(db("claim")(e)),
         };
         match answers.last().and_then(|a| a.rows.first()) {
@@ -38,6 +44,40 @@ impl MySqlStore {
             // The row was there a moment ago and is gone again (deleted, purged): `409`, and the
             // client's retry settles it.
             None => Ok(ClaimOutcome::InProgress),
+        }
+    }
+}
+
+impl MySqlStore {
+    /// The answer to a claim whose batch waited on a lock past its bound: the record as committed
+    /// now decides it (held by this claim's lease: claimed; another's: in progress, `409`, or the
+    /// wait with `wait`; finished: its replay). No record: the table is locked, and the claim is
+    /// refused (`503`). Never an error the layer could run unguarded for, nor one that leaves a
+    /// release looping for a TTL.
+    async fn after_a_lock_wait(
+        &self,
+        request: &ClaimRequest,
+        scope: &[u8; 32],
+        waited: sqlx::Error,
+    ) -> Result<ClaimOutcome, StoreError> {
+        let read = super::statements::Batch::default()
+            .push(&self.sql.claim_read(request, &super::sql::hex(scope)));
+        match self.batch("claim", &read).await {
+            Ok(Ok(answers)) => match answers.last().and_then(|a| a.rows.first()) {
+                Some(row) => decide(request, row),
+                None => Err(StoreError::refused_claim(format!(
+                    "mysql claim: the table is locked by another session: {waited}"
+                ))),
+            },
+            // Whether this claim's insert committed before the wait is not known: an error that
+            // may have claimed, which the engine releases by its token.
+            Ok(Err(e)) => Err(StoreError::new(
+                format!("mysql claim: a lock wait ({waited}), then the record could not be read"),
+                e,
+            )),
+            Err(e) => Err(StoreError::msg(format!(
+                "mysql claim: a lock wait ({waited}), then the record could not be read: {e}"
+            ))),
         }
     }
 }
@@ -57,6 +97,12 @@ fn decide(request: &ClaimRequest, row: &MySqlRow) -> Result<ClaimOutcome, StoreE
             lease: request.lease,
             generation,
         });
+    }
+    // Released (or deleted: a tombstone under its delete's token) after this batch's take looked,
+    // before its read: nobody's operation, not another request's to answer 422 for. In progress:
+    // the retry takes it.
+    if lease == super::sql::RELEASED && status == "in_progress" {
+        return Ok(ClaimOutcome::InProgress);
     }
     let same_fp: i64 = row.try_get("same_fp").map_err(get)?;
     if same_fp != 1 {

@@ -7,20 +7,67 @@
 use sqlx::Row;
 use sqlx::mysql::MySqlRow;
 
-use super::{MySqlStore, first_integer, subject_digest};
+use std::sync::atomic::Ordering;
+
+use super::errors::error_number;
+use super::{MySqlStore, db, first_integer, subject_digest};
+
+/// `ER_BAD_FIELD_ERROR`: an unknown column.
+const ER_BAD_FIELD_ERROR: u16 = 1054;
 use crate::store::RecordKey;
 use crate::store::{
     Deleted, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage, StoreError,
-    from_micros, row_info,
+    SubjectUsage, from_micros, row_info,
 };
 
 impl MySqlStore {
     /// How many live records `subject` has, counting no further than `up_to` (an index range scan
     /// of at most that many entries).
-    pub(super) async fn count_subject(&self, subject: &str, up_to: u64) -> Result<u64, StoreError> {
-        let batch = self.sql.count(&subject_digest(subject), up_to);
-        let answers = self.answers("count", &batch).await?;
-        Ok(first_integer(answers.first())?.map_or(0, |n| u64::try_from(n).unwrap_or(0)))
+    pub(super) async fn count_subject(
+        &self,
+        subject: &str,
+        up_to: u64,
+    ) -> Result<SubjectUsage, StoreError> {
+        let digest = subject_digest(subject);
+        let mut answers = None;
+        if self.sql.body_bytes.load(Ordering::Relaxed) {
+            match self
+                .batch("count", &self.sql.count(&digest, up_to, true))
+                .await?
+            {
+                Ok(found) => answers = Some(found),
+                // A table not migrated since `body_bytes` came (`migrations/mysql/0002`): its
+                // bodies are read, as before, until `migrate()` adds it.
+                Err(e) if error_number(&e) == Some(ER_BAD_FIELD_ERROR) => {
+                    self.sql.body_bytes.store(false, Ordering::Relaxed);
+                    tracing::warn!(
+                        table = %self.sql.table,
+                        "the idempotency table has no body_bytes column: counting a subject's \
+                         bytes reads its bodies; run migrate()"
+                    );
+                }
+                Err(e) => return Err(db("count")(e)),
+            }
+        }
+        let answers = match answers {
+            Some(answers) => answers,
+            None => {
+                self.answers("count", &self.sql.count(&digest, up_to, false))
+                    .await?
+            }
+        };
+        let Some(row) = answers.first().and_then(|a| a.rows.first()) else {
+            return Ok(SubjectUsage::default());
+        };
+        let get = |column| {
+            row.try_get::<Option<i64>, _>(column)
+                .map(|n| n.map_or(0, |n| u64::try_from(n).unwrap_or(0)))
+                .map_err(|e| StoreError::new("mysql count: unexpected row", e))
+        };
+        Ok(SubjectUsage {
+            records: get(0)?,
+            bytes: get(1)?,
+        })
     }
 
     pub(super) async fn lookup_record(
@@ -46,16 +93,21 @@ impl MySqlStore {
     }
 
     pub(super) async fn delete_record(&self, key: &RecordKey) -> Result<Deleted, StoreError> {
+        // Drawn once, before the batch may go twice (see `Statements::delete`).
+        let token = crate::store::delete_token();
         let answers = self
-            .answers("delete", &self.sql.delete(&key.digest()))
+            .answers("delete", &self.sql.delete(&key.digest(), &token))
             .await?;
-        Ok(if answers.get(1).is_some_and(|a| a.affected == 1) {
-            Deleted::Deleted
-        } else if first_integer(answers.get(2))?.unwrap_or(0) > 0 {
-            Deleted::InProgress
-        } else {
-            Deleted::NotFound
-        })
+        let deleted_before = first_integer(answers.get(3))?.unwrap_or(0) > 0;
+        Ok(
+            if answers.get(1).is_some_and(|a| a.affected == 1) || deleted_before {
+                Deleted::Deleted
+            } else if first_integer(answers.get(2))?.unwrap_or(0) > 0 {
+                Deleted::InProgress
+            } else {
+                Deleted::NotFound
+            },
+        )
     }
 
     /// A page of `subject`'s records. The rows are selected by the subject's digest, and each is

@@ -3,14 +3,17 @@
 
 use sqlx::MySqlConnection;
 
-use super::in_flight::InFlight;
 use super::sql::DEFAULT_TABLE;
-use super::{MIN_MIGRATE_TIMEOUT, MySqlStore, db};
+use super::{MySqlStore, db};
 use crate::store::StoreError;
+use crate::store::sql::{InFlight, MIN_MIGRATE_TIMEOUT};
 
 /// The table, with `idempotency_records` as its name (and its indexes' and constraint's names
 /// after it).
 const TABLE: &str = include_str!("../../../migrations/mysql/0001_idempotency_records.sql");
+
+/// Each record's body length, kept with the row (applied when the column is missing).
+const BODY_BYTES: &str = include_str!("../../../migrations/mysql/0002_idempotency_body_bytes.sql");
 
 /// The indexes the table has (each made by `CREATE TABLE`, and again, if missing, by `migrate()`):
 /// the suffix of its name after the table's, and its columns.
@@ -42,7 +45,7 @@ impl MySqlStore {
         let mut flight = InFlight::new(connection);
         let lock = format!("{}_migrate", self.sql.name);
         let done = tokio::time::timeout(limit, async {
-            let conn = flight.connection().map_err(db("migrate"))?;
+            let conn: &mut sqlx::MySqlConnection = &mut flight;
             let (locked,): (Option<i64>,) = sqlx::query_as("SELECT GET_LOCK(?, ?)")
                 .bind(&lock)
                 .bind(limit.as_secs())
@@ -102,6 +105,26 @@ impl MySqlStore {
                     e,
                 )
             })?;
+        let (present,): (i64,) = sqlx::query_as(
+            "SELECT COUNT(*) FROM information_schema.columns \
+             WHERE table_schema = COALESCE(?, DATABASE()) AND table_name = ? \
+               AND column_name = 'body_bytes'",
+        )
+        .bind(self.sql.database.as_deref())
+        .bind(name)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(db("migrate: look up a column"))?;
+        if present == 0 {
+            let alter = BODY_BYTES.replace(DEFAULT_TABLE, &self.sql.quoted);
+            sqlx::raw_sql(sqlx::AssertSqlSafe(alter))
+                .execute(&mut *conn)
+                .await
+                .map_err(db("migrate: add body_bytes"))?;
+        }
+        self.sql
+            .body_bytes
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         for (suffix, columns) in INDEXES {
             let index = format!("{name}{suffix}");
             let (present,): (i64,) = sqlx::query_as(

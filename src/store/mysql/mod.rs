@@ -12,10 +12,9 @@ use tokio::time::Instant;
 
 mod claim;
 mod errors;
-mod in_flight;
 mod inspect;
 mod migrate;
-mod parking;
+mod presence;
 mod sql;
 mod statements;
 mod transactional;
@@ -29,12 +28,10 @@ use crate::store::{
     ClaimOutcome, ClaimRequest, Fenced, Fingerprint, LeaseToken, RecordKey, StoredResponse,
 };
 
-/// The shortest time `migrate()` may take (it may wait for another instance's migration).
-const MIN_MIGRATE_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long one store operation may take before it counts as failed (`503`), by default.
-const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
-/// The shortest operation timeout [`MySqlStore::with_timeout`] sets.
-const MIN_OPERATION_TIMEOUT: Duration = Duration::from_millis(10);
+use crate::store::sql::{
+    self as shared, Backend, DEFAULT_OPERATION_TIMEOUT, InFlight, InvalidTableName,
+    MIN_OPERATION_TIMEOUT,
+};
 
 /// Records in a MySQL 8 or MariaDB 10.6+ table (InnoDB), shared by every instance of the
 /// application.
@@ -50,8 +47,10 @@ const MIN_OPERATION_TIMEOUT: Duration = Duration::from_millis(10);
 /// level (REPEATABLE READ by default).
 ///
 /// Times are the database's (`UTC_TIMESTAMP(6)`), so the clocks of application machines do not
-/// matter. Requirements of the pool's connections: autocommit on (the default), and
-/// `max_allowed_packet` at least twice the largest recorded body (it is sent in hexadecimal).
+/// matter. Requirement of the pool's connections: `max_allowed_packet` at least twice the largest
+/// recorded body (it is sent in hexadecimal). Autocommit is turned on for each of the store's own
+/// batches and put back after them, so a pool whose connections start with `autocommit = 0` works
+/// too (a transaction such a connection was left in by the application is committed by it).
 ///
 /// **Bounds on the server.** Each batch sets, for itself, `innodb_lock_wait_timeout` (whole
 /// seconds, at least 1) and the statement time limit (`max_statement_time` on MariaDB, which
@@ -77,7 +76,9 @@ pub struct MySqlStore {
     /// The statements that bound each batch, once the server's flavor is known. Shared by clones.
     bounds: Arc<OnceLock<Bounds>>,
     /// Connections kept between operations (see `parking.rs`). Shared by clones.
-    parking: Arc<crate::store::parking::Parking<sqlx::MySql>>,
+    parking: Arc<shared::Parking<sqlx::MySql>>,
+    /// On a keeper session (`keeper_session`): the presences it shows. Shared by clones.
+    presences: Option<Arc<presence::Presences>>,
 }
 
 impl fmt::Debug for MySqlStore {
@@ -89,18 +90,6 @@ impl fmt::Debug for MySqlStore {
             .finish_non_exhaustive()
     }
 }
-
-/// An invalid table name given to [`MySqlStore::with_table`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MySqlStoreError(String);
-
-impl fmt::Display for MySqlStoreError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for MySqlStoreError {}
 
 /// What one statement of a batch answered: the rows it changed (or matched), and its rows.
 struct Answer {
@@ -118,19 +107,15 @@ impl MySqlStore {
             timeout: DEFAULT_OPERATION_TIMEOUT,
             bounds: Arc::default(),
             parking: Arc::default(),
+            presences: None,
         }
     }
 
     /// A store on another table: a lower-case identifier (`[a-z_][a-z0-9_]*`, at most 40
     /// characters), optionally in another database of the same form (`billing.idempotency`).
     /// Names are quoted in every statement, so reserved words such as `order` work too.
-    pub fn with_table(pool: MySqlPool, table: &str) -> Result<Self, MySqlStoreError> {
-        if !crate::store::sql_name::is_qualified_table(table) {
-            return Err(MySqlStoreError(format!(
-                "{table:?} is not a valid table name: use [a-z_][a-z0-9_]* (at most 40 characters), \
-                 optionally as database.table"
-            )));
-        }
+    pub fn with_table(pool: MySqlPool, table: &str) -> Result<Self, InvalidTableName> {
+        let table = shared::qualified_table(table, ", optionally as database.table")?;
         Ok(MySqlStore {
             sql: Arc::new(Statements::new(table)),
             ..MySqlStore::new(pool)
@@ -194,7 +179,8 @@ impl MySqlStore {
     /// Keeps the connection of an operation that succeeded for the next one (see `parking.rs`).
     fn keep(&self, connection: PoolConnection<MySql>, since: Option<Instant>) {
         let size = self.pool.options().get_max_connections() as usize;
-        let capacity = if self.transactions.is_some() {
+        // A keeper session's pool is its own: it keeps its one connection.
+        let capacity = if self.transactions.is_some() || self.presences.is_some() {
             size
         } else {
             size / 2
@@ -238,19 +224,17 @@ impl MySqlStore {
         loop {
             let (taken, kept) = self.connection(what, from_pool).await?;
             // Closed if this future is dropped mid-statement (see `in_flight.rs`).
-            let mut flight = in_flight::InFlight::new(taken);
+            let mut flight = InFlight::new(taken);
             let done = tokio::time::timeout(self.timeout, async {
-                let conn = flight.connection()?;
+                let conn: &mut MySqlConnection = &mut flight;
                 let bounds = self.bounds(conn).await?;
-                let sql = format!("{};\n{};\n{}", bounds.open, batch.sql, bounds.close);
+                let sql = format!("{};\n{};\n{}", bounds.open_own, batch.sql, bounds.close_own);
                 run(conn, sql).await
             })
             .await;
-            let Some(conn) = flight.landed() else {
-                return Err(self.no_answer(what));
-            };
+            let conn = flight.landed();
             match done {
-                Ok(Err(e)) if kept.is_some() && parking::lost_connection(&e) => {
+                Ok(Err(e)) if kept.is_some() && MySql::lost_connection(&e) => {
                     drop(conn.detach());
                     from_pool = true;
                 }
@@ -284,7 +268,7 @@ impl MySqlStore {
     /// back to the pool; closed if that fails too, or if the connection itself failed.
     async fn settle_failed(&self, mut conn: PoolConnection<MySql>, error: &sqlx::Error) {
         let restore = match (error, self.bounds.get()) {
-            (sqlx::Error::Database(_), Some(bounds)) => bounds.close.clone(),
+            (sqlx::Error::Database(_), Some(bounds)) => bounds.close_own.clone(),
             _ => {
                 drop(conn.detach());
                 return;
@@ -410,12 +394,48 @@ impl IdempotencyStore for MySqlStore {
     }
 
     /// A bounded count on the subject index.
-    async fn count_records(&self, subject: &str, up_to: u64) -> Result<Option<u64>, StoreError> {
+    async fn count_records(
+        &self,
+        subject: &str,
+        up_to: u64,
+    ) -> Result<Option<crate::store::SubjectUsage>, StoreError> {
         self.count_subject(subject, up_to).await.map(Some)
+    }
+
+    fn counts_records(&self) -> bool {
+        true
     }
 
     fn operation_timeout(&self) -> Option<Duration> {
         Some(self.timeout)
+    }
+
+    /// The same table through a pool of one connection of its own, made (on first use) on the
+    /// keeper's runtime with the store pool's connect options, and the presences, shown through
+    /// another connection (see `presence.rs`).
+    async fn keeper_session(&self) -> Result<Self, StoreError> {
+        let options = (*self.pool.connect_options()).clone();
+        let pool = shared::keeper_pool(options.clone(), self.timeout);
+        Ok(MySqlStore {
+            pool,
+            transactions: None,
+            parking: Arc::default(),
+            presences: Some(Arc::new(presence::Presences::new(options, self.timeout))),
+            ..self.clone()
+        })
+    }
+
+    async fn show_presences(
+        &self,
+        live: &[crate::store::Presence],
+        lapse: Duration,
+    ) -> Result<(), StoreError> {
+        match &self.presences {
+            Some(presences) => presences.show(live, lapse).await,
+            None => Err(StoreError::msg(
+                "mysql: presences are shown through a keeper session",
+            )),
+        }
     }
 }
 
@@ -451,17 +471,7 @@ fn held_after_completion(answers: &[Answer]) -> Result<Fenced, StoreError> {
     Ok(Fenced::from_held(updated || finished))
 }
 
-/// A database error as the store answers it. A write refused for lack of room (the table or the
-/// disk full, 1114 and 1021; the server out of memory, 1037 and 1041) wrote nothing, and the layer
-/// must not run unguarded for it. A lock wait timeout (1205), a deadlock (1213) and a statement
-/// cut by the server's time limit (1969 on MariaDB, 3024 on MySQL) are retryable failures like any
-/// other.
+/// A database error as the store answers it (see [`Backend`]).
 fn db(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
-    move |e| match error_number(&e) {
-        Some(1114 | 1021 | 1037 | 1041) => {
-            StoreError::store_full(format!("mysql {what}: the database has no room: {e}"))
-        }
-        Some(1205 | 1213) => StoreError::new(format!("mysql {what}: busy, retry"), e),
-        _ => StoreError::new(format!("mysql {what}"), e),
-    }
+    shared::db::<MySql>(what)
 }

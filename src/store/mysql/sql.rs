@@ -82,10 +82,17 @@ impl Flavor {
 /// values on the session: its connection is closed rather than given back to the pool. The last
 /// statement changes nothing when the first did not run (its variables are then `NULL`), so it may
 /// end any batch of a transaction.
+///
+/// The store's own batches (not those of a handler's transaction) also turn autocommit on for
+/// themselves (`open_own`, `close_own`), and back to the session's value after: every statement of
+/// the store must commit on its own, or a claim would be seen by no other connection (and hold
+/// its row's lock) on a pool whose connections start with `autocommit = 0`.
 #[derive(Debug)]
 pub(super) struct Bounds {
     pub(super) open: String,
     pub(super) close: String,
+    pub(super) open_own: String,
+    pub(super) close_own: String,
 }
 
 impl Bounds {
@@ -117,7 +124,21 @@ impl Bounds {
                    COALESCE(@axum_idempotency_time_limit, @@session.{variable}), \
                  @axum_idempotency_lock_wait = NULL, @axum_idempotency_time_limit = NULL"
         );
-        Bounds { open, close }
+        let open_own = format!(
+            "{open}, @axum_idempotency_autocommit = @@session.autocommit, \
+             @@session.autocommit = 1"
+        );
+        let close_own = format!(
+            "{close}, @@session.autocommit = \
+               COALESCE(@axum_idempotency_autocommit, @@session.autocommit), \
+             @axum_idempotency_autocommit = NULL"
+        );
+        Bounds {
+            open,
+            close,
+            open_own,
+            close_own,
+        }
     }
 }
 

@@ -47,6 +47,9 @@ pub(super) struct Statements {
     pub(super) database: Option<String>,
     /// The table as written in SQL: every part quoted.
     pub(super) quoted: String,
+    /// Whether the table has its `body_bytes` column (`migrations/mysql/0002`), as far as this
+    /// store knows: until a count finds it missing (a table not migrated since), counts read it.
+    pub(super) body_bytes: std::sync::atomic::AtomicBool,
 }
 
 impl Statements {
@@ -61,6 +64,7 @@ impl Statements {
             None => quote_ident(&name),
         };
         Statements {
+            body_bytes: std::sync::atomic::AtomicBool::new(true),
             table: table.to_owned(),
             name,
             database,
@@ -73,7 +77,8 @@ impl Statements {
     /// 1. insert the record, or leave the row that is there as it is (`ON DUPLICATE KEY UPDATE`
     ///    a column to itself: no error, no change; a concurrent insert of the key is waited for);
     /// 2. take the row by compare-and-swap if it is there to take: past its expiry, released, or
-    ///    in progress with this fingerprint and not renewed for the longer of the two TTLs. The
+    ///    in progress with this fingerprint, not renewed for the longer of the two TTLs, and its
+    ///    lease's presence not shown by a live keeper (its named lock free, see `presence.rs`). The
     ///    row is locked and its newest committed version read, so of concurrent takers exactly
     ///    one matches: the others then find it renewed. The creation time and the generation are
     ///    assigned first, from the row as it was (whether the server assigns in order or all at
@@ -122,21 +127,30 @@ impl Statements {
              WHERE scope = {scope} AND (expires_at <= {NOW} OR (lease_token <> {lease} \
                AND status = 'in_progress' AND (lease_token = {RELEASED} \
                  OR (fingerprint = {fingerprint} AND updated_at <= {NOW} \
-                     - INTERVAL GREATEST({ttl}, in_progress_ttl_us) MICROSECOND))))"
-        );
-        let read = format!(
-            "SELECT status, lease_token, fingerprint = {fingerprint} AS same_fp, \
-               response_status, response_headers, \
-               IF(fingerprint = {fingerprint}, response_body, NULL) AS response_body, \
-               TIMESTAMPDIFF(MICROSECOND, {NOW}, expires_at) AS expires_in_us, generation \
-             FROM {t} WHERE scope = {scope}"
+                     - INTERVAL GREATEST({ttl}, in_progress_ttl_us) MICROSECOND \
+                     AND IS_FREE_LOCK({presence}) = 1))))",
+            presence = super::presence::lock_name_sql("lease_token"),
         );
         Batch::default()
             .push(READ_COMMITTED)
             .push(&insert)
             .push(READ_COMMITTED)
             .push(&take)
-            .push(&read)
+            .push(&self.claim_read(request, &scope))
+    }
+
+    /// The claim's read of the record, as last committed (a plain read waits on no row lock).
+    /// `scope` is the scope's literal.
+    pub(super) fn claim_read(&self, request: &ClaimRequest, scope: &str) -> String {
+        let t = &self.quoted;
+        let fingerprint = hex(request.fingerprint.as_bytes());
+        format!(
+            "SELECT status, lease_token, fingerprint = {fingerprint} AS same_fp, \
+               response_status, response_headers, \
+               IF(fingerprint = {fingerprint}, response_body, NULL) AS response_body, \
+               TIMESTAMPDIFF(MICROSECOND, {NOW}, expires_at) AS expires_in_us, generation \
+             FROM {t} WHERE scope = {scope}"
+        )
     }
 
     /// The completion, fenced by the lease, then whether the lease has finished the record (also
@@ -220,25 +234,45 @@ impl Statements {
     /// Only a finished, live record is deleted: the row is locked and its newest version checked,
     /// so one taken back in progress meanwhile is left alone. Then whether a record is held in
     /// progress (one row, its count).
-    pub(super) fn delete(&self, scope: &[u8; 32]) -> Batch {
-        let (t, scope) = (&self.quoted, hex(scope));
+    ///
+    /// The record's answer goes, and the row stays a minute (at most to its expiry) as a released
+    /// record under `token` in place of a fingerprint, which every claim takes as a new operation
+    /// and inspection does not show: the same batch sent again (its answer was lost after it
+    /// committed, and the store resends it on another connection) finds its token and answers as
+    /// the first did (the third statement).
+    pub(super) fn delete(&self, scope: &[u8; 32], token: &[u8; 32]) -> Batch {
+        let (t, scope, token) = (&self.quoted, hex(scope), hex(token));
         Batch::default()
             .push(READ_COMMITTED)
             .push(&format!(
-                "DELETE FROM {t} WHERE scope = {scope} AND status <> 'in_progress' \
-                 AND expires_at > {NOW}"
+                "UPDATE {t} SET status = 'in_progress', lease_token = {RELEASED}, \
+                   fingerprint = {token}, response_status = NULL, response_headers = NULL, \
+                   response_body = NULL, updated_at = '1000-01-01 00:00:00', \
+                   expires_at = LEAST(expires_at, {NOW} + INTERVAL 1 MINUTE) \
+                 WHERE scope = {scope} AND status <> 'in_progress' AND expires_at > {NOW}"
             ))
             .push(&format!(
                 "SELECT COUNT(*) FROM {t} WHERE scope = {scope} AND status = 'in_progress' \
                  AND lease_token <> {RELEASED} AND expires_at > {NOW}"
             ))
+            .push(&format!(
+                "SELECT COUNT(*) FROM {t} WHERE scope = {scope} AND lease_token = {RELEASED} \
+                 AND fingerprint = {token}"
+            ))
     }
 
     /// A subject's live records (released ones included), counted up to `limit` on the subject
     /// index.
-    pub(super) fn count(&self, subject_digest: &[u8; 32], limit: u64) -> Batch {
+    /// `column`: read the bytes from `body_bytes` (a table migrated to it), not from the bodies.
+    pub(super) fn count(&self, subject_digest: &[u8; 32], limit: u64, column: bool) -> Batch {
+        let bytes = if column {
+            "body_bytes"
+        } else {
+            "COALESCE(LENGTH(response_body), 0)"
+        };
         Batch::default().push(&format!(
-            "SELECT COUNT(*) FROM (SELECT 1 FROM {} WHERE subject_digest = {} \
+            "SELECT COUNT(*), CAST(COALESCE(SUM(bytes), 0) AS SIGNED) FROM (SELECT \
+               {bytes} AS bytes FROM {} WHERE subject_digest = {} \
                AND expires_at > {NOW} LIMIT {limit}) live",
             self.quoted,
             hex(subject_digest)

@@ -25,31 +25,38 @@ impl PostgresStore {
         old_lease: i64,
         old_status: &str,
     ) -> Result<Option<Option<Generation>>, StoreError> {
-        let row: Option<(Option<Vec<u8>>,)> = on_connection!(self, "retake", conn => {
-            sqlx::query_as(sqlx::AssertSqlSafe(self.sql().retake.as_str()))
-                .bind(&scope[..])
-                .bind(&request.fingerprint.as_bytes()[..])
-                .bind(request.lease.0)
-                .bind(micros(request.in_progress_ttl + request.retention))
-                .bind(old_lease)
-                .bind(old_status)
-                .bind(micros(request.in_progress_ttl))
-                .bind(&*self.lock_timeout)
-                .bind(&request.generation.0[..])
-                .fetch_optional(&mut *conn)
-        })?
-        .map_err(|e| match e {
+        let row: Result<Option<(Option<Vec<u8>>,)>, sqlx::Error> = on_connection!(self, "retake", conn => {
+        sqlx::query_as(sqlx::AssertSqlSafe(self.sql().retake.as_str()))
+            .bind(&scope[..])
+            .bind(&request.fingerprint.as_bytes()[..])
+            .bind(request.lease.0)
+            .bind(micros(request.in_progress_ttl + request.retention))
+            .bind(old_lease)
+            .bind(old_status)
+            .bind(micros(request.in_progress_ttl))
+            .bind(&*self.lock_timeout)
+            .bind(&request.generation.0[..])
+            .fetch_optional(&mut *conn)
+        })?;
+        let row = match row {
+            Ok(row) => row,
+            // The row is locked by another transaction (a handler's, between the completion it
+            // wrote and its commit; another retake): nothing was retaken, and it is in progress
+            // until that transaction ends.
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+                return Ok(None);
+            }
             // The table lacks the holder's TTL column: made by an earlier version, and `migrate()`
             // has not run. Nothing was retaken; never a reason to run unguarded.
-            sqlx::Error::Database(e) if e.code().as_deref() == Some("42703") => {
-                StoreError::refused_claim(format!(
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42703") => {
+                return Err(StoreError::refused_claim(format!(
                     "postgres claim: the table {} lacks a column this version needs; run \
                      PostgresStore::migrate() (or apply migrations/0003 and 0006): {e}",
                     self.sql().table
-                ))
+                )));
             }
-            e => db("retake")(e),
-        })?;
+            Err(e) => return Err(db("retake")(e)),
+        };
         // `None`: lost the race; otherwise the record's generation as the retake left it.
         Ok(row.map(|(g,)| g.and_then(|g| Generation::from_slice(&g))))
     }
@@ -175,6 +182,11 @@ impl PostgresStore {
                 Ok(Err(sqlx::Error::Database(e))) if e.code().as_deref() == Some("40001") => {
                     return Ok(None);
                 }
+                Ok(Err(sqlx::Error::Database(e)))
+                    if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) =>
+                {
+                    return self.locked(scope).await;
+                }
                 Ok(Ok(row)) => {
                     if probing {
                         *lock(&self.sql().function_missing) = None;
@@ -191,7 +203,12 @@ impl PostgresStore {
                     .fetch_optional(&mut *conn)
             })?;
             match row {
-                Ok(row) => Ok(row),
+                Ok(row) => Ok(Direct::Row(row)),
+                Err(sqlx::Error::Database(e))
+                    if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) =>
+                {
+                    Ok(Direct::Locked)
+                }
                 // The table lacks a column this version writes: made by an earlier version,
                 // and `migrate()` has not run. Nothing was claimed; never a reason to run unguarded.
                 Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42703") => {
@@ -205,14 +222,45 @@ impl PostgresStore {
                 Err(e) => Err(db("claim")(e)),
             }
         };
-        if let Some(row) = direct().await? {
-            return Ok(Some(row));
+        match direct().await? {
+            Direct::Row(Some(row)) => return Ok(Some(row)),
+            Direct::Locked => return self.locked(scope).await,
+            Direct::Row(None) => {}
         }
         // The insert met a row committed after this statement's snapshot was taken, so the read
         // half could not see it. A second statement sees it; that row was inserted a moment ago and
         // cannot be stale. If it needs a retake after all, answer 409 rather than spend a third
         // round trip: the client's retry settles it.
-        Ok(direct().await?.filter(|row| !needs_retake(row)))
+        match direct().await? {
+            Direct::Row(row) => Ok(row.filter(|row| !needs_retake(row))),
+            Direct::Locked => self.locked(scope).await,
+        }
+    }
+
+    /// The answer to a claim whose statement waited on a lock past its lock timeout (and was
+    /// rolled back: nothing was claimed). A row of the key locked by another transaction (a
+    /// handler's, between the completion it wrote and its commit; a retake in flight) is in
+    /// progress: `None`, a `409` (or the wait, with `wait`), never an error the layer could run
+    /// unguarded for. Without a row, the table itself is locked (a migration, `VACUUM FULL`): the
+    /// claim is refused (`503`), never run unguarded either.
+    async fn locked(&self, scope: &[u8; 32]) -> Result<Option<PgRow>, StoreError> {
+        let exists = on_connection!(self, "claim", conn => {
+            sqlx::query_scalar::<_, bool>(sqlx::AssertSqlSafe(self.sql().exists.as_str()))
+                .bind(&scope[..])
+                .fetch_one(&mut *conn)
+        });
+        match exists {
+            Ok(Ok(true)) => Ok(None),
+            Ok(Ok(false)) => Err(StoreError::refused_claim(
+                "postgres claim: the table is locked by another transaction",
+            )),
+            Ok(Err(e)) => Err(StoreError::refused_claim(format!(
+                "postgres claim: the key's row is locked, and could not be read: {e}"
+            ))),
+            Err(e) => Err(StoreError::refused_claim(format!(
+                "postgres claim: the key's row is locked, and could not be read: {e}"
+            ))),
+        }
     }
 
     /// A claim statement (the function's call or its first query), bound.
@@ -236,6 +284,15 @@ impl PostgresStore {
             .bind(&*self.lock_timeout)
     }
 }
+
+/// What the claim function's first query gave: its row (if any), or a wait on a lock cut short.
+enum Direct {
+    Row(Option<PgRow>),
+    Locked,
+}
+
+/// SQLSTATE `lock_not_available`: a statement waited on a lock past its `lock_timeout`.
+const LOCK_NOT_AVAILABLE: &str = "55P03";
 
 /// True when a claim row shows an existing record that only a retake could claim.
 fn needs_retake(row: &PgRow) -> bool {

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::store::StoreError;
+use crate::store::sql::Backend;
 
 /// Runs `$op` (an expression using the connection `$conn`, evaluated again if the statement goes
 /// twice) on a connection kept from an earlier operation or taken from `$store`'s pool, the pool
@@ -26,7 +27,7 @@ macro_rules! on_connection {
                 Err(e) => break Err(e),
             };
             // Closed if this future is dropped mid-statement (see `in_flight.rs`).
-            let mut $conn = $crate::store::postgres::in_flight::InFlight::new(taken);
+            let mut $conn = $crate::store::sql::InFlight::new(taken);
             // The statement has a whole timeout of its own: one that waited long for its
             // connection must not cut a healthy statement short (and close its connection).
             let done = tokio::time::timeout(store.timeout, $op).await;
@@ -38,7 +39,10 @@ macro_rules! on_connection {
                 // under its lease, also when the first one committed before the connection was
                 // lost: a claim or a retake by its own lease is granted again, a completion by it
                 // is done already, a renewal renews again, a release answers the lease lost.
-                Ok(Err(e)) if kept.is_some() && $crate::store::postgres::lost_connection(&e) => {
+                Ok(Err(e))
+                    if kept.is_some()
+                        && <sqlx::Postgres as $crate::store::sql::Backend>::lost_connection(&e) =>
+                {
                     drop($conn.detach());
                     from_pool = true;
                     continue;
@@ -71,20 +75,30 @@ pub(super) fn pg_millis(d: Duration) -> u128 {
     d.as_millis().clamp(1, i32::MAX as u128)
 }
 
-/// A database error as the store answers it. A full disk or exhausted memory (SQLSTATE 53000,
-/// 53100, 53200) refused the write: nothing was written, and the layer must not run unguarded for
-/// it.
+/// A database error as the store answers it (see [`Backend`]).
 pub(super) fn db(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
-    move |e| {
-        let no_room = e
-            .as_database_error()
+    crate::store::sql::db::<sqlx::Postgres>(what)
+}
+
+impl Backend for sqlx::Postgres {
+    const NAME: &'static str = "postgres";
+
+    /// A full disk or exhausted memory (SQLSTATE 53000, 53100, 53200).
+    fn no_room(e: &sqlx::Error) -> bool {
+        e.as_database_error()
             .and_then(|d| d.code())
-            .is_some_and(|code| matches!(&*code, "53000" | "53100" | "53200"));
-        if no_room {
-            let message = format!("postgres {what}: the database has no room: {e}");
-            StoreError::store_full(message)
-        } else {
-            StoreError::new(format!("postgres {what}"), e)
+            .is_some_and(|code| matches!(&*code, "53000" | "53100" | "53200"))
+    }
+
+    fn lost_connection(error: &sqlx::Error) -> bool {
+        match error {
+            sqlx::Error::Io(_) | sqlx::Error::Protocol(_) => true,
+            sqlx::Error::Database(e) => e.code().is_some_and(|code| {
+                // Operator intervention (shutdown, crash, database dropped, session timeouts) and
+                // the connection exception class: the server ended the session.
+                code.starts_with("57P") || code.starts_with("08")
+            }),
+            _ => false,
         }
     }
 }

@@ -8,7 +8,7 @@ use super::{PostgresStore, db, on_connection, printable};
 use crate::store::RecordKey;
 use crate::store::{
     Deleted, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage, StoreError,
-    from_micros, row_info,
+    SubjectUsage, from_micros, row_info,
 };
 
 /// How many statements one listing sends at most when rows it cannot verify as the subject's fill
@@ -25,17 +25,24 @@ type ListedRow = (Vec<u8>, String, String, String, Option<i16>, i64, i64);
 impl PostgresStore {
     /// How many live records `subject` has, counting no further than `up_to` (an index range
     /// scan of at most that many entries).
-    pub(super) async fn count_subject(&self, subject: &str, up_to: u64) -> Result<u64, StoreError> {
+    pub(super) async fn count_subject(
+        &self,
+        subject: &str,
+        up_to: u64,
+    ) -> Result<SubjectUsage, StoreError> {
         let subject = printable(subject);
         let limit = i64::try_from(up_to).unwrap_or(i64::MAX);
-        let (count,): (i64,) = on_connection!(self, "count", conn => {
+        let (count, bytes): (i64, i64) = on_connection!(self, "count", conn => {
             sqlx::query_as(sqlx::AssertSqlSafe(self.sql().inspection.count.as_str()))
                 .bind(&*subject)
                 .bind(limit)
                 .fetch_one(&mut *conn)
         })?
         .map_err(db("count"))?;
-        Ok(u64::try_from(count).unwrap_or(0))
+        Ok(SubjectUsage {
+            records: u64::try_from(count).unwrap_or(0),
+            bytes: u64::try_from(bytes).unwrap_or(0),
+        })
     }
 
     pub(super) async fn lookup_record(
@@ -55,10 +62,13 @@ impl PostgresStore {
 
     pub(super) async fn delete_record(&self, key: &RecordKey) -> Result<Deleted, StoreError> {
         let scope = key.digest();
+        // Drawn once, before the statement may go twice (see `Inspection::delete`).
+        let token = crate::store::delete_token();
         let (deleted, in_progress): (bool, bool) = on_connection!(self, "delete", conn => {
             sqlx::query_as(sqlx::AssertSqlSafe(self.sql().inspection.delete.as_str()))
                 .bind(&scope[..])
                 .bind(&*self.lock_timeout)
+                .bind(&token[..])
                 .fetch_one(&mut *conn)
         })?
         .map_err(db("delete"))?;

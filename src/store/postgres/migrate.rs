@@ -4,8 +4,9 @@
 
 use super::sql::{DEFAULT_TABLE, quote_ident};
 use super::statements::Statements;
-use super::{MIN_MIGRATE_TIMEOUT, PostgresStore, db};
+use super::{PostgresStore, db};
 use crate::store::StoreError;
+use crate::store::sql::MIN_MIGRATE_TIMEOUT;
 use crate::util::lock::lock;
 
 /// The migration, with `idempotency_records` as the table name.

@@ -13,10 +13,9 @@ use tokio::time::Instant;
 
 mod claim;
 mod connection;
-mod in_flight;
 mod inspect;
 mod migrate;
-mod parking;
+mod presence;
 mod sql;
 mod statements;
 mod transactional;
@@ -28,14 +27,13 @@ use self::values::{micros, parse_headers, printable};
 use sql::DEFAULT_TABLE;
 use statements::{PURGE_BATCH, Statements};
 
-use parking::lost_connection;
-
 use super::{IdempotencyStore, StoreError};
 use crate::store::Fingerprint;
 use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
 
-/// The shortest time `migrate()` may take (it may wait for another instance's migration).
-pub(crate) const MIN_MIGRATE_TIMEOUT: Duration = Duration::from_secs(30);
+use crate::store::sql::{
+    self as shared, DEFAULT_OPERATION_TIMEOUT, InvalidTableName, MIN_OPERATION_TIMEOUT,
+};
 
 /// Records in a PostgreSQL table, shared by every instance of the application.
 ///
@@ -87,7 +85,9 @@ pub struct PostgresStore {
     /// Whether the key, subject and endpoint are written in clear beside the scope digest.
     scope_columns: bool,
     /// Connections kept between operations (see `parking.rs`). Shared by clones.
-    parking: Arc<crate::store::parking::Parking<sqlx::Postgres>>,
+    parking: Arc<shared::Parking<sqlx::Postgres>>,
+    /// On a keeper session (`keeper_session`): the presences it shows. Shared by clones.
+    presences: Option<Arc<presence::Presences>>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -99,24 +99,6 @@ impl fmt::Debug for PostgresStore {
             .finish_non_exhaustive()
     }
 }
-
-/// How long one store operation may take before it counts as failed (`503`), by default.
-pub(crate) const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
-/// The shortest operation timeout [`PostgresStore::with_timeout`] sets: shorter ones are raised to
-/// it (no database answers faster, and every statement would fail).
-pub(crate) const MIN_OPERATION_TIMEOUT: Duration = Duration::from_millis(10);
-
-/// An invalid table name given to [`PostgresStore::with_table`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PostgresStoreError(String);
-
-impl fmt::Display for PostgresStoreError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for PostgresStoreError {}
 
 impl PostgresStore {
     /// A store on the `idempotency_records` table.
@@ -130,19 +112,15 @@ impl PostgresStore {
             lock_timeout: lock_timeout_for(DEFAULT_OPERATION_TIMEOUT),
             scope_columns: true,
             parking: Arc::default(),
+            presences: None,
         }
     }
 
     /// A store on another table: a lower-case identifier (`[a-z_][a-z0-9_]*`, at most 40 characters),
     /// optionally qualified by a schema of the same form (`billing.idempotency`). Names are quoted in
     /// every statement, so reserved words such as `order` work too.
-    pub fn with_table(pool: PgPool, table: &str) -> Result<Self, PostgresStoreError> {
-        if !crate::store::sql_name::is_qualified_table(table) {
-            return Err(PostgresStoreError(format!(
-                "{table:?} is not a valid table name: use [a-z_][a-z0-9_]* (at most 40 characters), \
-                 optionally as schema.table"
-            )));
-        }
+    pub fn with_table(pool: PgPool, table: &str) -> Result<Self, InvalidTableName> {
+        let table = shared::qualified_table(table, ", optionally as schema.table")?;
         Ok(PostgresStore {
             pool,
             transactions: None,
@@ -152,6 +130,7 @@ impl PostgresStore {
             lock_timeout: lock_timeout_for(DEFAULT_OPERATION_TIMEOUT),
             scope_columns: true,
             parking: Arc::default(),
+            presences: None,
         })
     }
 
@@ -199,7 +178,8 @@ impl PostgresStore {
     /// Keeps the connection of an operation that succeeded for the next one (see `parking.rs`).
     fn keep(&self, connection: PoolConnection<sqlx::Postgres>, since: Option<Instant>) {
         let size = self.pool.options().get_max_connections() as usize;
-        let capacity = if self.transactions.is_some() {
+        // A keeper session's pool is its own: it keeps its one connection.
+        let capacity = if self.transactions.is_some() || self.presences.is_some() {
             size
         } else {
             size / 2
@@ -366,15 +346,51 @@ impl IdempotencyStore for PostgresStore {
 
     /// A bounded count on the subject index; `None` without scope columns (subjects are not
     /// kept).
-    async fn count_records(&self, subject: &str, up_to: u64) -> Result<Option<u64>, StoreError> {
+    async fn count_records(
+        &self,
+        subject: &str,
+        up_to: u64,
+    ) -> Result<Option<crate::store::SubjectUsage>, StoreError> {
         if !self.scope_columns {
             return Ok(None);
         }
         self.count_subject(subject, up_to).await.map(Some)
     }
 
+    fn counts_records(&self) -> bool {
+        self.scope_columns
+    }
+
     fn operation_timeout(&self) -> Option<Duration> {
         Some(self.timeout)
+    }
+
+    /// The same table through a pool of one connection of its own, made (on first use) on the
+    /// keeper's runtime with the store pool's connect options, and the presences, shown through
+    /// another connection (see `presence.rs`).
+    async fn keeper_session(&self) -> Result<Self, StoreError> {
+        let options = (*self.pool.connect_options()).clone();
+        let pool = shared::keeper_pool(options.clone(), self.timeout);
+        Ok(PostgresStore {
+            pool,
+            transactions: None,
+            parking: Arc::default(),
+            presences: Some(Arc::new(presence::Presences::new(options, self.timeout))),
+            ..self.clone()
+        })
+    }
+
+    async fn show_presences(
+        &self,
+        live: &[crate::store::Presence],
+        lapse: Duration,
+    ) -> Result<(), StoreError> {
+        match &self.presences {
+            Some(presences) => presences.show(live, lapse).await,
+            None => Err(StoreError::msg(
+                "postgres: presences are shown through a keeper session",
+            )),
+        }
     }
 
     async fn renew(

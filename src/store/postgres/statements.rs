@@ -46,6 +46,9 @@ pub(super) struct Statements {
     pub(super) release: String,
     pub(super) purge: String,
     pub(super) check_shape: String,
+    /// Whether a row of the scope `$1` exists, as last committed: a plain read, which waits on no
+    /// row lock.
+    pub(super) exists: String,
     /// Lookup, delete and listing (see `inspect.rs`).
     pub(super) inspection: Inspection,
 }
@@ -127,6 +130,9 @@ impl Statements {
             // The row already under the new lease matches too: the same retake sent again (its
             // connection was lost after the first one committed) is granted again, not refused as a
             // lost race, which would leave the key in progress with no worker for a TTL.
+            // A stale record is taken only when no live keeper shows its lease's presence: the
+            // lock of `(NAMESPACE, presence)`, which keepers hold shared, is free for this
+            // statement to take exclusive (see `presence.rs`). Held for its transaction only.
             retake: format!(
                 "{LOCK_BOUND_CTE} UPDATE {t} SET fingerprint = $2, status = 'in_progress', lease_token = $3, \
                    generation = CASE WHEN status = 'in_progress' AND expires_at > now() \
@@ -144,11 +150,15 @@ impl Statements {
                               OR (status = 'in_progress' \
                                   AND updated_at <= now() \
                                       - GREATEST($7::float8, coalesce(in_progress_ttl_us, 0)) \
-                                        * interval '1 microsecond'))) \
+                                        * interval '1 microsecond' \
+                                  AND (lease_token = {RELEASED} \
+                                       OR pg_try_advisory_xact_lock({PRESENCE}, \
+                                            (lease_token >> 32)::int4))))) \
                         OR (lease_token = $3 AND status = 'in_progress')) \
                    AND {LOCK_BOUND} \
                  RETURNING generation",
-                LOCK_BOUND_CTE = lock_bound_cte(8)
+                LOCK_BOUND_CTE = lock_bound_cte(8),
+                PRESENCE = super::presence::NAMESPACE,
             ),
             // The heartbeat. $1 scope, $2 lease, $3 lifetime (µs), $4 lock timeout.
             renew: format!(
@@ -218,6 +228,7 @@ impl Statements {
                 lock_bound_cte(1)
             ),
             check_shape: format!("SELECT scope, idempotency_key, lease_token FROM {t} LIMIT 0"),
+            exists: format!("SELECT EXISTS (SELECT 1 FROM {t} WHERE scope = $1)"),
             inspection: Inspection::on(t),
             function_v2,
             quoted,
@@ -277,26 +288,40 @@ impl Inspection {
         };
         Inspection {
             count: format!(
-                "SELECT count(*) FROM (SELECT 1 FROM {t} WHERE subject = $1 \
+                "SELECT count(*), coalesce(sum(bytes), 0)::bigint FROM (SELECT \
+                 coalesce(octet_length(response_body), 0) AS bytes FROM {t} WHERE subject = $1 \
                  AND expires_at > now() LIMIT $2) live"
             ),
             // $1 scope. A plain read: it waits on no lock.
             lookup: format!(
                 "SELECT status, response_status, {TIMES} FROM {t} WHERE scope = $1 AND {live}"
             ),
-            // $1 scope, $2 lock timeout. Only a finished, live record is deleted. At READ
-            // COMMITTED, a DELETE that waits on the row lock of a concurrent writer (a retake of
-            // the record that just expired, another delete) checks its condition again on the
-            // row as that writer left it: a row taken back in progress is never deleted, one
-            // deleted meanwhile is not counted. The second answer reads the statement's
-            // snapshot: a record held in progress (released ones are not) as the statement
-            // began, which a DELETE of finished rows never touches.
+            // $1 scope, $2 lock timeout, $3 the delete's token. Only a finished, live record is
+            // deleted: its answer goes, and the row stays a minute (at most to its expiry) as a
+            // released record under the token in place of a fingerprint, which every claim takes
+            // as a new operation and inspection does not show. So the same delete sent again
+            // (its answer was lost after it committed, and the store resends it on another
+            // connection) finds its own token and answers as the first did. At READ COMMITTED,
+            // an UPDATE that waits on the row lock of a concurrent writer (a retake of the record
+            // that just expired, another delete) checks its condition again on the row as that
+            // writer left it: a row taken back in progress is never deleted, one deleted
+            // meanwhile is not counted. The other answers read the statement's snapshot: a record
+            // held in progress (released ones are not) as the statement began, which an UPDATE
+            // of finished rows never touches, and this token's tombstone, which this statement's
+            // own UPDATE cannot have written yet.
             delete: format!(
                 "{}, d AS ( \
-                   DELETE FROM {t} WHERE scope = $1 AND status <> 'in_progress' \
+                   UPDATE {t} SET status = 'in_progress', lease_token = {RELEASED}, \
+                     fingerprint = $3, response_status = NULL, header_names = NULL, \
+                     header_values = NULL, response_body = NULL, updated_at = '-infinity', \
+                     expires_at = LEAST(expires_at, now() + interval '1 minute') \
+                   WHERE scope = $1 AND status <> 'in_progress' \
                      AND expires_at > now() AND {LOCK_BOUND} \
                    RETURNING 1) \
-                 SELECT EXISTS (SELECT 1 FROM d) AS deleted, \
+                 SELECT EXISTS (SELECT 1 FROM d) \
+                          OR EXISTS (SELECT 1 FROM {t} WHERE scope = $1 \
+                                     AND lease_token = {RELEASED} AND fingerprint = $3) \
+                          AS deleted, \
                         EXISTS (SELECT 1 FROM {t} WHERE scope = $1 AND status = 'in_progress' \
                                 AND lease_token <> {RELEASED} AND expires_at > now()) \
                           AS in_progress",

@@ -4,6 +4,13 @@ use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, RedisFuture, Value};
 
+/// How to open another connection to the same server or cluster, with the same settings.
+#[derive(Clone)]
+pub(super) enum Reconnect {
+    Single(redis::Client, redis::aio::ConnectionManagerConfig),
+    Cluster(redis::cluster::ClusterClient),
+}
+
 /// The connection the scripts run on: one server through a connection manager (re-connects after
 /// failures), or a cluster connection (routes each command by its key, follows `MOVED`/`ASK`,
 /// refreshes the slot map and re-connects nodes). Both are cheap handles to shared connections.

@@ -70,6 +70,13 @@ impl RedisStore {
                     StoreError::store_full(format!(
                         "redis {what}: the server is out of memory: {e}"
                     ))
+                } else if matches!(e.code(), Some("MISCONF" | "READONLY")) {
+                    // The server refuses writes (its snapshots fail to save; a replica, after a
+                    // failover the client has not followed yet): nothing was written. Unavailable,
+                    // never a reason to run unguarded.
+                    StoreError::refused_claim(format!(
+                        "redis {what}: the server refuses writes: {e}"
+                    ))
                 } else {
                     StoreError::new(format!("redis {what}"), e)
                 }

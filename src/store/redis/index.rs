@@ -12,6 +12,10 @@ use crate::store::{ListCursor, ListRequest, ListedRecord, RecordPage, StoreError
 /// (with a cursor to continue from) when entries of records that are gone leave its page short.
 const SCAN_PER_RECORD: usize = 10;
 
+/// The span of time whose expiring answers one entry of a subject's account of bytes sums: 144
+/// entries a day of retention.
+const ACCOUNT_GRANULE: Duration = Duration::from_secs(600);
+
 /// Every this many records a store files, it sweeps the index it filed into (see [`SWEEP_SAMPLE`]).
 const SWEEP_EVERY: u64 = 8;
 
@@ -166,6 +170,47 @@ impl RedisStore {
             })
             .await?;
         Ok(entries.min(up_to))
+    }
+
+    /// Adds `bytes` of an answer recorded now, kept `retention`, to `subject`'s account: a hash
+    /// of bytes by the [`ACCOUNT_GRANULE`] in which they expire, so a count drops them when their
+    /// records do (at most a granule late: an estimate from above). A record deleted before its
+    /// expiry stays counted until then. Best effort: a failure is logged, and the answer, already
+    /// recorded, is not counted.
+    pub(super) async fn account(&self, subject: &str, bytes: usize, retention: Duration) {
+        let accounted: Result<i64, _> = self
+            .eval_on(
+                "account",
+                &self.scripts.account,
+                &self.account_key(subject),
+                self.timeout,
+                |cmd| {
+                    cmd.arg(bytes)
+                        .arg(millis(retention))
+                        .arg(millis(ACCOUNT_GRANULE));
+                },
+            )
+            .await;
+        if let Err(e) = accounted {
+            tracing::warn!(error = %e, "an idempotency answer was recorded but not counted in its subject's bytes");
+        }
+    }
+
+    /// The bytes of `subject`'s recorded answers that have not expired (see
+    /// [`RedisStore::account`]).
+    pub(super) async fn account_usage(&self, subject: &str) -> Result<u64, StoreError> {
+        let bytes: i64 = self
+            .eval_on(
+                "count",
+                &self.scripts.usage,
+                &self.account_key(subject),
+                self.timeout,
+                |cmd| {
+                    cmd.arg(millis(ACCOUNT_GRANULE));
+                },
+            )
+            .await?;
+        Ok(u64::try_from(bytes).unwrap_or(0))
     }
 
     /// See [`IdempotencyStore::list`](crate::store::IdempotencyStore::list).

@@ -29,7 +29,7 @@ use redis::cluster::{ClusterClient, ClusterConfig};
 use sha2::{Digest, Sha256};
 
 use self::codec::{encode, millis};
-use self::connection::Connection;
+use self::connection::{Connection, Reconnect};
 use self::scripts::Scripts;
 use super::{
     ClaimOutcome, ClaimRequest, Deleted, Fenced, Fingerprint, IdempotencyStore, LeaseToken,
@@ -100,6 +100,8 @@ pub(crate) const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(2);
 #[derive(Clone)]
 pub struct RedisStore {
     connection: Connection,
+    /// How to open another connection like `connection`: for the lease keeper's session.
+    client: Reconnect,
     prefix: Arc<str>,
     timeout: Duration,
     scripts: Arc<Scripts>,
@@ -126,9 +128,12 @@ impl RedisStore {
             .set_number_of_retries(1)
             .set_connection_timeout(Some(DEFAULT_REDIS_TIMEOUT))
             .set_response_timeout(None);
-        let connection = ConnectionManager::new_lazy_with_config(client, config)
+        let connection = ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
             .map_err(|e| StoreError::new("redis: connection manager", e))?;
-        Ok(Self::on(Connection::Single(connection)))
+        Ok(Self::on(
+            Connection::Single(connection),
+            Reconnect::Single(client, config),
+        ))
     }
 
     /// A store on the Redis Cluster that `client` reaches, with keys under `idempotency:`.
@@ -180,12 +185,16 @@ impl RedisStore {
         // The cluster keeps the client's connection timeout; the response timeout is cleared, and
         // `timed` bounds each whole operation instead.
         let connection = client.get_pending_async_connection_with_config(ClusterConfig::new());
-        Ok(Self::on(Connection::Cluster(connection)))
+        Ok(Self::on(
+            Connection::Cluster(connection),
+            Reconnect::Cluster(client),
+        ))
     }
 
-    fn on(connection: Connection) -> Self {
+    fn on(connection: Connection, client: Reconnect) -> Self {
         RedisStore {
             connection,
+            client,
             prefix: Arc::from("idempotency:"),
             timeout: DEFAULT_REDIS_TIMEOUT,
             scope_fields: true,
@@ -229,10 +238,19 @@ impl RedisStore {
 
     /// The key of `subject`'s index: `<prefix>subject:<sha256 of the subject>`.
     pub(super) fn index_key(&self, subject: &str) -> String {
+        self.subject_key("subject:", subject)
+    }
+
+    /// The key of `subject`'s account of bytes (see [`RedisStore::account`]).
+    pub(super) fn account_key(&self, subject: &str) -> String {
+        self.subject_key("bytes:", subject)
+    }
+
+    fn subject_key(&self, kind: &str, subject: &str) -> String {
         let digest: [u8; 32] = Sha256::digest(subject.as_bytes()).into();
-        let mut name = String::with_capacity(self.prefix.len() + 8 + 64);
+        let mut name = String::with_capacity(self.prefix.len() + kind.len() + 64);
         name.push_str(&self.prefix);
-        name.push_str("subject:");
+        name.push_str(kind);
         crate::util::hex::push(&mut name, &digest);
         name
     }
@@ -273,6 +291,13 @@ impl IdempotencyStore for RedisStore {
                     .arg(millis(retention));
             })
             .await?;
+        // Its body counts in its subject's bytes: an answer sent again after its reply was lost
+        // (its first write may have landed) is counted again, an estimate from above, rather
+        // than not at all.
+        if done == 1 && self.scope_fields && !response.body.is_empty() {
+            self.account(&key.subject, response.body.len(), retention)
+                .await;
+        }
         Ok(Fenced::from_held(done == 1))
     }
 
@@ -307,14 +332,60 @@ impl IdempotencyStore for RedisStore {
     /// The size of the subject's listing index: its live records and, until a sweep or a listing
     /// drops them, entries of records that are gone (about as many), an estimate from above.
     /// `None` without scope fields (no index is kept).
-    async fn count_records(&self, subject: &str, up_to: u64) -> Result<Option<u64>, StoreError> {
+    async fn count_records(
+        &self,
+        subject: &str,
+        up_to: u64,
+    ) -> Result<Option<crate::store::SubjectUsage>, StoreError> {
         if !self.scope_fields {
             return Ok(None);
         }
-        self.count_indexed(subject, up_to).await.map(Some)
+        let (records, bytes) = futures_util::future::join(
+            self.count_indexed(subject, up_to),
+            self.account_usage(subject),
+        )
+        .await;
+        Ok(Some(crate::store::SubjectUsage {
+            records: records?,
+            bytes: bytes?,
+        }))
+    }
+
+    fn counts_records(&self) -> bool {
+        self.scope_fields
     }
 
     fn operation_timeout(&self) -> Option<Duration> {
         Some(self.timeout)
+    }
+
+    /// The same store on a connection of its own, made now on the keeper's runtime (which then
+    /// drives it): a runtime whose workers are all blocked by handlers no longer carries the
+    /// keeper's renewals.
+    async fn keeper_session(&self) -> Result<Self, StoreError> {
+        let connection = match &self.client {
+            Reconnect::Single(client, config) => Connection::Single(
+                ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
+                    .map_err(|e| StoreError::new("redis: connection manager", e))?,
+            ),
+            Reconnect::Cluster(client) => Connection::Cluster(
+                client.get_pending_async_connection_with_config(ClusterConfig::new()),
+            ),
+        };
+        Ok(RedisStore {
+            connection,
+            ..self.clone()
+        })
+    }
+
+    /// Nothing to show: Redis judges a holder by the in-progress TTL, on the server's clock
+    /// (`TIME`). Its writes pause together (`CLIENT PAUSE WRITE`, as a failover pauses them), the
+    /// holder's queued renewals with the retakes, and key expiry pauses with them.
+    async fn show_presences(
+        &self,
+        _live: &[crate::store::Presence],
+        _lapse: Duration,
+    ) -> Result<(), StoreError> {
+        Ok(())
     }
 }

@@ -57,6 +57,15 @@ const LIVE: &str = include_str!("live.lua");
 /// record digest (hex), creation time (ms) as seen.
 const UNINDEX: &str = include_str!("unindex.lua");
 
+/// Add the bytes of an answer just recorded to its subject's account: a hash of bytes by the
+/// granule in which they expire (the record's retention from now, rounded up), kept as long as
+/// its last granule. KEYS[1] the subject's account; ARGV bytes, retention (ms), granule (ms).
+const ACCOUNT: &str = include_str!("account.lua");
+
+/// The bytes in a subject's account that have not expired, dropping the granules that have.
+/// KEYS[1] the subject's account; ARGV granule (ms).
+const USAGE: &str = include_str!("usage.lua");
+
 /// A Lua script: its source, for `EVAL`, and its SHA1, for `EVALSHA`.
 pub(super) struct Lua {
     pub(super) code: &'static str,
@@ -82,6 +91,8 @@ pub(super) struct Scripts {
     pub(super) index: Lua,
     pub(super) unindex: Lua,
     pub(super) live: Lua,
+    pub(super) account: Lua,
+    pub(super) usage: Lua,
 }
 
 impl Scripts {
@@ -96,6 +107,8 @@ impl Scripts {
             index: Lua::new(INDEX),
             unindex: Lua::new(UNINDEX),
             live: Lua::new(LIVE),
+            account: Lua::new(ACCOUNT),
+            usage: Lua::new(USAGE),
         }
     }
 }

@@ -5,10 +5,10 @@
 //! Released records (in progress under no lease) and records past their expiry are absent to
 //! lookup, delete and list, as in every store.
 
-use super::{SqliteStore, db, now_us, on_connection, statement};
+use super::{SqliteStore, db, on_connection, statement};
 use crate::store::{
     Deleted, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordKey, RecordPage, StoreError,
-    from_micros, row_info,
+    SubjectUsage, from_micros, row_info,
 };
 
 /// A listed row: scope, key, endpoint, status, response status, created and expires (µs).
@@ -17,17 +17,24 @@ type ListedRow = (Vec<u8>, String, String, String, Option<i64>, i64, i64);
 impl SqliteStore {
     /// How many live records `subject` has, counting no further than `up_to` (an index range
     /// scan of at most that many entries).
-    pub(super) async fn count_subject(&self, subject: &str, up_to: u64) -> Result<u64, StoreError> {
+    pub(super) async fn count_subject(
+        &self,
+        subject: &str,
+        up_to: u64,
+    ) -> Result<SubjectUsage, StoreError> {
         let limit = i64::try_from(up_to).unwrap_or(i64::MAX);
-        let (count,): (i64,) = on_connection!(self, "count", read, conn => {
+        let (count, bytes): (i64, i64) = on_connection!(self, "count", read, conn => {
             sqlx::query_as(statement(&self.sql.count))
                 .bind(subject)
-                .bind(now_us())
+                .bind(self.clock.wall_us())
                 .bind(limit)
                 .fetch_one(&mut *conn)
         })?
         .map_err(db("count"))?;
-        Ok(u64::try_from(count).unwrap_or(0))
+        Ok(SubjectUsage {
+            records: u64::try_from(count).unwrap_or(0),
+            bytes: u64::try_from(bytes).unwrap_or(0),
+        })
     }
 
     pub(super) async fn lookup_record(
@@ -39,7 +46,7 @@ impl SqliteStore {
             on_connection!(self, "lookup", read, conn => {
                 sqlx::query_as(statement(&self.sql.lookup))
                     .bind(&scope[..])
-                    .bind(now_us())
+                    .bind(self.clock.wall_us())
                     .fetch_optional(&mut *conn)
             })?
             .map_err(db("lookup"))?;
@@ -54,7 +61,7 @@ impl SqliteStore {
         let done = on_connection!(self, "delete", write, conn => {
             sqlx::query(statement(&self.sql.delete))
                 .bind(&scope[..])
-                .bind(now_us())
+                .bind(self.clock.wall_us())
                 .execute(&mut *conn)
         })?
         .map_err(db("delete"))?;
@@ -64,7 +71,7 @@ impl SqliteStore {
         let (held,): (bool,) = on_connection!(self, "delete", read, conn => {
             sqlx::query_as(statement(&self.sql.held))
                 .bind(&scope[..])
-                .bind(now_us())
+                .bind(self.clock.wall_us())
                 .fetch_one(&mut *conn)
         })?
         .map_err(db("delete"))?;
@@ -88,11 +95,11 @@ impl SqliteStore {
             let query = match &request.after {
                 None => sqlx::query_as(statement(&self.sql.list_first))
                     .bind(subject)
-                    .bind(now_us())
+                    .bind(self.clock.wall_us())
                     .bind(limit as i64),
                 Some(cursor) => sqlx::query_as(statement(&self.sql.list_after))
                     .bind(subject)
-                    .bind(now_us())
+                    .bind(self.clock.wall_us())
                     .bind(limit as i64)
                     .bind(cursor.created_micros())
                     .bind(&cursor.scope()[..]),

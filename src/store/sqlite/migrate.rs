@@ -1,22 +1,21 @@
 //! `migrate()`: WAL mode for the file, then the table and its indexes
-//! (`migrations/sqlite/0001_idempotency_records.sql`) inside `BEGIN IMMEDIATE`, SQLite's write
-//! lock, which serialises concurrent migrations of every process on the file.
-
-use std::time::Duration;
+//! (`migrations/sqlite/0001_idempotency_records.sql`) and the boot clock's column (`0002`, when
+//! it is missing) inside `BEGIN IMMEDIATE`, SQLite's write lock, which serialises concurrent
+//! migrations of every process on the file.
 
 use sqlx::Connection;
 
 use super::{SqliteStore, db, statement};
 use crate::store::StoreError;
-
-/// The shortest time `migrate()` may take (it may wait for another process's writes).
-const MIN_MIGRATE_TIMEOUT: Duration = Duration::from_secs(30);
+use crate::store::sql::MIN_MIGRATE_TIMEOUT;
 
 /// `PRAGMA synchronous` of FULL: each commit is flushed to disk before it returns.
 const SYNCHRONOUS_FULL: i64 = 2;
 
 impl SqliteStore {
-    /// Creates the table and its indexes if they do not exist (`migrations/sqlite/0001`), inside
+    /// Creates the table and its indexes if they do not exist (`migrations/sqlite/0001`), and adds
+    /// the column of the boot clock when it is missing (`0002`: run it once after an upgrade from
+    /// a version before it; claims refuse, `503`, until it has run), inside
     /// `BEGIN IMMEDIATE`: SQLite's write lock serialises it with every other writer of the file,
     /// so many processes may migrate at once, and a migration that has run already changes
     /// nothing. It touches no migration bookkeeping of the application's (no `_sqlx_migrations`
@@ -38,9 +37,24 @@ impl SqliteStore {
                 .begin_with("BEGIN IMMEDIATE")
                 .await
                 .map_err(db("migrate: begin"))?;
-            let created = sqlx::raw_sql(sqlx::AssertSqlSafe(self.sql.migration.as_str()))
+            let mut created = sqlx::raw_sql(sqlx::AssertSqlSafe(self.sql.migration.as_str()))
                 .execute(&mut *tx)
-                .await;
+                .await
+                .map(drop);
+            if created.is_ok() {
+                let (has,): (i64,) =
+                    sqlx::query_as(sqlx::AssertSqlSafe(self.sql.has_boot_clock.as_str()))
+                        .fetch_one(&mut *tx)
+                        .await
+                        .map_err(db("migrate: the boot clock's column"))?;
+                if has == 0 {
+                    created =
+                        sqlx::raw_sql(sqlx::AssertSqlSafe(self.sql.boot_clock_column.as_str()))
+                            .execute(&mut *tx)
+                            .await
+                            .map(drop);
+                }
+            }
             // A table of another shape fails the indexes' creation first: say what is wrong.
             sqlx::query(statement(&self.sql.check_shape))
                 .execute(&mut *tx)

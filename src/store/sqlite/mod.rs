@@ -4,7 +4,7 @@
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{
@@ -15,9 +15,10 @@ use sqlx::{AssertSqlSafe, query::Query};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 mod claim;
-mod in_flight;
+mod clock;
 mod inspect;
 mod migrate;
+mod presence;
 mod renew;
 mod statements;
 mod transactional;
@@ -30,10 +31,10 @@ use crate::store::{
     RecordKey, RecordPage, StoredResponse,
 };
 
-/// How long one store operation may take before it counts as failed (`503`), by default.
-const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
-/// The shortest operation timeout [`SqliteStore::with_timeout`] sets.
-const MIN_OPERATION_TIMEOUT: Duration = Duration::from_millis(10);
+use crate::store::sql::{
+    self as shared, Backend, DEFAULT_OPERATION_TIMEOUT, InvalidTableName, MIN_OPERATION_TIMEOUT,
+};
+
 /// How long a statement of [`SqliteStore::connect_options`]' connections waits for another
 /// writer's lock before it fails with `SQLITE_BUSY`: under the default operation timeout, so that
 /// SQLite answers before the store gives up on the statement.
@@ -106,6 +107,12 @@ pub struct SqliteStore {
     /// One write at a time from this store and its clones: the others wait here, in order, rather
     /// than on SQLite's busy handler, which polls.
     writer: Arc<Semaphore>,
+    clock: clock::Clock,
+    /// The folder of the database's presence files (`None`: an in-memory database), found at
+    /// the first claim that needs it. Shared by clones.
+    folder: Arc<std::sync::OnceLock<Option<std::path::PathBuf>>>,
+    /// On a keeper session (`keeper_session`): the presences it shows.
+    presences: Option<Arc<presence::Presences>>,
 }
 
 impl fmt::Debug for SqliteStore {
@@ -116,18 +123,6 @@ impl fmt::Debug for SqliteStore {
             .finish_non_exhaustive()
     }
 }
-
-/// An invalid table name given to [`SqliteStore::with_table`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SqliteStoreError(String);
-
-impl fmt::Display for SqliteStoreError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for SqliteStoreError {}
 
 impl SqliteStore {
     /// A store on the `idempotency_records` table of `pool`'s database. See the type's docs for
@@ -140,15 +135,8 @@ impl SqliteStore {
     /// A store on another table: a lower-case identifier (`[a-z_][a-z0-9_]*`, at most 40
     /// characters, not starting with `sqlite_`), of the database the pool opens (not an attached
     /// one). Names are quoted in every statement, so reserved words such as `order` work too.
-    pub fn with_table(pool: SqlitePool, table: &str) -> Result<Self, SqliteStoreError> {
-        let valid = crate::store::sql_name::is_identifier(table) && !table.starts_with("sqlite_");
-        if !valid {
-            return Err(SqliteStoreError(format!(
-                "{table:?} is not a valid table name: use [a-z_][a-z0-9_]* (at most 40 \
-                 characters, not starting with sqlite_)"
-            )));
-        }
-        Ok(Self::on(pool, table))
+    pub fn with_table(pool: SqlitePool, table: &str) -> Result<Self, InvalidTableName> {
+        Ok(Self::on(pool, shared::plain_table(table)?))
     }
 
     fn on(pool: SqlitePool, table: &str) -> Self {
@@ -157,6 +145,9 @@ impl SqliteStore {
             sql: Arc::new(Statements::new(table)),
             timeout: DEFAULT_OPERATION_TIMEOUT,
             writer: Arc::new(Semaphore::new(1)),
+            clock: clock::Clock::default(),
+            folder: Arc::default(),
+            presences: None,
         }
     }
 
@@ -219,6 +210,22 @@ impl SqliteStore {
         &self.pool
     }
 
+    /// This store with its wall clock stepped by `step` (back when `back`), as an operator or NTP
+    /// steps the machine's: for tests of the store's staleness, which the boot clock keeps.
+    #[cfg(feature = "test-suite")]
+    #[doc(hidden)]
+    pub fn with_wall_clock_stepped(mut self, step: Duration, back: bool) -> Self {
+        self.clock = self.clock.stepped(step, back);
+        self
+    }
+
+    /// The folder of the database's presence files; `None` for an in-memory database.
+    fn presence_folder(&self) -> Option<&std::path::Path> {
+        self.folder
+            .get_or_init(|| presence::folder(self.pool.connect_options().get_filename()))
+            .as_deref()
+    }
+
     /// The table name.
     pub fn table(&self) -> &str {
         &self.sql.table
@@ -278,7 +285,7 @@ impl SqliteStore {
         crate::store::header_list::write(&response.headers, &mut headers)
             .ok_or_else(|| StoreError::msg("sqlite complete: too many or too long headers"))?;
         let body = (!response.body_omitted).then(|| response.body.to_vec());
-        let now = now_us();
+        let now = self.clock.wall_us();
         Ok(sqlx::query(statement(&self.sql.complete))
             .bind(scope.to_vec())
             .bind(lease.0)
@@ -324,12 +331,13 @@ impl IdempotencyStore for SqliteStore {
     ) -> Result<Fenced, StoreError> {
         let scope = key.digest();
         let done = on_connection!(self, "renew", write, conn => {
-            let now = now_us();
+            let now = self.clock.wall_us();
             sqlx::query(statement(&self.sql.renew))
                 .bind(&scope[..])
                 .bind(lease.0)
                 .bind(now)
                 .bind(now.saturating_add(micros(lifetime)))
+                .bind(self.clock.boot_us())
                 .execute(&mut *conn)
         })?
         .map_err(db("renew"))?;
@@ -362,7 +370,7 @@ impl IdempotencyStore for SqliteStore {
         loop {
             let done = on_connection!(self, "purge", write, conn => {
                 sqlx::query(statement(&self.sql.purge))
-                    .bind(now_us())
+                    .bind(self.clock.wall_us())
                     .execute(&mut *conn)
             })?
             .map_err(db("purge"))?;
@@ -386,12 +394,49 @@ impl IdempotencyStore for SqliteStore {
     }
 
     /// A bounded count on the subject index.
-    async fn count_records(&self, subject: &str, up_to: u64) -> Result<Option<u64>, StoreError> {
+    async fn count_records(
+        &self,
+        subject: &str,
+        up_to: u64,
+    ) -> Result<Option<crate::store::SubjectUsage>, StoreError> {
         self.count_subject(subject, up_to).await.map(Some)
+    }
+
+    fn counts_records(&self) -> bool {
+        true
     }
 
     fn operation_timeout(&self) -> Option<Duration> {
         Some(self.timeout)
+    }
+
+    /// The same file through a pool of one connection of its own, opened (on first use) on the
+    /// keeper's runtime with the store pool's connect options, writing in its own turn; and the
+    /// presences, shown by files beside the database (see `presence.rs`; none for an in-memory
+    /// database).
+    async fn keeper_session(&self) -> Result<Self, StoreError> {
+        let options = (*self.pool.connect_options()).clone();
+        let folder = presence::folder(options.get_filename());
+        let pool = shared::keeper_pool(options, self.timeout);
+        Ok(SqliteStore {
+            pool,
+            writer: Arc::new(Semaphore::new(1)),
+            presences: folder.map(|folder| Arc::new(presence::Presences::new(folder))),
+            ..self.clone()
+        })
+    }
+
+    async fn show_presences(
+        &self,
+        live: &[crate::store::Presence],
+        _lapse: Duration,
+    ) -> Result<(), StoreError> {
+        // A lock on a file goes with its process at once: no lapse to set.
+        match &self.presences {
+            Some(presences) => presences.show(live),
+            // An in-memory database: every holder is in this process.
+            None => Ok(()),
+        }
     }
 }
 
@@ -414,7 +459,7 @@ macro_rules! on_connection {
         match store.connection($what, $write).await {
             Err(e) => Err(e),
             Ok((taken, turn)) => {
-                let mut $conn = $crate::store::sqlite::in_flight::InFlight::new(taken);
+                let mut $conn = $crate::store::sql::InFlight::new(taken);
                 let done = tokio::time::timeout(store.timeout, $op).await;
                 let landed = $conn.landed();
                 drop(turn);
@@ -439,14 +484,6 @@ fn statement(sql: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
     AssertSqlSafe(sql.clone())
 }
 
-/// Now, in microseconds since the Unix epoch.
-fn now_us() -> i64 {
-    match SystemTime::now().duration_since(UNIX_EPOCH) {
-        Ok(d) => micros(d),
-        Err(_) => 0,
-    }
-}
-
 /// `d` in microseconds, saturating.
 fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
@@ -459,6 +496,12 @@ fn primary_code(e: &sqlx::Error) -> Option<i32> {
     code.parse::<i32>().ok().map(|c| c & 0xff)
 }
 
+/// Whether `e` is `SQLITE_BUSY` or `SQLITE_LOCKED`: another connection held the lock the statement
+/// needed past the busy timeout, and the statement did nothing.
+fn busy(e: &sqlx::Error) -> bool {
+    matches!(primary_code(e), Some(SQLITE_BUSY | SQLITE_LOCKED))
+}
+
 /// `SQLITE_FULL`: the disk (or `max_page_count`) has no room for the write.
 const SQLITE_FULL: i32 = 13;
 /// `SQLITE_NOMEM`: SQLite could not allocate memory.
@@ -467,19 +510,22 @@ const SQLITE_NOMEM: i32 = 7;
 const SQLITE_BUSY: i32 = 5;
 const SQLITE_LOCKED: i32 = 6;
 
-/// A database error as the store answers it. A full disk or exhausted memory refused the write:
-/// nothing was written, and the layer must not run unguarded for it. A busy database (another
-/// writer held the lock past the busy timeout) is an ordinary failure: the layer answers `503`,
-/// and the client's retry settles it.
+/// A database error as the store answers it (see [`Backend`]): a busy database (another writer
+/// held the lock past the busy timeout) is an ordinary failure, the layer answers `503` and the
+/// client's retry settles it.
 fn db(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
-    move |e| match primary_code(&e) {
-        Some(SQLITE_FULL | SQLITE_NOMEM) => {
-            StoreError::store_full(format!("sqlite {what}: the database has no room: {e}"))
-        }
-        Some(SQLITE_BUSY | SQLITE_LOCKED) => StoreError::new(
-            format!("sqlite {what}: another writer held the database's lock too long"),
-            e,
-        ),
-        _ => StoreError::new(format!("sqlite {what}"), e),
+    shared::db::<Sqlite>(what)
+}
+
+impl Backend for Sqlite {
+    const NAME: &'static str = "sqlite";
+
+    /// A full disk (or `max_page_count`) or exhausted memory.
+    fn no_room(e: &sqlx::Error) -> bool {
+        matches!(primary_code(e), Some(SQLITE_FULL | SQLITE_NOMEM))
+    }
+
+    fn busy(e: &sqlx::Error) -> Option<&'static str> {
+        busy(e).then_some("another writer held the database's lock too long")
     }
 }

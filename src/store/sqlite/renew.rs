@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use super::{SqliteStore, db, micros, now_us, on_connection};
+use super::{SqliteStore, db, micros, on_connection};
 use crate::store::{Fenced, LeaseToken, RecordKey, StoreError};
 
 /// Leases per statement: two parameters each, well under SQLite's limit on parameters.
@@ -42,15 +42,16 @@ impl SqliteStore {
             if at > 0 {
                 sql.push(',');
             }
-            // ?1 and ?2 are the times; each pair follows.
-            sql.push_str(&format!("(?{}, ?{})", 3 + 2 * at, 4 + 2 * at));
+            // ?1, ?2 and ?3 are the times; each pair follows.
+            sql.push_str(&format!("(?{}, ?{})", 4 + 2 * at, 5 + 2 * at));
         }
         sql.push_str(") RETURNING scope, lease_token");
         let renewed = on_connection!(self, "renew", write, conn => {
-            let now = now_us();
+            let now = self.clock.wall_us();
             let mut query = sqlx::query_as::<_, (Vec<u8>, i64)>(sqlx::AssertSqlSafe(sql.as_str()))
                 .bind(now)
-                .bind(now.saturating_add(micros(lifetime)));
+                .bind(now.saturating_add(micros(lifetime)))
+                .bind(self.clock.boot_us());
             for (scope, lease) in &pairs {
                 query = query.bind(&scope[..]).bind(*lease);
             }

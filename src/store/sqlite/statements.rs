@@ -1,6 +1,8 @@
-//! The statements on the table: written once per store, every name quoted. Times are bound as
-//! microseconds since the Unix epoch, read from the clock of the process that sends them (every
-//! process on one SQLite file shares the machine's clock).
+//! The statements on the table: written once per store, every name quoted. Calendar times are
+//! bound as microseconds since the Unix epoch, read from the clock of the process that sends them
+//! (every process on one SQLite file shares the machine's clock); the age of a record in progress
+//! is the boot clock's (`renewed_boot_us`, see `clock.rs`), the wall clock's only for records that
+//! have none.
 
 use std::sync::Arc;
 
@@ -23,6 +25,10 @@ pub(super) struct Statements {
     pub(super) table: String,
     /// The migration (`migrations/sqlite/0001`) on this table.
     pub(super) migration: String,
+    /// `migrations/sqlite/0002` on this table: the boot clock's column, added when missing.
+    pub(super) boot_clock_column: String,
+    /// Whether the table has the boot clock's column: one row, 0 or 1.
+    pub(super) has_boot_clock: String,
     /// ?1 scope, ?2 fingerprint: what a claim needs to decide (the body only when it can be
     /// replayed).
     pub(super) claim_read: Arc<str>,
@@ -39,7 +45,8 @@ pub(super) struct Statements {
     pub(super) delete: Arc<str>,
     pub(super) held: Arc<str>,
     /// The keeper's renewal of many leases, up to its list of `(scope, lease)` pairs: ?1 now,
-    /// ?2 expiry, then the pairs from ?3 (`renew.rs` writes them and the end).
+    /// ?2 expiry, ?3 now on the boot clock, then the pairs from ?4 (`renew.rs` writes them and
+    /// the end).
     pub(super) renew_many_head: Arc<str>,
     pub(super) list_first: Arc<str>,
     pub(super) list_after: Arc<str>,
@@ -65,8 +72,17 @@ impl Statements {
                 .replace(DEFAULT_TABLE, t)
                 .replace("\u{0}e", &quote_ident(&format!("{table}_expires_idx")))
                 .replace("\u{0}s", &quote_ident(&format!("{table}_subject_idx"))),
+            boot_clock_column: include_str!(
+                "../../../migrations/sqlite/0002_idempotency_boot_clock.sql"
+            )
+            .replace(DEFAULT_TABLE, t),
+            has_boot_clock: format!(
+                "SELECT count(*) FROM pragma_table_info({}) WHERE name = 'renewed_paired_us'",
+                quote_literal(table)
+            ),
             claim_read: format!(
                 "SELECT status, lease_token, fingerprint = ?2 AS same_fp, updated_us, \
+                        CASE WHEN renewed_paired_us = updated_us THEN renewed_boot_us END, \
                         in_progress_ttl_us, expires_us, generation, response_status, \
                         response_headers, \
                         CASE WHEN fingerprint = ?2 THEN response_body END AS response_body \
@@ -74,13 +90,14 @@ impl Statements {
             )
             .into(),
             // A fresh key. ?1 scope, ?2 key, ?3 subject, ?4 endpoint, ?5 fingerprint, ?6 lease,
-            // ?7 generation, ?8 in-progress TTL (µs), ?9 now, ?10 expiry. A row committed since
-            // the claim read none is left alone (the claim reads it then).
+            // ?7 generation, ?8 in-progress TTL (µs), ?9 now, ?10 expiry, ?11 now on the boot
+            // clock. A row committed since the claim read none is left alone (the claim reads it
+            // then).
             insert: format!(
                 "INSERT INTO {t} (scope, idempotency_key, subject, endpoint, fingerprint, status, \
                                  lease_token, generation, in_progress_ttl_us, created_us, \
-                                 updated_us, expires_us) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, 'in_progress', ?6, ?7, ?8, ?9, ?9, ?10) \
+                                 updated_us, expires_us, renewed_boot_us, renewed_paired_us) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, 'in_progress', ?6, ?7, ?8, ?9, ?9, ?10, ?11, ?9) \
                  ON CONFLICT (scope) DO NOTHING"
             )
             .into(),
@@ -93,7 +110,9 @@ impl Statements {
             // kept by a retake of the same operation (a live record in progress, same
             // fingerprint; a released one keeps only its generation), as in every store.
             // ?1 scope, ?2 fingerprint, ?3 lease, ?4 generation, ?5 now, ?6 expiry,
-            // ?7 in-progress TTL (µs), ?8 the lease read.
+            // ?7 in-progress TTL (µs), ?8 the lease read, ?9 now on the boot clock (NULL where
+            // it cannot be read). The claim has looked at the holder's presence before (see
+            // `presence.rs`): this statement checks its age again, as the row is now.
             take: format!(
                 "UPDATE {t} SET fingerprint = ?2, status = 'in_progress', lease_token = ?3, \
                    generation = CASE WHEN status = 'in_progress' AND expires_us > ?5 \
@@ -101,14 +120,15 @@ impl Statements {
                    created_us = CASE WHEN status = 'in_progress' AND expires_us > ?5 \
                                       AND lease_token <> {RELEASED} THEN created_us ELSE ?5 END, \
                    response_status = NULL, response_headers = NULL, response_body = NULL, \
-                   updated_us = ?5, expires_us = ?6, \
+                   updated_us = ?5, expires_us = ?6, renewed_boot_us = ?9, \
+                   renewed_paired_us = ?5, \
                    in_progress_ttl_us = ?7 \
                  WHERE scope = ?1 \
                    AND ((lease_token = ?8 \
                          AND (expires_us <= ?5 \
                               OR (status = 'in_progress' AND lease_token = {RELEASED}) \
                               OR (status = 'in_progress' AND fingerprint = ?2 \
-                                  AND updated_us <= ?5 - max(?7, in_progress_ttl_us)))) \
+                                  AND {STALE}))) \
                         OR (lease_token = ?3 AND status = 'in_progress')) \
                  RETURNING generation"
             )
@@ -128,14 +148,16 @@ impl Statements {
             )
             .into(),
             renew_many_head: format!(
-                "UPDATE {t} SET updated_us = ?1, expires_us = ?2 \
+                "UPDATE {t} SET updated_us = ?1, expires_us = ?2, renewed_boot_us = ?3, \
+                   renewed_paired_us = ?1 \
                  WHERE lease_token <> {RELEASED} AND status = 'in_progress' \
                    AND (scope, lease_token) IN (VALUES "
             )
             .into(),
-            // ?1 scope, ?2 lease, ?3 now, ?4 expiry.
+            // ?1 scope, ?2 lease, ?3 now, ?4 expiry, ?5 now on the boot clock.
             renew: format!(
-                "UPDATE {t} SET updated_us = ?3, expires_us = ?4 \
+                "UPDATE {t} SET updated_us = ?3, expires_us = ?4, renewed_boot_us = ?5, \
+                   renewed_paired_us = ?3 \
                  WHERE scope = ?1 AND lease_token = ?2 AND lease_token <> {RELEASED} \
                    AND status = 'in_progress'"
             )
@@ -157,7 +179,8 @@ impl Statements {
             check_shape: format!(
                 "SELECT scope, idempotency_key, subject, endpoint, fingerprint, status, \
                         lease_token, generation, in_progress_ttl_us, response_status, \
-                        response_headers, response_body, created_us, updated_us, expires_us \
+                        response_headers, response_body, created_us, updated_us, expires_us, \
+                        renewed_boot_us, renewed_paired_us \
                  FROM {t} LIMIT 0"
             )
             .into(),
@@ -168,10 +191,11 @@ impl Statements {
             )
             .into(),
             // ?1 subject, ?2 now, ?3 limit: live records, released ones included (they are kept
-            // until their expiry), counted on the subject index.
+            // until their expiry), counted on the subject index, and the bytes of their bodies.
             count: format!(
-                "SELECT count(*) FROM (SELECT 1 FROM {t} WHERE subject = ?1 AND expires_us > ?2 \
-                 LIMIT ?3)"
+                "SELECT count(*), coalesce(sum(bytes), 0) FROM (SELECT \
+                 coalesce(length(response_body), 0) AS bytes FROM {t} \
+                 WHERE subject = ?1 AND expires_us > ?2 LIMIT ?3)"
             )
             .into(),
             // ?1 scope, ?2 now: only a finished, live record.
@@ -198,6 +222,24 @@ impl Statements {
 fn quote_ident(ident: &str) -> String {
     format!("\"{}\"", ident.replace('"', "\"\""))
 }
+
+/// `text` as an SQL string literal (a `'` inside doubled).
+fn quote_literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+/// Whether a record in progress is stale, in the take (`?5` now, `?7` the claimer's TTL, `?9` now
+/// on the boot clock): not renewed for the longer of the two TTLs, on the boot clock when the
+/// record and the claimer have it, and it was written with the record's last `updated_us` (not by
+/// a version that does not keep it); on the wall clock otherwise. A renewal more than a TTL in the
+/// future on the boot clock is an earlier boot's: stale. (Less than that is a renewal that won the
+/// file's lock while this take waited for it, after its times were read.) `decide` in `claim.rs`
+/// reads the same rule.
+const STALE: &str = "(CASE WHEN ?9 IS NOT NULL AND renewed_boot_us IS NOT NULL \
+                            AND renewed_paired_us = updated_us \
+                       THEN renewed_boot_us <= ?9 - max(?7, in_progress_ttl_us) \
+                            OR renewed_boot_us > ?9 + max(?7, in_progress_ttl_us) \
+                       ELSE updated_us <= ?5 - max(?7, in_progress_ttl_us) END)";
 
 #[cfg(test)]
 mod tests {

@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use axum_idempotency::IdempotencyLayer;
+use axum_idempotency::store::Deleted;
 use axum_idempotency::store::{
-    ClaimOutcome, ClaimRequest, Finished, Generation, IdempotencyStore, LeaseToken, ListRequest,
-    RecordKey, SqliteStore, StoredResponse,
+    ClaimOutcome, Finished, IdempotencyStore, LeaseToken, ListRequest, RecordKey, SqliteStore,
+    StoredResponse,
 };
-use axum_idempotency::{Fingerprint, store::Deleted};
 pub(crate) use common::sqlite::fresh_path;
 use common::{app, post, send};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
@@ -47,21 +47,9 @@ pub(crate) async fn store() -> SqliteStore {
 store_suite!(store());
 cache_suite!(store(), purged = 5);
 
-/// The claim of `POST /pay` by alice with `key` and `body`. Every claim in this file is built here.
-pub(crate) fn claim_request(key: &str, body: &[u8]) -> ClaimRequest {
-    ClaimRequest {
-        key: RecordKey {
-            key: key.to_owned(),
-            subject: "alice".to_owned(),
-            endpoint: "POST /pay".to_owned(),
-        },
-        fingerprint: Fingerprint::of(None, body),
-        lease: LeaseToken::generate(),
-        generation: Generation::generate(),
-        in_progress_ttl: Duration::from_secs(60),
-        retention: Duration::from_secs(3600),
-    }
-}
+/// The claim of `POST /pay` by alice with `key` and `body`: the one helper every store's tests
+/// build their claims with.
+pub(crate) use axum_idempotency::conformance::app::claim_request;
 
 /// A recorded `201` with `body`.
 pub(crate) fn created(body: &'static [u8]) -> std::sync::Arc<StoredResponse> {
@@ -391,10 +379,14 @@ async fn claim_races_on_real_connections_have_one_winner() {
 
         // Stale once its holder stops renewing: one retaker of many takes it, keeping its
         // generation (a retake of the same operation).
-        sqlx::query("UPDATE idempotency_records SET updated_us = updated_us - 3600000000")
-            .execute(stores[0].pool())
-            .await
-            .expect("age the record");
+        sqlx::query(
+            "UPDATE idempotency_records SET updated_us = updated_us - 3600000000, \
+               renewed_boot_us = renewed_boot_us - 3600000000, \
+               renewed_paired_us = updated_us - 3600000000",
+        )
+        .execute(stores[0].pool())
+        .await
+        .expect("age the record");
         let mut retakes = tokio::task::JoinSet::new();
         for i in 0..TASKS {
             let store = stores[i % 2].clone();
@@ -494,4 +486,36 @@ async fn a_renewal_of_many_leases_answers_each_across_statements() {
         };
         assert_eq!(answer.expect("answered"), expected, "lease {i}");
     }
+}
+
+/// The age of a record in progress is read on the machine's boot clock: a step of the wall clock
+/// (an operator's, NTP's) neither makes a live holder look dead (a step forward) nor keeps a dead
+/// holder's key past its TTL (a step back). The holder here is one the store cannot see (a lease
+/// of no keeper's presence), judged by the TTL alone.
+#[tokio::test]
+async fn a_step_of_the_wall_clock_moves_no_record_in_progress() {
+    let store = store().await;
+    let ttl = Duration::from_millis(600);
+    let mut holder = claim_request("stepped", b"{}");
+    holder.in_progress_ttl = ttl;
+    assert!(matches!(
+        store.claim(&holder).await.expect("claim"),
+        ClaimOutcome::Claimed { .. }
+    ));
+    let retaker = || holder.from_another_request();
+    let hour = Duration::from_secs(3600);
+    let forward = store.clone().with_wall_clock_stepped(hour, false);
+    assert_eq!(
+        forward.claim(&retaker()).await.expect("claim"),
+        ClaimOutcome::InProgress,
+        "the wall clock an hour ahead makes a holder renewed a moment ago look dead"
+    );
+    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    let back = store.clone().with_wall_clock_stepped(hour, true);
+    let retake = retaker();
+    let taken = back.claim(&retake).await.expect("claim");
+    assert!(
+        taken.is_retake(&retake),
+        "the wall clock an hour behind keeps a dead holder's key: {taken:?}"
+    );
 }

@@ -326,10 +326,18 @@ async fn a_lost_lease_rolls_the_late_workers_effect_back() {
     while s.runs() == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    sqlx::query("UPDATE idempotency_records SET updated_us = updated_us - 3600000000")
-        .execute(&s.pool)
-        .await
-        .expect("age the record");
+    // The late worker is cut off past its TTL and its presence (a process frozen: SQLite's
+    // presences go with the process): the record is aged on both clocks and its lease put under
+    // no presence.
+    sqlx::query(
+        "UPDATE idempotency_records SET updated_us = updated_us - 3600000000, \
+           renewed_boot_us = renewed_boot_us - 3600000000, \
+           renewed_paired_us = updated_us - 3600000000, \
+           lease_token = lease_token & 4294967295",
+    )
+    .execute(&s.pool)
+    .await
+    .expect("age the record");
     let second = send(&retaker, "k", &[]).await;
     assert_eq!(second.status, StatusCode::CREATED);
     assert!(!second.replayed);
@@ -384,4 +392,33 @@ async fn concurrent_transactions_commit_one_effect_per_key() {
         .await
         .expect("keys");
     assert_eq!(keys, 8);
+}
+
+/// A handler that takes the transaction of another database than its route's store (the mistake a
+/// bare `IdempotencyTx` used to compile to: PostgreSQL's, on a SQLite route) does not run, and the
+/// answer says which mistake it is; the key is released, and the right extractor then runs once.
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn a_transaction_of_another_database_is_named_as_such() {
+    async fn wrong(_tx: IdempotencyTx<sqlx::Postgres>) -> StatusCode {
+        panic!("a handler must not run without the transaction it asked for");
+    }
+    let s = Setup::new().await;
+    let layer = IdempotencyLayer::builder(s.store.clone())
+        .transactions(true)
+        .build()
+        .expect("layer");
+    let router = Router::new()
+        .route("/charge", post(wrong))
+        .route_layer(layer)
+        .layer(middleware::from_fn(auth));
+    let answer = send(&router, "k", &[]).await;
+    assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
+    let body = String::from_utf8_lossy(&answer.body);
+    assert!(body.contains("another database"), "{body}");
+    // Released, not recorded: the route with the right extractor runs it.
+    let first = send(&s.router(), "k", &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.replayed);
+    assert_eq!(s.runs(), 1);
 }

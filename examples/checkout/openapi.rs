@@ -16,7 +16,10 @@ pub(crate) const GUARDED: [&str; 2] = ["/checkout", "/refund"];
 pub(crate) fn document<S: IdempotencyStore>(
     idempotency: &IdempotencyLayer<S>,
 ) -> Result<String, Box<dyn Error>> {
-    let problem = json!({"application/problem+json": {"schema": {"type": "object"}}});
+    let problem = json!({"application/problem+json": {"schema": {"$ref": "#/components/schemas/CheckoutProblem"}}});
+    // Every route is behind the example's authentication: without a bearer token, `401`.
+    let unauthenticated = json!({"description": "`unauthenticated`: no bearer token.",
+        "content": problem});
     let payment = json!({
         "requestBody": {"required": true, "content": {"application/json": {"schema": {
             "type": "object",
@@ -34,6 +37,7 @@ pub(crate) fn document<S: IdempotencyStore>(
                 "content": {"application/json": {"schema": {"type": "object"}}},
             },
             "400": {"description": "`invalid_amount`.", "content": problem},
+            "401": unauthenticated,
             "402": {"description": "`card_declined`.", "content": problem},
             "408": {"description": "Also the service's own timeout (`REQUEST_TIMEOUT_SECS`), \
                 answered with no body while the payment may go on: retry with the same key, \
@@ -50,7 +54,25 @@ pub(crate) fn document<S: IdempotencyStore>(
         "openapi": "3.1.0",
         "info": {"title": "Checkout", "version": "1.0.0"},
         "security": [{"bearer": []}],
-        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                "description": "The bearer token is the caller's user name (the example's stand-in \
+                    for authentication): the subject of its idempotency records."}},
+            "schemas": {"CheckoutProblem": {
+                "type": "object",
+                "description": "The example's own errors (RFC 9457).",
+                "required": ["type", "title", "status", "detail", "instance", "error", "retryable"],
+                "properties": {
+                    "type": {"type": "string"},
+                    "title": {"type": "string"},
+                    "status": {"type": "integer"},
+                    "detail": {"type": "string"},
+                    "instance": {"type": "string"},
+                    "error": {"type": "string"},
+                    "retryable": {"type": "boolean"},
+                },
+            }},
+        },
         "paths": {
             "/checkout": {"post": payment.clone()},
             "/refund": {"post": payment},
@@ -59,16 +81,26 @@ pub(crate) fn document<S: IdempotencyStore>(
                 "get": {"responses": {
                     "200": {"description": "The checkout's state and expiry.",
                         "content": {"application/json": {"schema": {"type": "object"}}}},
+                    "400": {"description": "`invalid_idempotency_key`.", "content": problem},
+                    "401": unauthenticated,
                     "404": not_found.clone(),
+                    "503": {"description": "`idempotency_store_unavailable`.", "content": problem},
                 }},
                 "delete": {"responses": {
                     "204": {"description": "Forgotten: the key is new."},
+                    "400": {"description": "`invalid_idempotency_key`.", "content": problem},
+                    "401": unauthenticated,
                     "404": not_found,
                     "409": {"description": "Still in progress.", "content": problem},
+                    "503": {"description": "`idempotency_store_unavailable`.", "content": problem},
                 }},
             },
-            "/charges": {"get": {"responses": {"200": {"description": "The caller's charges.",
-                "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+            "/charges": {"get": {"responses": {
+                "200": {"description": "The caller's charges.",
+                    "content": {"application/json": {"schema": {"type": "object"}}}},
+                "401": unauthenticated,
+                "503": {"description": "`ledger_unavailable`.", "content": problem},
+            }}},
         },
     }))?;
     let documented = idempotency.openapi().paths(GUARDED).document(&mut openapi);

@@ -1,0 +1,216 @@
+//! The payment handlers: a checkout or a refund, its charge written in the layer's transaction
+//! on the SQL stores (or on its own), the simulated provider called with the derived key.
+
+use std::time::Duration;
+
+use axum::extract::{FromRequestParts, OptionalFromRequestParts, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use axum_idempotency::layer::IdempotencyRejection;
+use axum_idempotency::{IdempotencyContext, IdempotencyTx, Subject};
+use serde_json::{Value, json};
+
+use super::app::AppState;
+use super::{TxConn, error};
+
+/// The layer's transaction on the records' database: PostgreSQL's, SQLite's or MySQL's, none on
+/// the memory and Redis stores (or with `CHECKOUT_TRANSACTIONAL=0`).
+pub(crate) enum HandlerTx {
+    None,
+    Postgres(IdempotencyTx<sqlx::Postgres>),
+    #[cfg(feature = "sqlite")]
+    Sqlite(IdempotencyTx<sqlx::Sqlite>),
+    #[cfg(feature = "mysql")]
+    MySql(IdempotencyTx<sqlx::MySql>),
+}
+
+impl HandlerTx {
+    /// The transaction's connection (begun at the first call), if there is a transaction.
+    async fn conn(&mut self) -> Result<Option<TxConn<'_>>, sqlx::Error> {
+        Ok(match self {
+            HandlerTx::None => None,
+            HandlerTx::Postgres(tx) => Some(TxConn::Postgres(tx.conn().await?)),
+            #[cfg(feature = "sqlite")]
+            HandlerTx::Sqlite(tx) => Some(TxConn::Sqlite(tx.conn().await?)),
+            #[cfg(feature = "mysql")]
+            HandlerTx::MySql(tx) => Some(TxConn::MySql(tx.conn().await?)),
+        })
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for HandlerTx {
+    type Rejection = IdempotencyRejection;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        let postgres =
+            <IdempotencyTx<sqlx::Postgres> as OptionalFromRequestParts<S>>::from_request_parts(
+                parts, state,
+            );
+        if let Some(tx) = postgres.await? {
+            return Ok(HandlerTx::Postgres(tx));
+        }
+        #[cfg(feature = "sqlite")]
+        {
+            let sqlite =
+                <IdempotencyTx<sqlx::Sqlite> as OptionalFromRequestParts<S>>::from_request_parts(
+                    parts, state,
+                );
+            if let Some(tx) = sqlite.await? {
+                return Ok(HandlerTx::Sqlite(tx));
+            }
+        }
+        #[cfg(feature = "mysql")]
+        {
+            let mysql =
+                <IdempotencyTx<sqlx::MySql> as OptionalFromRequestParts<S>>::from_request_parts(
+                    parts, state,
+                );
+            if let Some(tx) = mysql.await? {
+                return Ok(HandlerTx::MySql(tx));
+            }
+        }
+        Ok(HandlerTx::None)
+    }
+}
+
+/// `POST /checkout`. There is no transaction on the memory and Redis stores.
+pub(crate) async fn checkout(
+    State(state): State<AppState>,
+    Extension(subject): Extension<Subject>,
+    context: IdempotencyContext,
+    tx: HandlerTx,
+    body: axum::body::Bytes,
+) -> Response {
+    pay(&state, &subject.0, "charge", &context, tx, &body).await
+}
+
+pub(crate) async fn refund(
+    State(state): State<AppState>,
+    Extension(subject): Extension<Subject>,
+    context: IdempotencyContext,
+    tx: HandlerTx,
+    body: axum::body::Bytes,
+) -> Response {
+    pay(&state, &subject.0, "refund", &context, tx, &body).await
+}
+
+pub(crate) async fn checkout_separately(
+    State(state): State<AppState>,
+    Extension(subject): Extension<Subject>,
+    context: IdempotencyContext,
+    body: axum::body::Bytes,
+) -> Response {
+    pay(
+        &state,
+        &subject.0,
+        "charge",
+        &context,
+        HandlerTx::None,
+        &body,
+    )
+    .await
+}
+
+pub(crate) async fn refund_separately(
+    State(state): State<AppState>,
+    Extension(subject): Extension<Subject>,
+    context: IdempotencyContext,
+    body: axum::body::Bytes,
+) -> Response {
+    pay(
+        &state,
+        &subject.0,
+        "refund",
+        &context,
+        HandlerTx::None,
+        &body,
+    )
+    .await
+}
+
+/// The simulated payment: wait, count the attempt (outside any transaction, so handler runs are
+/// counted even when rolled back), then decline, fail, or charge at the provider (by the derived
+/// key) and record the charge (in `tx` when given).
+async fn pay(
+    state: &AppState,
+    subject: &str,
+    kind: &str,
+    context: &IdempotencyContext,
+    mut tx: HandlerTx,
+    body: &[u8],
+) -> Response {
+    let request: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let Some(amount) = request.get("amount").and_then(Value::as_i64) else {
+        return error(StatusCode::BAD_REQUEST, "invalid_amount");
+    };
+    let latency = request
+        .get("latency_ms")
+        .and_then(Value::as_u64)
+        .map_or(Duration::ZERO, |ms| Duration::from_millis(ms.min(60_000)));
+    tokio::time::sleep(state.settings.checkout_delay.saturating_add(latency)).await;
+    if let Err(e) = state.ledger.count_attempt(subject).await {
+        tracing::error!(error = %e, "could not count the attempt");
+        return error(StatusCode::SERVICE_UNAVAILABLE, "ledger_unavailable");
+    }
+    match request.get("card").and_then(Value::as_str) {
+        Some("declined") => return error(StatusCode::PAYMENT_REQUIRED, "card_declined"),
+        Some("flaky") => return error(StatusCode::SERVICE_UNAVAILABLE, "provider_unavailable"),
+        _ => {}
+    }
+    let payment = match state
+        .ledger
+        .provider_charge(&context.derived_key(), subject, amount)
+        .await
+    {
+        Ok(payment) => payment,
+        Err(e) => {
+            tracing::error!(error = %e, "the provider could not be reached");
+            return error(StatusCode::SERVICE_UNAVAILABLE, "provider_unavailable");
+        }
+    };
+    // The layer's transaction begins here, at its first use: the provider call above held none.
+    let conn = match tx.conn().await {
+        Ok(conn) => conn,
+        Err(e) => {
+            tracing::error!(error = %e, "could not begin the transaction");
+            return error(StatusCode::SERVICE_UNAVAILABLE, "ledger_unavailable");
+        }
+    };
+    let recorded = state.ledger.record(subject, kind, amount, conn).await;
+    tokio::time::sleep(state.settings.checkout_hold).await;
+    match recorded {
+        Ok(id) => (
+            StatusCode::CREATED,
+            [(header::LOCATION, format!("/charges/{id}"))],
+            Json(json!({
+                "id": id, "kind": kind, "amount": amount, "status": "succeeded",
+                "payment": payment,
+            })),
+        )
+            .into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "could not record the charge");
+            error(StatusCode::SERVICE_UNAVAILABLE, "ledger_unavailable")
+        }
+    }
+}
+
+pub(crate) async fn charges(
+    State(state): State<AppState>,
+    Extension(subject): Extension<Subject>,
+) -> Response {
+    match state.ledger.list(&subject.0).await {
+        Ok((charges, attempts, payments)) => Json(json!({
+            "charges": charges, "attempts": attempts, "provider_payments": payments,
+        }))
+        .into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "could not list charges");
+            error(StatusCode::SERVICE_UNAVAILABLE, "ledger_unavailable")
+        }
+    }
+}

@@ -1,0 +1,74 @@
+//! `GET` and `DELETE /checkout/idempotency/{key}`: the caller's own checkout record.
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use axum_idempotency::Subject;
+use axum_idempotency::store::{Deleted, IdempotencyStore, RecordKey};
+use serde_json::json;
+
+use super::{error, problem};
+
+/// The caller's own checkout record of `key`, in the scope the layer gives it.
+/// `None` for a key the layer would refuse (the same rules as the header's): it is not looked up.
+fn checkout_scope(subject: &Subject, key: &str) -> Option<RecordKey> {
+    axum_idempotency::layer::key::parse(key.as_bytes())
+        .ok()
+        .map(|key| RecordKey {
+            key,
+            subject: subject.0.clone(),
+            endpoint: "POST /checkout".into(),
+        })
+}
+
+fn invalid_key() -> Response {
+    error(StatusCode::BAD_REQUEST, "invalid_idempotency_key")
+}
+
+fn store_unavailable() -> Response {
+    problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "idempotency_store_unavailable",
+        true,
+    )
+}
+
+/// `GET /checkout/idempotency/{key}`: the state of the caller's own checkout with that key.
+pub(crate) async fn inspect<S: IdempotencyStore>(
+    State(store): State<S>,
+    Extension(subject): Extension<Subject>,
+    Path(key): Path<String>,
+) -> Response {
+    let Some(scope) = checkout_scope(&subject, &key) else {
+        return invalid_key();
+    };
+    match store.lookup(&scope).await {
+        Ok(Some(info)) => Json(json!({
+            "state": info.state.as_str(),
+            "status": info.status,
+            "expires_at": humantime::format_rfc3339_seconds(info.expires_at).to_string(),
+        }))
+        .into_response(),
+        Ok(None) => error(StatusCode::NOT_FOUND, "not_found"),
+        Err(_) => store_unavailable(),
+    }
+}
+
+/// `DELETE /checkout/idempotency/{key}`: forget the caller's finished checkout with that key, so
+/// the key is new; refused while it is in progress.
+pub(crate) async fn forget<S: IdempotencyStore>(
+    State(store): State<S>,
+    Extension(subject): Extension<Subject>,
+    Path(key): Path<String>,
+) -> Response {
+    let Some(scope) = checkout_scope(&subject, &key) else {
+        return invalid_key();
+    };
+    match store.delete(&scope).await {
+        Ok(Deleted::Deleted) => StatusCode::NO_CONTENT.into_response(),
+        Ok(Deleted::InProgress) => problem(StatusCode::CONFLICT, "in_progress", true),
+        Ok(_) => error(StatusCode::NOT_FOUND, "not_found"),
+        Err(_) => store_unavailable(),
+    }
+}

@@ -1,0 +1,36 @@
+//! What the example is configured with, from the environment.
+
+use std::error::Error;
+use std::time::Duration;
+
+/// What the example is configured with.
+#[derive(Clone, Copy)]
+pub(crate) struct Settings {
+    pub in_progress_ttl: Duration,
+    pub checkout_delay: Duration,
+    pub checkout_hold: Duration,
+    pub transactional: bool,
+    /// How long a duplicate of a checkout in progress waits for its answer (0: `409` at once).
+    pub wait: Duration,
+    /// How long a client waits for its answer before `408` (the checkout itself runs on).
+    pub request_timeout: Duration,
+}
+
+impl Settings {
+    pub(crate) fn from_env() -> Result<Self, Box<dyn Error>> {
+        let secs = |name: &str, default: u64| -> Result<u64, Box<dyn Error>> {
+            match std::env::var(name) {
+                Ok(v) => v.parse().map_err(|e| format!("{name}={v:?}: {e}").into()),
+                Err(_) => Ok(default),
+            }
+        };
+        Ok(Settings {
+            in_progress_ttl: Duration::from_secs(secs("IDEMPOTENCY_IN_PROGRESS_TTL_SECS", 90)?),
+            checkout_delay: Duration::from_millis(secs("CHECKOUT_DELAY_MS", 0)?),
+            checkout_hold: Duration::from_millis(secs("CHECKOUT_HOLD_MS", 0)?),
+            transactional: secs("CHECKOUT_TRANSACTIONAL", 1)? != 0,
+            wait: Duration::from_millis(secs("IDEMPOTENCY_WAIT_MS", 0)?),
+            request_timeout: Duration::from_secs(secs("REQUEST_TIMEOUT_SECS", 30)?),
+        })
+    }
+}

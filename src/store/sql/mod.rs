@@ -1,0 +1,90 @@
+//! What the SQL stores (PostgreSQL, MySQL/MariaDB, SQLite) share, written once and generic over
+//! the sqlx database: their timeouts, the table names they accept, a connection whose statement
+//! is under way ([`InFlight`]), connections kept between operations (`Parking`, on the servers),
+//! the keeper's pool of its own, and a database error as a store answers it ([`db`], through each
+//! database's [`Backend`]).
+
+use std::time::Duration;
+
+use sqlx::{Connection, Database, Pool};
+
+use crate::store::StoreError;
+
+mod in_flight;
+mod name;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod parking;
+
+pub(crate) use in_flight::InFlight;
+pub use name::InvalidTableName;
+#[cfg(feature = "sqlite")]
+pub(crate) use name::plain_table;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) use name::qualified_table;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) use parking::Parking;
+
+/// How long one store operation may take before it counts as failed (`503`), by default.
+pub(crate) const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
+/// The shortest operation timeout a store's `with_timeout` sets: shorter ones are raised to it (no
+/// database answers faster, and every statement would fail).
+pub(crate) const MIN_OPERATION_TIMEOUT: Duration = Duration::from_millis(10);
+/// The shortest time `migrate()` is given, whatever the operation timeout: the lock between
+/// instances migrating at once, and the statements of the migrations.
+pub(crate) const MIN_MIGRATE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What the shared code needs to know of one database's errors.
+pub(crate) trait Backend {
+    /// The name its errors start with (`postgres`, `mysql`, `sqlite`).
+    const NAME: &'static str;
+
+    /// Whether `e` refused a write for lack of room (a full disk or table, exhausted memory):
+    /// nothing was written, and the layer must not run unguarded for it.
+    fn no_room(e: &sqlx::Error) -> bool;
+
+    /// What to say of `e` when it is a lock the statement waited on too long (the statement did
+    /// nothing, and a retry settles it).
+    fn busy(_e: &sqlx::Error) -> Option<&'static str> {
+        None
+    }
+
+    /// Whether `e` says the connection itself is gone (its socket, or the server ended the
+    /// session) rather than anything about the statement: a kept connection's statement then goes
+    /// once more on one from the pool.
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+    fn lost_connection(_e: &sqlx::Error) -> bool {
+        false
+    }
+}
+
+/// A database error as the store of `B` answers it: no room is [`StoreError::store_full`] (the
+/// layer then refuses rather than run unguarded), the rest an ordinary failure (`503`).
+pub(crate) fn db<B: Backend>(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
+    move |e| {
+        let name = B::NAME;
+        if B::no_room(&e) {
+            StoreError::store_full(format!("{name} {what}: the database has no room: {e}"))
+        } else if let Some(busy) = B::busy(&e) {
+            StoreError::new(format!("{name} {what}: {busy}"), e)
+        } else {
+            StoreError::new(format!("{name} {what}"), e)
+        }
+    }
+}
+
+/// The keeper's pool (see `keeper_session`): one connection of its own with `options`, made on
+/// first use (on the keeper's runtime), never pinged nor retired for its age, so that the
+/// renewals need nothing of the handlers' pool.
+pub(crate) fn keeper_pool<DB: Database>(
+    options: <DB::Connection as Connection>::Options,
+    timeout: Duration,
+) -> Pool<DB> {
+    sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(1)
+        .min_connections(0)
+        .acquire_timeout(timeout)
+        .idle_timeout(None)
+        .max_lifetime(None)
+        .test_before_acquire(false)
+        .connect_lazy_with(options)
+}
