@@ -133,6 +133,10 @@ impl Statements {
             // A stale record is taken only when no live keeper shows its lease's presence: the
             // lock of `(NAMESPACE, presence)`, which keepers hold shared, is free for this
             // statement to take exclusive (see `presence.rs`). Held for its transaction only.
+            // Presences and renewals stop while the server restarts, and a keeper needs a moment
+            // to show its presences again once it is back: a held record is not taken before the
+            // server has been up for its TTL, so the time it was down does not count against a
+            // live holder.
             retake: format!(
                 "{LOCK_BOUND_CTE} UPDATE {t} SET fingerprint = $2, status = 'in_progress', lease_token = $3, \
                    generation = CASE WHEN status = 'in_progress' AND expires_at > now() \
@@ -152,8 +156,11 @@ impl Statements {
                                       - GREATEST($7::float8, coalesce(in_progress_ttl_us, 0)) \
                                         * interval '1 microsecond' \
                                   AND (lease_token = {RELEASED} \
-                                       OR pg_try_advisory_xact_lock({PRESENCE}, \
-                                            (lease_token >> 32)::int4))))) \
+                                       OR (pg_postmaster_start_time() <= now() \
+                                             - GREATEST($7::float8, coalesce(in_progress_ttl_us, 0)) \
+                                               * interval '1 microsecond' \
+                                           AND pg_try_advisory_xact_lock({PRESENCE}, \
+                                                (lease_token >> 32)::int4)))))) \
                         OR (lease_token = $3 AND status = 'in_progress')) \
                    AND {LOCK_BOUND} \
                  RETURNING generation",
