@@ -7,7 +7,10 @@
 //! - **Complete.** Once the work has answered with a result to record, the effect has happened and
 //!   the record is never released. When the store fails, the completion is retried in the
 //!   background, heartbeat running, until it succeeds or the lease is lost; never given up on a
-//!   timer. After three attempts that failed while the store took renewals between them (it is
+//!   timer. The caller waits for it a moment ([`recorded_within`](super::timing::recorded_within)),
+//!   then answers that the result is not recorded yet ([`Completed::Retrying`]), never the result
+//!   itself: a result sent before its record could be followed by another run's, should this
+//!   process die before the record is written. After three attempts that failed while the store took renewals between them (it is
 //!   reachable; the completion itself fails), the body is left out of the record: a body too large
 //!   for the store, or for its timeout, must not keep the key in progress for ever.
 //! - **Release.** Retried in the background until the store answers, for at most the maximum
@@ -63,7 +66,10 @@ pub(crate) enum Completed {
     Recorded,
     /// The lease was lost (the record was retaken): this answer is not the record's.
     Lost,
-    /// The store failed; the completion goes on in the background.
+    /// The store failed, and had not taken a retry of the completion within
+    /// [`recorded_within`](super::timing::recorded_within): the completion goes on in the
+    /// background. The result must not be answered (it is not the record's yet); a retry of the
+    /// request gets the record's answer once it is written.
     Retrying,
 }
 
@@ -261,7 +267,8 @@ impl<St: IdempotencyStore> Lease<St> {
 
     /// Records the answer. When the store fails, the record is not released (the effect has
     /// happened): the completion is retried in the background, heartbeat running, until it
-    /// succeeds or the lease is lost. Returns after the first attempt, with what it did.
+    /// succeeds or the lease is lost. Returns once recorded (or lost), or after
+    /// [`recorded_within`](super::timing::recorded_within) of retries with [`Completed::Retrying`].
     pub(crate) async fn complete(mut self, stored: Arc<StoredResponse>) -> Completed {
         self.done = true;
         let first = self.attempt(stored.clone()).await;
@@ -269,12 +276,23 @@ impl<St: IdempotencyStore> Lease<St> {
             return completed;
         }
         self.report(Outcome::RecordDeferred);
+        let wait = super::timing::recorded_within(self.held.engine.settings().in_progress_ttl);
+        let (settled, told) = tokio::sync::oneshot::channel();
         let drain = self.held.engine.drain().clone();
-        drain.spawn(async move { self.keep_completing(stored).await });
-        Completed::Retrying
+        drain.spawn(async move { self.keep_completing(stored, settled).await });
+        match tokio::time::timeout(wait, told).await {
+            Ok(Ok(completed)) => completed,
+            // Not yet (or the task was dropped at a runtime's shutdown): not recorded.
+            Ok(Err(_)) | Err(_) => Completed::Retrying,
+        }
     }
 
-    async fn keep_completing(self, mut stored: Arc<StoredResponse>) {
+    /// Retries the completion until the store settles it, telling `settled` how.
+    async fn keep_completing(
+        self,
+        mut stored: Arc<StoredResponse>,
+        settled: tokio::sync::oneshot::Sender<Completed>,
+    ) {
         let held = &self.held;
         let mut pause = Duration::from_millis(50);
         // Failed attempts with a renewal that got through since the previous failure: the store
@@ -303,7 +321,9 @@ impl<St: IdempotencyStore> Lease<St> {
                 }
                 renewals_seen = renewals;
             }
-            if self.settled(attempt, stored.status).is_some() {
+            if let Some(completed) = self.settled(attempt, stored.status) {
+                // The caller may have stopped waiting: then nobody is told.
+                let _ = settled.send(completed);
                 return;
             }
         }
@@ -587,11 +607,32 @@ pub(crate) mod tests {
         let (engine, store) = engine();
         store.panic_next_completion();
         let (request, lease) = claimed(&engine, "k").await;
-        // The panic is the first attempt's failure, not the request's.
-        assert!(matches!(
+        // The panic is the first attempt's failure, not the request's; the retry records it
+        // while the caller waits.
+        assert_eq!(
+            lease.complete(Arc::new(head(201))).await,
+            Completed::Recorded
+        );
+        assert_eq!(recorded_status(&store, request).await, 201);
+    }
+
+    /// A completion the store does not take within `recorded_within` is not the caller's to
+    /// answer (`Retrying`); it goes on in the background until the store takes it.
+    #[tokio::test(start_paused = true)]
+    async fn a_completion_not_taken_in_time_is_not_answered_and_is_recorded_later() {
+        let (engine, store) = engine();
+        store.refuse_completions(true);
+        let (request, lease) = claimed(&engine, "k").await;
+        let started = Instant::now();
+        assert_eq!(
             lease.complete(Arc::new(head(201))).await,
             Completed::Retrying
-        ));
+        );
+        let waited = started.elapsed();
+        let bound = crate::engine::timing::recorded_within(engine.settings().in_progress_ttl);
+        assert!(waited >= bound && waited < bound * 2, "{waited:?}");
+        tokio::time::sleep(TTL).await;
+        store.refuse_completions(false);
         assert!(engine.drain().wait(Duration::from_secs(5)).await);
         assert_eq!(recorded_status(&store, request).await, 201);
     }
@@ -611,10 +652,10 @@ pub(crate) mod tests {
         store.panic_next_completion();
         let (request, lease) = claimed(&engine, "k").await;
         lease.timed_out();
-        assert!(matches!(
+        assert_eq!(
             lease.complete(Arc::new(head(504))).await,
-            Completed::Retrying
-        ));
+            Completed::Recorded
+        );
         assert!(engine.drain().wait(Duration::from_secs(5)).await);
         assert_eq!(recorded_status(&store, request).await, 504);
     }

@@ -58,3 +58,11 @@ pub(crate) fn completion_pause(ttl: Duration) -> Duration {
 pub(crate) fn abandon_pause(ttl: Duration) -> Duration {
     (ttl / 10).min(Duration::from_millis(100))
 }
+
+/// How long the work's caller waits for a completion whose first attempt failed, retried in the
+/// background, before it answers that the result is not recorded yet: a sixth of the TTL, at most
+/// two seconds. A result is never answered before it is recorded: one the store never took (the
+/// process died meanwhile) would be followed, after a retake, by another run's.
+pub(crate) fn recorded_within(ttl: Duration) -> Duration {
+    (ttl / 6).min(Duration::from_secs(2))
+}

@@ -113,8 +113,8 @@ where
             if http.expiry_header {
                 replay::mark_expiry(response.headers_mut(), lease.engine().settings().retention);
             }
-            lease.complete(timeout).await;
-            Ok(response)
+            let completed = lease.complete(timeout).await;
+            Ok(recording::unrecorded(http, completed).unwrap_or(response))
         }
         Ran::Ended(Ok(response)) => {
             let mut response = response.map(Body::new);

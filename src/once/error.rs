@@ -24,6 +24,11 @@ pub enum OnceError<E> {
     /// The store failed (or answered the claim too late to be trusted). Nothing ran; a claim the
     /// store may have made is released in the background.
     Store(StoreError),
+    /// The closure ran and returned, but the store did not take its output in time: the output
+    /// is recorded in the background (heartbeat running) and not returned, since it is not the
+    /// record's yet. Do not take it as "nothing happened": call again with the same scope for the
+    /// recorded output ([`InProgress`](Self::InProgress) until it is written).
+    NotRecorded,
     /// The input or the output could not be serialized as JSON. For the output, the closure had
     /// run: the scope is settled as failed (later calls get [`Decode`](Self::Decode)), so its
     /// effect is not repeated.
@@ -45,6 +50,9 @@ impl<E: fmt::Display> fmt::Display for OnceError<E> {
             OnceError::Panicked => f.write_str("the operation panicked"),
             OnceError::TimedOut => f.write_str("the operation ran past the maximum hold"),
             OnceError::Store(e) => write!(f, "the idempotency store failed: {e}"),
+            OnceError::NotRecorded => {
+                f.write_str("the operation ran, but its output is not recorded yet")
+            }
             OnceError::Encode(e) => write!(f, "the input or output did not serialize: {e}"),
             OnceError::Decode(e) => write!(f, "the recorded output could not be read: {e}"),
         }

@@ -288,7 +288,10 @@ where
                     // Retaken while it ran (no heartbeat got through for a TTL): the retaker's
                     // output is the record's, and later calls get it; this one is not answered.
                     Completed::Lost => Err(OnceError::InProgress),
-                    Completed::Recorded | Completed::Retrying => Ok(value),
+                    // Not the record's output yet: were this process to die before the record is
+                    // written, a later call would run the closure again and get another output.
+                    Completed::Retrying => Err(OnceError::NotRecorded),
+                    Completed::Recorded => Ok(value),
                 },
                 Err(e) => {
                     tracing::error!(error = %e, "the output did not serialize; recorded as failed");
@@ -356,5 +359,44 @@ fn decode<T: DeserializeOwned, E>(stored: &StoredResponse) -> Result<T, OnceErro
         (_, status) => Err(unreadable(format!(
             "the record under this scope is not a run-once output (status {status})"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use super::*;
+    use crate::store::testing::Faulty;
+
+    /// An output the store does not take in time is not returned (it is not the record's yet): the
+    /// caller is told, and a later call gets the output once the background records it, without
+    /// running the closure again.
+    #[tokio::test(start_paused = true)]
+    async fn an_output_not_recorded_in_time_is_not_returned_and_a_later_call_gets_it() {
+        let store = Faulty::default();
+        let once = RunOnce::new(store.clone()).expect("settings");
+        let runs = Arc::new(AtomicUsize::new(0));
+        let scope = || RecordKey {
+            key: "k".into(),
+            subject: "consumer".into(),
+            endpoint: "charge".into(),
+        };
+        let call = |runs: Arc<AtomicUsize>| {
+            once.run(scope(), Fingerprint::of(None, b"1"), move |_| async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, std::io::Error>(7u32)
+            })
+        };
+        store.refuse_completions(true);
+        let first = call(runs.clone()).await;
+        assert!(matches!(first, Err(OnceError::NotRecorded)), "{first:?}");
+        store.refuse_completions(false);
+        assert!(once.drain().wait(Duration::from_secs(5)).await);
+        let later = call(runs.clone()).await;
+        assert_eq!(later.ok(), Some(7));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
     }
 }

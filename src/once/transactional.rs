@@ -219,6 +219,7 @@ where
     };
     match lease.complete(Arc::new(recorded(OUTPUT, body))).await {
         Completed::Lost => Err(OnceError::InProgress),
-        Completed::Recorded | Completed::Retrying => Ok(value),
+        Completed::Retrying => Err(OnceError::NotRecorded),
+        Completed::Recorded => Ok(value),
     }
 }

@@ -21,6 +21,7 @@ pub(crate) struct Faulty {
     batches: Arc<Mutex<Vec<usize>>>,
     panic_renewal: Arc<AtomicBool>,
     panic_completion: Arc<AtomicBool>,
+    refuse_completions: Arc<AtomicBool>,
     operation_timeout: Option<Duration>,
 }
 
@@ -52,6 +53,11 @@ impl Faulty {
     pub(crate) fn panic_next_completion(&self) {
         self.panic_completion.store(true, Ordering::SeqCst);
     }
+
+    /// Completions fail (an error, as a store that is down answers) while `refused`.
+    pub(crate) fn refuse_completions(&self, refused: bool) {
+        self.refuse_completions.store(refused, Ordering::SeqCst);
+    }
 }
 
 impl IdempotencyStore for Faulty {
@@ -69,6 +75,9 @@ impl IdempotencyStore for Faulty {
     ) -> Result<Fenced, StoreError> {
         if self.panic_completion.swap(false, Ordering::SeqCst) {
             panic!("a store bug in complete");
+        }
+        if self.refuse_completions.load(Ordering::SeqCst) {
+            return Err(StoreError::msg("the store refuses completions"));
         }
         self.inner
             .complete(key, lease, fingerprint, response, retention)

@@ -17,3 +17,17 @@ mod redis_faults;
 mod tenants;
 mod tower_http;
 mod transactions;
+
+/// Checks that `answer` is the layer's `503` for a handler that ran and whose answer the store had
+/// not taken yet: retryable, and never the handler's own answer (which a retry could not be sure
+/// to get again).
+fn not_recorded_yet(answer: &common::Answer) {
+    assert_eq!(
+        answer.status,
+        axum::http::StatusCode::SERVICE_UNAVAILABLE,
+        "{answer:?}"
+    );
+    assert_eq!(answer.problem(), "idempotency_store_unavailable");
+    assert_eq!(answer.json()["retryable"], true, "{answer:?}");
+    assert!(answer.header("retry-after").is_some(), "{answer:?}");
+}

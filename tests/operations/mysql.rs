@@ -415,7 +415,7 @@ async fn a_connection_cut_mid_request_records_later_and_runs_once() {
     eventually(move || c.started() == 1).await;
     proxy.set(Mode::Cut); // the database goes away while the handler runs
     let answer = first.await.expect("first");
-    assert_eq!(answer.status, StatusCode::CREATED);
+    crate::not_recorded_yet(&answer);
     assert_eq!(outcomes.get(Outcome::RecordDeferred), 1);
     tokio::time::sleep(Duration::from_millis(500)).await;
     proxy.set(Mode::Pass);
@@ -423,7 +423,6 @@ async fn a_connection_cut_mid_request_records_later_and_runs_once() {
     eventually(move || o.get(Outcome::Recorded) == 1).await;
     let replay = settle(&router, req).await;
     assert!(replay.replayed(), "{replay:?}");
-    assert_eq!(replay.body, answer.body);
     assert_eq!(counters.started(), 1, "the handler ran once");
 }
 
@@ -447,7 +446,7 @@ async fn a_stall_mid_statement_times_out_then_records() {
         .await
         .expect("the client is answered despite the stall")
         .expect("first");
-    assert_eq!(answer.status, StatusCode::CREATED);
+    crate::not_recorded_yet(&answer);
     let during = tokio::time::timeout(Duration::from_secs(10), send(&router, req()))
         .await
         .expect("answered during the stall");

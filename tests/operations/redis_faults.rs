@@ -129,12 +129,8 @@ async fn cut_between_claim_and_complete_records_later_and_runs_once() {
     eventually(move || c.started() == 1).await;
     s.proxy.set(Mode::Cut); // Redis goes away while the handler runs
     let answer = first.await.expect("first");
-    assert_eq!(
-        answer.status,
-        StatusCode::CREATED,
-        "the client gets the handler's answer"
-    );
-    assert!(!answer.replayed());
+    // The handler ran, its answer is not recorded yet: the client is told so, not given it.
+    crate::not_recorded_yet(&answer);
     assert_eq!(s.outcomes.get(Outcome::RecordDeferred), 1);
     assert_eq!(s.outcomes.get(Outcome::Recorded), 0);
     let during = send(&s.router, req()).await;
@@ -150,7 +146,6 @@ async fn cut_between_claim_and_complete_records_later_and_runs_once() {
     let replay = settle(&s.router, req).await;
     assert_eq!(replay.status, StatusCode::CREATED);
     assert!(replay.replayed());
-    assert_eq!(replay.body, answer.body);
     assert_eq!(s.counters.started(), 1, "the handler ran once");
     assert_eq!(s.outcomes.get(Outcome::LeaseLost), 0);
 }
@@ -177,7 +172,7 @@ async fn stall_during_complete_times_out_then_records() {
         .await
         .expect("the client is answered despite the stall")
         .expect("first");
-    assert_eq!(answer.status, StatusCode::CREATED);
+    crate::not_recorded_yet(&answer);
     assert_eq!(s.outcomes.get(Outcome::RecordDeferred), 1);
     assert_eq!(s.outcomes.get(Outcome::Recorded), 0);
     // A duplicate during the stall is answered too (503 after the store timeout, or 409).
@@ -193,7 +188,6 @@ async fn stall_during_complete_times_out_then_records() {
     eventually(move || o.get(Outcome::Recorded) == 1).await;
     let replay = settle(&s.router, req).await;
     assert!(replay.replayed());
-    assert_eq!(replay.body, answer.body);
     assert_eq!(s.counters.started(), 1, "the handler ran once");
     assert_eq!(s.outcomes.get(Outcome::LeaseLost), 0);
 }

@@ -13,6 +13,10 @@
 //!
 //! A body over the recording limit, one with trailers, or one whose stream fails is recorded as its
 //! status and headers with the body omitted; never released, since the effect has happened.
+//!
+//! An answer is never sent whole before it is recorded ([`unrecorded`]): should the store not take
+//! it (the completion goes on in the background) and this process die, a retake would run the
+//! work again and answer the retry with another result than the one this client was given.
 
 mod stream;
 #[cfg_attr(not(sql), allow(dead_code))]
@@ -37,7 +41,7 @@ use super::policy::Disposition;
 use super::problem::{ErrorKind, PROBLEM_JSON};
 use super::replay;
 use super::settings::LayerSettings;
-use crate::engine::Lease;
+use crate::engine::{Completed, Lease};
 use crate::store::{Finished, IdempotencyStore, StoredResponse};
 
 /// Frames in flight between the recording task and a slow client.
@@ -96,9 +100,12 @@ pub(crate) async fn record<St: IdempotencyStore>(
     };
     if ended {
         let body = copy.finish();
-        lease
+        let completed = lease
             .complete(Arc::new(with_body(head, body.clone())))
             .await;
+        if let Some(instead) = unrecorded(http, completed) {
+            return instead;
+        }
         return match body {
             Some(whole) => Response::from_parts(parts, Body::from(whole)),
             None => Response::from_parts(
@@ -112,6 +119,34 @@ pub(crate) async fn record<St: IdempotencyStore>(
         };
     }
     stream::stream(lease, parts, head, copy, ready, body)
+}
+
+/// What the client gets instead of an answer whose record is not written (`None` once it is): the
+/// retry of the same request with the same key gets the record's answer, whatever it turns out to
+/// be.
+/// - The completion is still being retried: `503`, retryable (`409 in_progress` follows until the
+///   record is written, then the replay).
+/// - The lease was lost (another attempt retook the record): `409 in_progress`; the record's
+///   answer is the retaker's.
+pub(crate) fn unrecorded(http: &LayerSettings, completed: Completed) -> Option<Response<Body>> {
+    match completed {
+        Completed::Recorded => None,
+        Completed::Retrying => Some(http.retryable(
+            ErrorKind::StoreUnavailable,
+            "the operation ran, but its answer could not be recorded yet; retry with the same \
+             Idempotency-Key for it",
+        )),
+        Completed::Lost => Some(taken_over(http)),
+    }
+}
+
+/// The answer to a request whose lease was lost while it ran: another attempt retook the record,
+/// and the record's answer is that attempt's.
+pub(crate) fn taken_over(http: &LayerSettings) -> Response<Body> {
+    http.retryable(
+        ErrorKind::InProgress,
+        "this request was taken over by another attempt; retry later for its answer",
+    )
 }
 
 /// How the policy records `response`: completed or failed, or `None` to release the record.

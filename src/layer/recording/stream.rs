@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::{CHANNEL_FRAMES, Copy, Next, next_frame, with_body};
-use crate::engine::Lease;
+use crate::engine::{Completed, Lease};
 use crate::store::{IdempotencyStore, StoredResponse};
 
 /// Answers at once with a body fed by a task that reads the handler's body, copies it and records
@@ -91,7 +91,11 @@ pub(super) fn stream<St: IdempotencyStore>(
             return;
         }
         let recorded = copy.finish();
-        lease.complete(Arc::new(with_body(head, recorded))).await;
+        if lease.complete(Arc::new(with_body(head, recorded))).await != Completed::Recorded {
+            // Not the record's answer (yet): the client's body ends with an error, not whole, and
+            // its retry gets the record's answer.
+            client = None;
+        }
         // What is left of a body recorded without it streams to the client, the claim finished.
         while !ended && client.is_some() {
             let next = match &client {

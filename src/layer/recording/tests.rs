@@ -225,3 +225,38 @@ async fn a_body_still_going_at_the_deadline_is_left_out_and_still_reaches_the_cl
     let whole = body_of(read).collect().await.expect("body").to_bytes();
     assert_eq!(&whole[..], b"abc", "what was read, then the rest");
 }
+
+/// An answer whose record the store does not take in time is never given whole: a whole body
+/// becomes the retryable `503`, a streamed one ends in an error; the record is written later, in
+/// the background, and a retry gets it.
+#[tokio::test(start_paused = true)]
+async fn an_answer_not_recorded_in_time_is_never_given_whole() {
+    let (engine, store) = engine();
+    let http = LayerSettings::default();
+    store.refuse_completions(true);
+    let (whole, lease) = claimed(&engine, "whole").await;
+    let answer = record(&http, lease, response(201, Body::from("{\"id\":1}"))).await;
+    assert_eq!(answer.status(), 503);
+    let problem: serde_json::Value =
+        serde_json::from_slice(&read(answer).await).expect("problem JSON");
+    assert_eq!(problem["error"], "idempotency_store_unavailable");
+    assert_eq!(problem["retryable"], true);
+
+    let (streamed, lease) = claimed(&engine, "streamed").await;
+    let body = slow_body(&["{\"id\":", "2}"], Duration::from_millis(10));
+    let answer = record(&http, lease, response(201, body)).await;
+    let (_, cut) = read_to_the_end(answer).await;
+    assert!(
+        cut,
+        "a streamed answer that is not recorded ends in an error"
+    );
+
+    store.refuse_completions(false);
+    assert!(engine.drain().wait(Duration::from_secs(5)).await);
+    for (claim, body) in [(&whole, "{\"id\":1}"), (&streamed, "{\"id\":2}")] {
+        match retry(&store, claim).await {
+            ClaimOutcome::Finished(stored) => assert_eq!(&stored.body[..], body.as_bytes()),
+            other => panic!("expected the record, got {other:?}"),
+        }
+    }
+}

@@ -9,7 +9,7 @@ use axum::response::Response;
 use super::super::problem::ErrorKind;
 use super::super::replay;
 use super::super::settings::LayerSettings;
-use super::{body_of, head_of, read_up_to, recorded_as};
+use super::{body_of, head_of, read_up_to, recorded_as, taken_over, unrecorded};
 use crate::engine::{InTransaction, Lease, Outcome, commit_with_record, rollback};
 use crate::store::{Finished, StoredResponse, TransactionalStore};
 
@@ -46,17 +46,16 @@ pub(crate) async fn record_in<St: TransactionalStore>(
     });
     match commit_with_record(lease, tx, stored.clone()).await {
         InTransaction::Committed => Response::from_parts(parts, body_of(read)),
-        InTransaction::Lost => http.retryable(
-            ErrorKind::InProgress,
-            "this request was taken over by another attempt; retry later for its answer",
-        ),
+        InTransaction::Lost => taken_over(http),
         InTransaction::NotWritten(lease, e)
             if e.is_aborted_transaction() && outcome == Finished::Failed =>
         {
             // The handler's own statement failed and it answered with a definitive failure:
             // nothing of its effect can commit, and its answer is recorded on its own.
-            lease.complete(stored).await;
-            Response::from_parts(parts, body_of(read))
+            match unrecorded(http, lease.complete(stored).await) {
+                Some(instead) => instead,
+                None => Response::from_parts(parts, body_of(read)),
+            }
         }
         InTransaction::NotWritten(lease, e) if e.is_aborted_transaction() => {
             // A success whose effect cannot commit (one of its statements failed) must not be
