@@ -26,12 +26,16 @@ use crate::store::{IdempotencyStore, StoredResponse};
 /// without holding the claim.
 pub(super) fn stream<St: IdempotencyStore>(
     lease: Lease<St>,
-    parts: Parts,
+    mut parts: Parts,
     head: StoredResponse,
     mut copy: Copy,
     ready: VecDeque<Frame<Bytes>>,
     mut body: Body,
 ) -> Response<Body> {
+    // The end of the body is the client's sign that it has the whole answer, and it comes only
+    // after the record: a declared length would let the client take the whole answer as soon as
+    // its last byte is sent, before the record (chunked, the end is the last chunk, sent after).
+    parts.headers.remove(http::header::CONTENT_LENGTH);
     let (tx, rx) = mpsc::channel(CHANNEL_FRAMES);
     let finished = Arc::new(AtomicBool::new(false));
     let body_end = finished.clone();
@@ -41,9 +45,11 @@ pub(super) fn stream<St: IdempotencyStore>(
     let task = async move {
         let mut client = Some(tx);
         let mut ended = false;
+        // Trailers end the client's body: held until the record is written.
+        let mut trailers = None;
         let drained = async {
             for frame in ready {
-                forward(&mut client, Ok(frame), patience).await;
+                pass(&mut client, Ok(frame), patience, &mut trailers).await;
             }
             let mut gone_at: Option<Instant> = None;
             while !copy.omitted {
@@ -69,7 +75,7 @@ pub(super) fn stream<St: IdempotencyStore>(
                         }
                     }
                 };
-                if !on_frame(&mut copy, &mut client, next, patience).await {
+                if !on_frame(&mut copy, &mut client, next, patience, &mut trailers).await {
                     ended = true;
                     break;
                 }
@@ -95,6 +101,9 @@ pub(super) fn stream<St: IdempotencyStore>(
             // Not the record's answer (yet): the client's body ends with an error, not whole, and
             // its retry gets the record's answer.
             client = None;
+        }
+        if let Some(trailers) = trailers.take() {
+            forward(&mut client, Ok(trailers), patience).await;
         }
         // What is left of a body recorded without it streams to the client, the claim finished.
         while !ended && client.is_some() {
@@ -140,12 +149,13 @@ async fn on_frame(
     client: &mut Option<mpsc::Sender<Result<Frame<Bytes>, axum::Error>>>,
     next: Next,
     patience: Duration,
+    trailers: &mut Option<Frame<Bytes>>,
 ) -> bool {
     match next {
         None => false,
         Some(Ok(frame)) => {
             copy.frame(&frame);
-            forward(client, Ok(frame), patience).await;
+            pass(client, Ok(frame), patience, trailers).await;
             true
         }
         Some(Err(e)) => {
@@ -153,6 +163,20 @@ async fn on_frame(
             forward(client, Err(e), patience).await;
             false
         }
+    }
+}
+
+/// Sends a frame to the client before the record is written: trailers, which end the client's
+/// body, are kept in `trailers` to be sent after it.
+async fn pass(
+    client: &mut Option<mpsc::Sender<Result<Frame<Bytes>, axum::Error>>>,
+    frame: Result<Frame<Bytes>, axum::Error>,
+    patience: Duration,
+    trailers: &mut Option<Frame<Bytes>>,
+) {
+    match frame {
+        Ok(frame) if frame.is_trailers() => *trailers = Some(frame),
+        frame => forward(client, frame, patience).await,
     }
 }
 

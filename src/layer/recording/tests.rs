@@ -260,3 +260,45 @@ async fn an_answer_not_recorded_in_time_is_never_given_whole() {
         }
     }
 }
+
+/// A streamed answer never lets the client take it whole before its record: no declared length
+/// (its last byte would end the body), and trailers (which end it too) held until the record is
+/// written, never sent when it is not.
+#[tokio::test(start_paused = true)]
+async fn a_streamed_answer_ends_for_the_client_only_after_its_record() {
+    use futures_util::StreamExt as _;
+    for recorded in [true, false] {
+        let (engine, store) = engine();
+        let http = LayerSettings::default();
+        store.refuse_completions(!recorded);
+        let (_, lease) = claimed(&engine, "trailers").await;
+        let frames = futures_util::stream::iter([
+            Frame::data(Bytes::from_static(b"{\"id\":1}")),
+            Frame::trailers(http::HeaderMap::new()),
+        ])
+        .then(|frame| async move {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            Ok::<_, std::io::Error>(frame)
+        });
+        let mut handler = response(201, Body::new(http_body_util::StreamBody::new(frames)));
+        handler
+            .headers_mut()
+            .insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(8));
+        let answer = record(&http, lease, handler).await;
+        assert!(answer.headers().get(http::header::CONTENT_LENGTH).is_none());
+        let mut body = answer.into_body();
+        let mut trailers = false;
+        let mut cut = false;
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(frame) => trailers |= frame.is_trailers(),
+                Err(_) => cut = true,
+            }
+        }
+        assert_eq!(
+            (trailers, cut),
+            (recorded, !recorded),
+            "recorded: {recorded}"
+        );
+    }
+}
