@@ -311,6 +311,48 @@ fn private_redis() -> String {
     format!("redis://127.0.0.1:{port}")
 }
 
+/// A Redis server of the caller's own that keeps its records across a restart (an append-only
+/// file), for tests that restart it.
+#[allow(dead_code)]
+pub struct PersistentRedis {
+    pub url: String,
+    dir: PathBuf,
+    port: u16,
+}
+
+#[allow(dead_code)]
+impl PersistentRedis {
+    /// Starts one (stopped, and its files removed, once this process ends).
+    pub fn start() -> PersistentRedis {
+        let dir = scratch_dir("redis-persistent");
+        let port = free_port();
+        redis_watchdog(&dir, &[port]);
+        start_redis(&dir, port, &["--appendonly", "yes"]);
+        PersistentRedis {
+            url: format!("redis://127.0.0.1:{port}"),
+            dir,
+            port,
+        }
+    }
+
+    /// Restarts the server: a clean shutdown (SIGTERM: its records written out), then a start on
+    /// the same port and files.
+    pub fn restart(&self) {
+        let pidfile = self.dir.join(format!("redis-{}.pid", self.port));
+        let pid = std::fs::read_to_string(&pidfile).expect("the server's pid file");
+        run(Command::new("kill").arg(pid.trim()));
+        let stopped = Instant::now();
+        while answers(&format!("127.0.0.1:{}", self.port)) || pidfile.exists() {
+            assert!(
+                stopped.elapsed() < Duration::from_secs(30),
+                "the private Redis did not stop within 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        start_redis(&self.dir, self.port, &["--appendonly", "yes"]);
+    }
+}
+
 fn private_cluster() -> Vec<String> {
     let dir = scratch_dir("cluster");
     // A cluster node also listens on its port + 10000 (the cluster bus): both must be free, and
