@@ -91,7 +91,8 @@ impl<St: IdempotencyStore> Engine<St> {
             lease,
             generation,
             in_progress_ttl: settings.in_progress_ttl,
-            retention: settings.retention,
+            // The in-progress record's life past the TTL: at least the maximum hold.
+            retention: settings.in_progress_retention(),
         };
         // A new key let through the subject's share stays pending until the store answers.
         let mut _new_key = None;

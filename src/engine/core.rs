@@ -180,7 +180,7 @@ impl<St: IdempotencyStore> Engine<St> {
         key: &RecordKey,
         lease: LeaseToken,
     ) -> Result<Fenced, StoreError> {
-        let lifetime = self.settings.in_progress_ttl + self.settings.retention;
+        let lifetime = self.settings.in_progress_lifetime();
         let renewed = timed("renew", self.store.renew(key, lease, lifetime)).await;
         match renewed {
             Ok(Fenced::Done) => self.state.local.renewed(&Scope::of(key), lease),
@@ -198,7 +198,7 @@ impl<St: IdempotencyStore> Engine<St> {
         session: &St,
         leases: &[(&RecordKey, LeaseToken)],
     ) -> Vec<Result<Fenced, StoreError>> {
-        let lifetime = self.settings.in_progress_ttl + self.settings.retention;
+        let lifetime = self.settings.in_progress_lifetime();
         // Timed as one operation, an error when any renewal failed.
         let renewed = timed("renew", async {
             let answers = session.renew_many(leases, lifetime).await;

@@ -444,6 +444,7 @@ pub(crate) mod tests {
     use super::*;
     use crate::engine::{Drain, Settings};
     use crate::store::testing::Faulty;
+    use crate::engine::Claim;
     use crate::store::{ClaimOutcome, ClaimRequest, Finished};
 
     const TTL: Duration = Duration::from_millis(900);
@@ -658,6 +659,35 @@ pub(crate) mod tests {
         );
         assert!(engine.drain().wait(Duration::from_secs(5)).await);
         assert_eq!(recorded_status(&store, request).await, 504);
+    }
+
+    /// An in-progress record outlives any work still under its lease: it lives its TTL and the
+    /// maximum hold past its last renewal even when the retention is shorter, since a record past
+    /// its life is taken (or purged) with no look at its holder.
+    #[tokio::test(start_paused = true)]
+    async fn an_in_progress_record_lives_at_least_the_maximum_hold() {
+        let max_hold = Duration::from_secs(30);
+        let (engine, store) = engine_with(Settings {
+            in_progress_ttl: TTL,
+            retention: Duration::from_millis(100),
+            max_hold: Some(max_hold),
+            ..Settings::default()
+        });
+        let key = request("short").key;
+        let claimed_at = std::time::SystemTime::now();
+        let Claim::Held(lease, _) = engine
+            .claim(Label::named("test"), key.clone(), Fingerprint::of(None, b"{}"), None)
+            .await
+        else {
+            panic!("not held");
+        };
+        let info = store.lookup(&key).await.expect("lookup").expect("the record");
+        let lives = info
+            .expires_at
+            .duration_since(claimed_at)
+            .expect("expires after the claim");
+        assert!(lives >= TTL + max_hold - Duration::from_millis(50), "{lives:?}");
+        lease.release("the test is over").await;
     }
 
     /// The status `request`'s record holds, as a retry of it finds it (it must be finished).

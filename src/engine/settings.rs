@@ -176,6 +176,21 @@ impl Settings {
             .unwrap_or(DEFAULT_MAX_HOLD.max(self.in_progress_ttl))
     }
 
+    /// How long an in-progress record lives past its last renewal: the TTL and the retention, or
+    /// the maximum hold when that is longer. A record past its life is taken (or purged) with no
+    /// look at its holder, so it must outlive any work still under its lease however long the
+    /// store could not take renewals (a short retention must not let an outage of a few TTLs
+    /// retake a live holder).
+    pub(crate) fn in_progress_lifetime(&self) -> Duration {
+        self.in_progress_ttl + self.in_progress_retention()
+    }
+
+    /// What claims give the store as their `retention` (see
+    /// [`in_progress_lifetime`](Self::in_progress_lifetime)).
+    pub(crate) fn in_progress_retention(&self) -> Duration {
+        self.retention.max(self.max_hold())
+    }
+
     /// Checks the settings against each other and against the store: its operation timeout, and
     /// whether it counts a subject's records.
     pub(crate) fn validate(

@@ -233,8 +233,10 @@ pub struct ClaimRequest {
     pub generation: Generation,
     /// How long an `in_progress` record may stand before another request may retake it.
     pub in_progress_ttl: Duration,
-    /// How long a record lives; a claim that is never completed is purged after
-    /// `in_progress_ttl + retention`.
+    /// How long the in-progress record lives past its TTL: a claim that is never completed (nor
+    /// renewed) is purged, and may be taken, after `in_progress_ttl + retention`. The engine
+    /// gives its retention, or its maximum hold when that is longer, so that no record expires
+    /// under work still running. (A completion gives the record's retention of its own.)
     pub retention: Duration,
 }
 
