@@ -442,9 +442,9 @@ pub(crate) mod tests {
     //! The lease's schedule under a paused clock, over the memory store.
 
     use super::*;
+    use crate::engine::Claim;
     use crate::engine::{Drain, Settings};
     use crate::store::testing::Faulty;
-    use crate::engine::Claim;
     use crate::store::{ClaimOutcome, ClaimRequest, Finished};
 
     const TTL: Duration = Duration::from_millis(900);
@@ -676,17 +676,29 @@ pub(crate) mod tests {
         let key = request("short").key;
         let claimed_at = std::time::SystemTime::now();
         let Claim::Held(lease, _) = engine
-            .claim(Label::named("test"), key.clone(), Fingerprint::of(None, b"{}"), None)
+            .claim(
+                Label::named("test"),
+                key.clone(),
+                Fingerprint::of(None, b"{}"),
+                None,
+            )
             .await
         else {
             panic!("not held");
         };
-        let info = store.lookup(&key).await.expect("lookup").expect("the record");
+        let info = store
+            .lookup(&key)
+            .await
+            .expect("lookup")
+            .expect("the record");
         let lives = info
             .expires_at
             .duration_since(claimed_at)
             .expect("expires after the claim");
-        assert!(lives >= TTL + max_hold - Duration::from_millis(50), "{lives:?}");
+        assert!(
+            lives >= TTL + max_hold - Duration::from_millis(50),
+            "{lives:?}"
+        );
         lease.release("the test is over").await;
     }
 

@@ -247,7 +247,7 @@ impl<St: IdempotencyStore> RunOnce<St> {
 /// Runs the closure under its lease, until it ends or the maximum hold, and records its output or
 /// releases the record.
 async fn held<St, T, E, F, Fut>(
-    mut lease: Lease<St>,
+    lease: Lease<St>,
     context: IdempotencyContext,
     f: F,
 ) -> Result<T, OnceError<E>>
@@ -270,43 +270,66 @@ where
                 "the closure was still running at the maximum hold; cancelled, and recorded as a \
              timeout"
             );
-            lease
-                .complete(Arc::new(recorded(TIMED_OUT, Vec::new())))
-                .await;
-            return Err(OnceError::TimedOut);
+            return timed_out(lease).await;
         }
     };
     match ended {
-        Ok(value) => {
-            // The effect has happened: from here on, a panic before the completion starts records
-            // this head without its body rather than releasing the record. (A task dropped while
-            // the completion is under way, at a runtime's shutdown, leaves the record in progress,
-            // retaken after the TTL: wait for `drain()` at shutdown, as for the layer.)
-            lease.answered(&recorded(OUTPUT, Vec::new()));
-            match serialized(&value) {
-                Ok(body) => match lease.complete(Arc::new(recorded(OUTPUT, body))).await {
-                    // Retaken while it ran (no heartbeat got through for a TTL): the retaker's
-                    // output is the record's, and later calls get it; this one is not answered.
-                    Completed::Lost => Err(OnceError::InProgress),
-                    // Not the record's output yet: were this process to die before the record is
-                    // written, a later call would run the closure again and get another output.
-                    Completed::Retrying => Err(OnceError::NotRecorded),
-                    Completed::Recorded => Ok(value),
-                },
-                Err(e) => {
-                    tracing::error!(error = %e, "the output did not serialize; recorded as failed");
-                    let body = format!("the output did not serialize: {e}").into_bytes();
-                    let _ = lease
-                        .complete(Arc::new(recorded(UNSERIALIZABLE, body)))
-                        .await;
-                    Err(OnceError::Encode(e))
-                }
-            }
-        }
+        Ok(value) => record_output(lease, value).await,
         Err(e) => {
             lease.release("the closure returned an error").await;
             Err(OnceError::Failed(e))
         }
+    }
+}
+
+/// Records `value`, the output of a closure whose effect has happened, and returns it once it is
+/// the record's; an output that does not serialize is settled as failed. Never released.
+async fn record_output<St, T, E>(mut lease: Lease<St>, value: T) -> Result<T, OnceError<E>>
+where
+    St: IdempotencyStore,
+    T: Serialize,
+{
+    // The effect has happened: from here on, a panic before the completion starts records this
+    // head without its body rather than releasing the record. (A task dropped while the
+    // completion is under way, at a runtime's shutdown, leaves the record in progress, retaken
+    // after the TTL: wait for `drain()` at shutdown, as for the layer.)
+    lease.answered(&recorded(OUTPUT, Vec::new()));
+    match serialized(&value) {
+        Ok(body) => match lease.complete(Arc::new(recorded(OUTPUT, body))).await {
+            // Retaken while it ran (no heartbeat got through for a TTL): the retaker's output is
+            // the record's, and later calls get it; this one is not answered.
+            Completed::Lost => Err(OnceError::InProgress),
+            // Not the record's output yet: were this process to die before the record is
+            // written, a later call would run the closure again and get another output.
+            Completed::Retrying => Err(OnceError::NotRecorded),
+            Completed::Recorded => Ok(value),
+        },
+        Err(e) => {
+            tracing::error!(error = %e, "the output did not serialize; recorded as failed");
+            let body = format!("the output did not serialize: {e}").into_bytes();
+            match lease
+                .complete(Arc::new(recorded(UNSERIALIZABLE, body)))
+                .await
+            {
+                Completed::Retrying => Err(OnceError::NotRecorded),
+                Completed::Recorded | Completed::Lost => Err(OnceError::Encode(e)),
+            }
+        }
+    }
+}
+
+/// Settles the record of a closure cancelled at the maximum hold (its effect may have happened)
+/// as timed out.
+async fn timed_out<St, T, E>(lease: Lease<St>) -> Result<T, OnceError<E>>
+where
+    St: IdempotencyStore,
+{
+    match lease
+        .complete(Arc::new(recorded(TIMED_OUT, Vec::new())))
+        .await
+    {
+        Completed::Retrying => Err(OnceError::NotRecorded),
+        Completed::Recorded | Completed::Lost => Err(OnceError::TimedOut),
     }
 }
 

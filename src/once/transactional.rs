@@ -18,10 +18,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::time::Instant;
 
-use super::{OUTPUT, OnceError, RunOnce, recorded, serialized};
-use crate::engine::{
-    Completed, IdempotencyContext, InTransaction, Lease, Ran, commit_with_record, rollback,
-};
+use super::{OUTPUT, OnceError, RunOnce, record_output, recorded, serialized, timed_out};
+use crate::engine::{IdempotencyContext, InTransaction, Lease, Ran, commit_with_record, rollback};
 use crate::store::{Fingerprint, RecordKey, StoreError, TransactionalStore};
 use crate::util::lock::lock;
 
@@ -100,10 +98,13 @@ impl<St: TransactionalStore> RunOnce<St> {
     ///   answers [`OnceError::InProgress`];
     /// - a commit that fails releases the record if the commit did not land, and answers the
     ///   output if it did;
-    /// - a closure that never used its transaction is recorded as [`run`](Self::run) records it.
+    /// - a closure that never used its transaction is recorded as [`run`](Self::run) records it:
+    ///   its output, an output that does not serialize, and a cancellation at the maximum hold
+    ///   (its effects happened outside the transaction, so it is never run again).
     ///
-    /// [`OnceError::TimedOut`] here means the closure was cancelled at the maximum hold and its
-    /// transaction rolled back: the record is released and a later call runs again.
+    /// [`OnceError::TimedOut`] here means the closure was cancelled at the maximum hold: when it
+    /// had begun its transaction, that is rolled back, the record released and a later call runs
+    /// again; when it had not, the scope is settled as timed out, as `run` settles it.
     pub async fn run_in_transaction<T, E, F, Fut>(
         &self,
         scope: RecordKey,
@@ -155,6 +156,15 @@ where
     };
     let (value, mut given) = match ended {
         Ran::Ended(Ok(done)) => done,
+        Ran::TimedOut if lock(&left).is_none() => {
+            // It never began its transaction: whatever it did happened outside, and may have
+            // happened; settled as timed out, as `run` settles it, never run again.
+            tracing::warn!(
+                "the closure was still running at the maximum hold; cancelled, and recorded as a \
+                 timeout"
+            );
+            return timed_out(lease).await;
+        }
         Ran::TimedOut => {
             tracing::warn!("the closure was still running at the maximum hold; rolled back");
             undo().await;
@@ -210,16 +220,7 @@ where
     St: TransactionalStore,
     T: Serialize,
 {
-    let body = match serialized(&value) {
-        Ok(body) => body,
-        Err(e) => {
-            lease.release("the output did not serialize").await;
-            return Err(OnceError::Encode(e));
-        }
-    };
-    match lease.complete(Arc::new(recorded(OUTPUT, body))).await {
-        Completed::Lost => Err(OnceError::InProgress),
-        Completed::Retrying => Err(OnceError::NotRecorded),
-        Completed::Recorded => Ok(value),
-    }
+    // Its effects happened outside any transaction of the store: settled as `run` settles it,
+    // an output that does not serialize included (never released, never run again).
+    record_output(lease, value).await
 }

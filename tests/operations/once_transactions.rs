@@ -278,3 +278,77 @@ async fn the_transaction_is_rolled_back_before_the_record_is_released() {
         log.taken();
     }
 }
+
+/// A closure that never began its transaction did its work outside it (a provider's call), and
+/// that may have happened: cancelled at the maximum hold, or with an output that does not
+/// serialize, its scope is settled as `run` settles it, never released to run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closure_that_never_began_its_transaction_is_never_run_again() {
+    let store = store().await;
+    let ttl = Duration::from_secs(2);
+    let once = RunOnce::builder(store.clone())
+        .in_progress_ttl(ttl)
+        .max_hold(ttl)
+        .build()
+        .expect("valid");
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    type Tx = OnceTransaction<SqliteStore>;
+    let hang = |runs: Arc<std::sync::atomic::AtomicUsize>| {
+        move |_ctx, tx: Tx| async move {
+            runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            Ok::<_, String>(("charged".to_owned(), tx))
+        }
+    };
+    for _ in 0..2 {
+        let ended: Result<String, OnceError<String>> = once
+            .run_in_transaction(
+                scope("hung"),
+                Fingerprint::of(None, b"1"),
+                hang(runs.clone()),
+            )
+            .await;
+        assert!(matches!(ended, Err(OnceError::TimedOut)), "{ended:?}");
+    }
+    assert_eq!(
+        runs.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "ran once"
+    );
+
+    /// An output that refuses to serialize.
+    struct Unserializable;
+    impl serde::Serialize for Unserializable {
+        fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+            Err(serde::ser::Error::custom("not today"))
+        }
+    }
+    impl<'de> serde::Deserialize<'de> for Unserializable {
+        fn deserialize<D: serde::Deserializer<'de>>(_: D) -> Result<Self, D::Error> {
+            Err(serde::de::Error::custom("never recorded"))
+        }
+    }
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    for call in 0..2 {
+        let counted = runs.clone();
+        let ended: Result<Unserializable, OnceError<String>> = once
+            .run_in_transaction(
+                scope("unserializable"),
+                Fingerprint::of(None, b"1"),
+                move |_ctx, tx: Tx| async move {
+                    counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    Ok((Unserializable, tx))
+                },
+            )
+            .await;
+        match (call, ended) {
+            (0, Err(OnceError::Encode(_))) | (1, Err(OnceError::Decode(_))) => {}
+            (_, other) => panic!("call {call}: {:?}", other.err()),
+        }
+    }
+    assert_eq!(
+        runs.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "ran once"
+    );
+}
