@@ -11,7 +11,9 @@ use crate::store::{ClaimRequest, LeaseToken, StoredResponse};
 /// alike, and costs a function call, where the `Uptime` status is a table read on every claim
 /// (in `information_schema` on MariaDB, `performance_schema` on MySQL). The counter's carry into
 /// the start (one second per 2^24 calls) only makes the server look younger: a retake waits a
-/// little longer, never less.
+/// little longer, never less. It is unsigned: the retake adds to it rather than subtract from the
+/// clock (a clock stepped back behind the start would be an error, not a wait), and waits a
+/// second more, both being whole seconds.
 const STARTED: &str = "((UUID_SHORT() >> 24) & 4294967295)";
 
 /// Rows removed per statement by `purge_expired`, so no single statement holds locks for long.
@@ -140,8 +142,8 @@ impl Statements {
                  OR (fingerprint = {fingerprint} AND updated_at <= {NOW} \
                      - INTERVAL GREATEST({ttl}, in_progress_ttl_us) MICROSECOND \
                      AND IS_FREE_LOCK({presence}) = 1 \
-                     AND (UNIX_TIMESTAMP() - {STARTED}) * 1000000 \
-                           >= GREATEST({ttl}, in_progress_ttl_us)))))",
+                     AND UNIX_TIMESTAMP() >= {STARTED} + 1 \
+                           + CEILING(GREATEST({ttl}, in_progress_ttl_us) / 1000000)))))",
             presence = super::presence::lock_name_sql("lease_token"),
         );
         Batch::default()

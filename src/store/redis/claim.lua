@@ -34,9 +34,12 @@ local ttl = math.max(tonumber(ARGV[3]), tonumber(rec[7]) or 0)
 if now - tonumber(rec[3]) < ttl then return {'in_progress'} end
 -- A restart (a record kept by persistence) stopped every renewal while the server was down, and
 -- holders need a moment to renew again once it is back: a held record is not taken before the
--- server has been up for its TTL, so the time it was down does not count against a live holder.
-local up = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)'))
-if up and up * 1000 < ttl then return {'in_progress'} end
+-- server has been up for its TTL (and a second, the uptime being whole seconds), so the time it
+-- was down does not count against a live holder. A user not allowed INFO (`-@dangerous`) gets
+-- the TTL alone, as before, rather than a key no claim could ever retake.
+local read, info = pcall(redis.call, 'INFO', 'server')
+local up = read and tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
+if up and (up - 1) * 1000 < ttl then return {'in_progress'} end
 redis.call('HSET', KEYS[1], 'lease', ARGV[2], 'ts', now, 'ttl', ARGV[3], 'rt', '1')
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return {'retaken', rec[5], rec[6]}
