@@ -24,9 +24,9 @@ pub enum OnceError<E> {
     /// The store failed (or answered the claim too late to be trusted). Nothing ran; a claim the
     /// store may have made is released in the background.
     Store(StoreError),
-    /// The closure ran and returned, but the store did not take its output in time: the output
-    /// is recorded in the background (heartbeat running) and not returned, since it is not the
-    /// record's yet. Do not take it as "nothing happened": call again with the same scope for the
+    /// The closure ran (it returned, or was cancelled at the maximum hold), but the store did not
+    /// take its settlement in time: it is recorded in the background (heartbeat running) and not
+    /// returned, since it is not the record's yet. Do not take it as "nothing happened": call again with the same scope for the
     /// recorded output ([`InProgress`](Self::InProgress) until it is written).
     NotRecorded,
     /// The input or the output could not be serialized as JSON. For the output, the closure had

@@ -312,7 +312,9 @@ where
                 .await
             {
                 Completed::Retrying => Err(OnceError::NotRecorded),
-                Completed::Recorded | Completed::Lost => Err(OnceError::Encode(e)),
+                // The retaker's output is the record's.
+                Completed::Lost => Err(OnceError::InProgress),
+                Completed::Recorded => Err(OnceError::Encode(e)),
             }
         }
     }
@@ -329,7 +331,8 @@ where
         .await
     {
         Completed::Retrying => Err(OnceError::NotRecorded),
-        Completed::Recorded | Completed::Lost => Err(OnceError::TimedOut),
+        Completed::Lost => Err(OnceError::InProgress),
+        Completed::Recorded => Err(OnceError::TimedOut),
     }
 }
 

@@ -26,16 +26,19 @@ use crate::store::{IdempotencyStore, StoredResponse};
 /// without holding the claim.
 pub(super) fn stream<St: IdempotencyStore>(
     lease: Lease<St>,
-    mut parts: Parts,
+    parts: Parts,
     head: StoredResponse,
     mut copy: Copy,
     ready: VecDeque<Frame<Bytes>>,
     mut body: Body,
 ) -> Response<Body> {
     // The end of the body is the client's sign that it has the whole answer, and it comes only
-    // after the record: a declared length would let the client take the whole answer as soon as
-    // its last byte is sent, before the record (chunked, the end is the last chunk, sent after).
-    parts.headers.remove(http::header::CONTENT_LENGTH);
+    // after the record: with a declared length, its last byte (see `Held`).
+    let declared = parts
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
     let (tx, rx) = mpsc::channel(CHANNEL_FRAMES);
     let finished = Arc::new(AtomicBool::new(false));
     let body_end = finished.clone();
@@ -45,11 +48,13 @@ pub(super) fn stream<St: IdempotencyStore>(
     let task = async move {
         let mut client = Some(tx);
         let mut ended = false;
-        // Trailers end the client's body: held until the record is written.
-        let mut trailers = None;
+        let mut held = Held {
+            declared,
+            ..Held::default()
+        };
         let drained = async {
             for frame in ready {
-                pass(&mut client, Ok(frame), patience, &mut trailers).await;
+                pass(&mut client, Ok(frame), patience, &mut held).await;
             }
             let mut gone_at: Option<Instant> = None;
             while !copy.omitted {
@@ -75,7 +80,7 @@ pub(super) fn stream<St: IdempotencyStore>(
                         }
                     }
                 };
-                if !on_frame(&mut copy, &mut client, next, patience, &mut trailers).await {
+                if !on_frame(&mut copy, &mut client, next, patience, &mut held).await {
                     ended = true;
                     break;
                 }
@@ -102,7 +107,10 @@ pub(super) fn stream<St: IdempotencyStore>(
             // its retry gets the record's answer.
             client = None;
         }
-        if let Some(trailers) = trailers.take() {
+        if let Some(tail) = held.tail.take() {
+            forward(&mut client, Ok(Frame::data(tail)), patience).await;
+        }
+        if let Some(trailers) = held.trailers.take() {
             forward(&mut client, Ok(trailers), patience).await;
         }
         // What is left of a body recorded without it streams to the client, the claim finished.
@@ -149,13 +157,13 @@ async fn on_frame(
     client: &mut Option<mpsc::Sender<Result<Frame<Bytes>, axum::Error>>>,
     next: Next,
     patience: Duration,
-    trailers: &mut Option<Frame<Bytes>>,
+    held: &mut Held,
 ) -> bool {
     match next {
         None => false,
         Some(Ok(frame)) => {
             copy.frame(&frame);
-            pass(client, Ok(frame), patience, trailers).await;
+            pass(client, Ok(frame), patience, held).await;
             true
         }
         Some(Err(e)) => {
@@ -166,17 +174,50 @@ async fn on_frame(
     }
 }
 
-/// Sends a frame to the client before the record is written: trailers, which end the client's
-/// body, are kept in `trailers` to be sent after it.
+/// What of the body is held back until its record is written: what would end the client's body.
+#[derive(Default)]
+struct Held {
+    /// The body's declared length (`Content-Length`), if any.
+    declared: Option<u64>,
+    /// Data bytes passed on so far.
+    sent: u64,
+    /// The last byte of a body of declared length: with it the client would hold the whole
+    /// answer (also across a hop that reads the body to its length, or to the connection's end).
+    tail: Option<Bytes>,
+    /// Trailers, which end the body.
+    trailers: Option<Frame<Bytes>>,
+}
+
+/// Sends a frame to the client before the record is written, keeping in `held` what would end
+/// the client's body, to be sent after the record.
 async fn pass(
     client: &mut Option<mpsc::Sender<Result<Frame<Bytes>, axum::Error>>>,
     frame: Result<Frame<Bytes>, axum::Error>,
     patience: Duration,
-    trailers: &mut Option<Frame<Bytes>>,
+    held: &mut Held,
 ) {
-    match frame {
-        Ok(frame) if frame.is_trailers() => *trailers = Some(frame),
-        frame => forward(client, frame, patience).await,
+    let frame = match frame {
+        Ok(frame) if frame.is_trailers() => {
+            held.trailers = Some(frame);
+            return;
+        }
+        Ok(frame) => frame,
+        Err(e) => return forward(client, Err(e), patience).await,
+    };
+    let mut data = match frame.into_data() {
+        Ok(data) => data,
+        Err(other) => return forward(client, Ok(other), patience).await,
+    };
+    // A byte held back and more data after it (a body past its declared length): it goes first.
+    if let Some(tail) = held.tail.take() {
+        forward(client, Ok(Frame::data(tail)), patience).await;
+    }
+    held.sent += data.len() as u64;
+    if held.declared.is_some_and(|n| held.sent >= n) && !data.is_empty() {
+        held.tail = Some(data.split_off(data.len() - 1));
+    }
+    if !data.is_empty() {
+        forward(client, Ok(Frame::data(data)), patience).await;
     }
 }
 
