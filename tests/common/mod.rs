@@ -6,6 +6,7 @@ pub mod cache;
 pub mod example;
 pub mod openapi;
 pub mod proxy;
+pub mod restart;
 pub mod servers;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;

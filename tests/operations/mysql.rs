@@ -601,15 +601,9 @@ async fn a_database_restarted_under_load_runs_nothing_twice() {
     assert!(twice.is_empty(), "keys run twice: {twice:?}");
 }
 
-/// A restart of the server ends every keeper's named locks (presences) and stops renewals while
-/// it lasts: a record in progress is not retaken before the server has been up for the record's
-/// TTL, however old its last renewal, so the time the server was down does not count against a
-/// live holder (whose keeper shows its presences again once the server is back). After that, a
-/// holder that shows nothing and renews nothing is dead, and its record is retaken.
+/// A restart does not count against a live holder (see `common::restart`), on the private server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_of_the_server_does_not_count_against_a_holder() {
-    use axum_idempotency::Fingerprint;
-    use axum_idempotency::store::{ClaimOutcome, ClaimRequest, RecordKey};
     let _alone = RESTARTS.lock().await;
     let server = common::servers::private_mysql();
     let pool = MySqlPoolOptions::new()
@@ -622,63 +616,10 @@ async fn a_restart_of_the_server_does_not_count_against_a_holder() {
         .expect("table")
         .with_timeout(Duration::from_secs(2));
     store.migrate().await.expect("migrate");
-    let ttl = Duration::from_secs(5);
-    // A lease whose presence no keeper shows: after the restart, a live holder's keeper may not
-    // have shown its own again yet.
-    let held = ClaimRequest::new(
-        RecordKey {
-            key: "restarted".into(),
-            subject: "alice".into(),
-            endpoint: "POST /pay".into(),
-        },
-        Fingerprint::of(None, b"{}"),
-        ttl,
-        Duration::from_secs(600),
-    );
-    let claimed = store.claim(&held).await.expect("claim");
-    assert!(
-        matches!(claimed, ClaimOutcome::Claimed { .. }),
-        "{claimed:?}"
-    );
-    let claimed_at = tokio::time::Instant::now();
-    // The server goes down half a TTL after the last renewal.
-    tokio::time::sleep_until(claimed_at + ttl / 2).await;
-    tokio::task::spawn_blocking(|| {
-        common::servers::private_mysql().restart(Duration::from_millis(100))
-    })
-    .await
-    .expect("restart");
-    let up_at = tokio::time::Instant::now();
-    assert!(
-        up_at < claimed_at + ttl - Duration::from_millis(500),
-        "the restart took {:?}: too long for this test's TTL",
-        up_at - claimed_at
-    );
-    // The record's last renewal is a TTL old; the server has been up for less than a TTL. (The
-    // pool's connections died with the server: the store's claim is retried until it answers.)
-    tokio::time::sleep_until(claimed_at + ttl + Duration::from_millis(200)).await;
-    let early = loop {
-        match store.claim(&held.from_another_request()).await {
-            Ok(outcome) => break outcome,
-            Err(_) if up_at.elapsed() < ttl / 2 => {
-                tokio::time::sleep(Duration::from_millis(50)).await
-            }
-            Err(e) => panic!("no claim after the restart: {e}"),
-        }
-    };
-    assert!(
-        matches!(early, ClaimOutcome::InProgress),
-        "retaken {:?} after the server came back, {:?} after the last renewal: {early:?}",
-        up_at.elapsed(),
-        claimed_at.elapsed()
-    );
-    // A TTL after the server came back (its uptime is whole seconds), nobody has shown or renewed
-    // anything: the holder is dead.
-    tokio::time::sleep_until(up_at + ttl + Duration::from_millis(1200)).await;
-    let retaker = held.from_another_request();
-    let late = store
-        .claim(&retaker)
-        .await
-        .expect("claim a TTL after the restart");
-    assert!(late.is_retake(&retaker), "{late:?}");
+    common::restart::a_restart_does_not_count_against_a_holder(
+        &store,
+        Duration::from_secs(5),
+        || common::servers::private_mysql().restart(Duration::from_millis(100)),
+    )
+    .await;
 }

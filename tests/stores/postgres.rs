@@ -1190,12 +1190,8 @@ async fn a_locked_row_fails_only_its_own_lease_of_a_renewal_batch() {
     assert_eq!(answers, vec![Fenced::Done, Fenced::Done, Fenced::LeaseLost]);
 }
 
-/// A restart of PostgreSQL ends every keeper's presences and stops renewals while it lasts: a
-/// record in progress is not retaken before the server has been up for the record's TTL, however
-/// old its last renewal, so the time the server was down does not count against a live holder
-/// (whose keeper shows its presences again once the server is back). After that, a holder that
-/// shows nothing and renews nothing is dead, and its record is retaken. Runs on a private server
-/// of this test process's own, which it restarts.
+/// A restart does not count against a live holder (see `common::restart`), on a private server of
+/// this test process's own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_of_the_server_does_not_count_against_a_holder() {
     let server = common::servers::private_postgres();
@@ -1209,54 +1205,10 @@ async fn a_restart_of_the_server_does_not_count_against_a_holder() {
         .expect("valid table name")
         .with_timeout(Duration::from_secs(2));
     store.migrate().await.expect("migrate");
-    let ttl = Duration::from_secs(3);
-    // A lease whose presence no keeper shows: after the restart, a live holder's keeper may not
-    // have shown its own again yet.
-    let held = ClaimRequest::new(
-        RecordKey {
-            key: "restarted".into(),
-            subject: "alice".into(),
-            endpoint: "POST /pay".into(),
-        },
-        Fingerprint::of(None, b"{}"),
-        ttl,
-        Duration::from_secs(600),
-    );
-    let claimed = store.claim(&held).await.expect("claim");
-    assert!(
-        matches!(claimed, ClaimOutcome::Claimed { .. }),
-        "{claimed:?}"
-    );
-    let claimed_at = tokio::time::Instant::now();
-    // The server goes down two thirds of a TTL after the last renewal.
-    tokio::time::sleep_until(claimed_at + ttl * 2 / 3).await;
-    tokio::task::spawn_blocking(|| common::servers::private_postgres().restart())
-        .await
-        .expect("restart");
-    let up_at = tokio::time::Instant::now();
-    assert!(
-        up_at < claimed_at + ttl - Duration::from_millis(300),
-        "the restart took {:?}: too long for this test's TTL",
-        up_at - claimed_at
-    );
-    // The record's last renewal is a TTL old; the server has been up for less than a TTL.
-    tokio::time::sleep_until(claimed_at + ttl + Duration::from_millis(200)).await;
-    let early = store
-        .claim(&held.from_another_request())
-        .await
-        .expect("claim after the restart");
-    assert!(
-        matches!(early, ClaimOutcome::InProgress),
-        "retaken {:?} after the server came back, {:?} after the last renewal: {early:?}",
-        up_at.elapsed(),
-        claimed_at.elapsed()
-    );
-    // A TTL after the server came back, nobody has shown or renewed anything: the holder is dead.
-    tokio::time::sleep_until(up_at + ttl + Duration::from_millis(300)).await;
-    let retaker = held.from_another_request();
-    let late = store
-        .claim(&retaker)
-        .await
-        .expect("claim a TTL after the restart");
-    assert!(late.is_retake(&retaker), "{late:?}");
+    common::restart::a_restart_does_not_count_against_a_holder(
+        &store,
+        Duration::from_secs(3),
+        || common::servers::private_postgres().restart(),
+    )
+    .await;
 }

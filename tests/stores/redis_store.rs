@@ -441,74 +441,19 @@ async fn without_scope_fields_nothing_is_in_clear_and_nothing_is_listed() {
     );
 }
 
-/// A restart of a Redis that keeps its records (persistence) stopped every renewal while it was
-/// down: a record in progress is not retaken before the server has been up for the record's TTL,
-/// however old its last renewal, so the time the server was down does not count against a live
-/// holder (which renews again once the server is back). After that, a holder that renews nothing
-/// is dead, and its record is retaken. Runs on a server of this test's own, which it restarts.
+/// A restart does not count against a live holder (see `common::restart`), on a Redis of this
+/// test's own that keeps its records across it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_of_the_server_does_not_count_against_a_holder() {
-    use axum_idempotency::store::{ClaimOutcome, ClaimRequest, RecordKey};
     let server = common::servers::PersistentRedis::start();
     let client = redis::Client::open(server.url.clone()).expect("url");
     let store = RedisStore::new(client)
         .expect("store")
         .with_timeout(Duration::from_secs(2));
-    let ttl = Duration::from_secs(3);
-    let held = ClaimRequest::new(
-        RecordKey {
-            key: "restarted".into(),
-            subject: "alice".into(),
-            endpoint: "POST /pay".into(),
-        },
-        Fingerprint::of(None, b"{}"),
-        ttl,
-        Duration::from_secs(600),
-    );
-    let claimed = store.claim(&held).await.expect("claim");
-    assert!(
-        matches!(claimed, ClaimOutcome::Claimed { .. }),
-        "{claimed:?}"
-    );
-    let claimed_at = tokio::time::Instant::now();
-    // The server goes down two thirds of a TTL after the last renewal.
-    tokio::time::sleep_until(claimed_at + ttl * 2 / 3).await;
-    let restarting = std::sync::Arc::new(server);
-    let server = restarting.clone();
-    tokio::task::spawn_blocking(move || server.restart())
-        .await
-        .expect("restart");
-    let up_at = tokio::time::Instant::now();
-    assert!(
-        up_at < claimed_at + ttl - Duration::from_millis(300),
-        "the restart took {:?}: too long for this test's TTL",
-        up_at - claimed_at
-    );
-    // The record's last renewal is a TTL old; the server has been up for less than a TTL. (The
-    // store's connection died with the server: the claim is retried until it answers.)
-    tokio::time::sleep_until(claimed_at + ttl + Duration::from_millis(200)).await;
-    let early = loop {
-        match store.claim(&held.from_another_request()).await {
-            Ok(outcome) => break outcome,
-            Err(_) if up_at.elapsed() < ttl / 2 => {
-                tokio::time::sleep(Duration::from_millis(50)).await
-            }
-            Err(e) => panic!("no claim after the restart: {e}"),
-        }
-    };
-    assert!(
-        matches!(early, ClaimOutcome::InProgress),
-        "retaken {:?} after the server came back, {:?} after the last renewal: {early:?}",
-        up_at.elapsed(),
-        claimed_at.elapsed()
-    );
-    // A TTL after the server came back (its uptime is whole seconds), nobody has renewed
-    // anything: the holder is dead.
-    tokio::time::sleep_until(up_at + ttl + Duration::from_millis(1200)).await;
-    let retaker = held.from_another_request();
-    let late = store
-        .claim(&retaker)
-        .await
-        .expect("claim a TTL after the restart");
-    assert!(late.is_retake(&retaker), "{late:?}");
+    common::restart::a_restart_does_not_count_against_a_holder(
+        &store,
+        Duration::from_secs(3),
+        move || server.restart(),
+    )
+    .await;
 }

@@ -26,7 +26,7 @@ use crate::store::{IdempotencyStore, StoredResponse};
 /// without holding the claim.
 pub(super) fn stream<St: IdempotencyStore>(
     lease: Lease<St>,
-    parts: Parts,
+    mut parts: Parts,
     head: StoredResponse,
     mut copy: Copy,
     ready: VecDeque<Frame<Bytes>>,
@@ -34,11 +34,17 @@ pub(super) fn stream<St: IdempotencyStore>(
 ) -> Response<Body> {
     // The end of the body is the client's sign that it has the whole answer, and it comes only
     // after the record: with a declared length, its last byte (see `Held`).
-    let declared = parts
+    let mut declared = parts
         .headers
         .get(http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
+    if declared == Some(0) {
+        // Whole with its head: no byte to hold back. Without the length, its end (the last
+        // chunk) comes after the record.
+        parts.headers.remove(http::header::CONTENT_LENGTH);
+        declared = None;
+    }
     let (tx, rx) = mpsc::channel(CHANNEL_FRAMES);
     let finished = Arc::new(AtomicBool::new(false));
     let body_end = finished.clone();
@@ -107,7 +113,7 @@ pub(super) fn stream<St: IdempotencyStore>(
             // its retry gets the record's answer.
             client = None;
         }
-        if let Some(tail) = held.tail.take() {
+        for tail in std::mem::take(&mut held.tail) {
             forward(&mut client, Ok(Frame::data(tail)), patience).await;
         }
         if let Some(trailers) = held.trailers.take() {
@@ -177,13 +183,15 @@ async fn on_frame(
 /// What of the body is held back until its record is written: what would end the client's body.
 #[derive(Default)]
 struct Held {
-    /// The body's declared length (`Content-Length`), if any.
+    /// The body's declared length (`Content-Length`), if any (never 0).
     declared: Option<u64>,
     /// Data bytes passed on so far.
     sent: u64,
-    /// The last byte of a body of declared length: with it the client would hold the whole
-    /// answer (also across a hop that reads the body to its length, or to the connection's end).
-    tail: Option<Bytes>,
+    /// With a declared length, the data from its last byte on: the byte that fills the length
+    /// ends the client's body (a server or a hop writes no more than the length, and takes the
+    /// answer as whole with it). At most the recording limit and a frame: the record is written
+    /// once the copy is over the limit.
+    tail: Vec<Bytes>,
     /// Trailers, which end the body.
     trailers: Option<Frame<Bytes>>,
 }
@@ -202,21 +210,35 @@ async fn pass(
             return;
         }
         Ok(frame) => frame,
-        Err(e) => return forward(client, Err(e), patience).await,
+        Err(e) => {
+            // The body failed: nothing may follow its error.
+            held.tail.clear();
+            held.trailers = None;
+            return forward(client, Err(e), patience).await;
+        }
     };
     let mut data = match frame.into_data() {
         Ok(data) => data,
         Err(other) => return forward(client, Ok(other), patience).await,
     };
-    // A byte held back and more data after it (a body past its declared length): it goes first.
-    if let Some(tail) = held.tail.take() {
-        forward(client, Ok(Frame::data(tail)), patience).await;
+    if data.is_empty() {
+        return;
     }
-    held.sent += data.len() as u64;
-    if held.declared.is_some_and(|n| held.sent >= n) && !data.is_empty() {
-        held.tail = Some(data.split_off(data.len() - 1));
+    if let Some(declared) = held.declared {
+        if !held.tail.is_empty() {
+            held.tail.push(data);
+            return;
+        }
+        // At most one byte short of the declared length goes before the record.
+        let room = declared.saturating_sub(1).saturating_sub(held.sent);
+        if data.len() as u64 > room {
+            // `room` is below the frame's length, so it fits a `usize`.
+            held.tail
+                .push(data.split_off(usize::try_from(room).unwrap_or(0)));
+        }
     }
     if !data.is_empty() {
+        held.sent += data.len() as u64;
         forward(client, Ok(Frame::data(data)), patience).await;
     }
 }

@@ -261,48 +261,75 @@ async fn an_answer_not_recorded_in_time_is_never_given_whole() {
     }
 }
 
-/// A streamed answer never lets the client take it whole before its record: the last byte of a
-/// body of declared length, and trailers (which end the body too), are held until the record is
-/// written, never sent when it is not.
+/// A streamed answer never lets the client take it whole before its record: from the byte that
+/// fills a declared length on, and trailers (which end the body too), everything is held until the
+/// record is written, never sent when it is not; however the body is cut into frames (empty ones,
+/// one past the declared length), and a length of 0 is not declared (its head would be the whole
+/// answer).
 #[tokio::test(start_paused = true)]
 async fn a_streamed_answer_ends_for_the_client_only_after_its_record() {
     use futures_util::StreamExt as _;
-    for recorded in [true, false] {
-        let (engine, store) = engine();
-        let http = LayerSettings::default();
-        store.refuse_completions(!recorded);
-        let (_, lease) = claimed(&engine, "trailers").await;
-        let frames = futures_util::stream::iter([
-            Frame::data(Bytes::from_static(b"{\"id\":1}")),
-            Frame::trailers(http::HeaderMap::new()),
-        ])
-        .then(|frame| async move {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            Ok::<_, std::io::Error>(frame)
-        });
-        let mut handler = response(201, Body::new(http_body_util::StreamBody::new(frames)));
-        handler
-            .headers_mut()
-            .insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(8));
-        let answer = record(&http, lease, handler).await;
-        assert_eq!(answer.headers()[http::header::CONTENT_LENGTH], "8");
-        let mut body = answer.into_body();
-        let (mut data, mut trailers, mut cut) = (Vec::new(), false, false);
-        while let Some(frame) = body.frame().await {
-            match frame {
-                Ok(frame) if frame.is_trailers() => trailers = true,
-                Ok(frame) => data.extend_from_slice(&frame.into_data().expect("data")),
-                Err(_) => cut = true,
+    let cases: [(&[&str], u64); 5] = [
+        (&["{\"id\":1}"], 8),
+        (&["{\"id\":", "1}"], 8),
+        (&["{\"id\":1}", ""], 8),
+        (&["{\"id\":1", "}", ""], 8),
+        (&["{\"id\":1}", "!"], 8),
+    ];
+    for (parts, declared) in cases {
+        for recorded in [true, false] {
+            let (engine, store) = engine();
+            let http = LayerSettings::default();
+            store.refuse_completions(!recorded);
+            let (_, lease) = claimed(&engine, "trailers").await;
+            let frames = parts
+                .iter()
+                .map(|part| Frame::data(Bytes::from_static(part.as_bytes())))
+                .chain([Frame::trailers(http::HeaderMap::new())]);
+            let frames = futures_util::stream::iter(frames).then(|frame| async move {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                Ok::<_, std::io::Error>(frame)
+            });
+            let mut handler = response(201, Body::new(http_body_util::StreamBody::new(frames)));
+            handler.headers_mut().insert(
+                http::header::CONTENT_LENGTH,
+                http::HeaderValue::from(declared),
+            );
+            let answer = record(&http, lease, handler).await;
+            assert_eq!(answer.headers()[http::header::CONTENT_LENGTH], "8");
+            let mut body = answer.into_body();
+            let (mut data, mut trailers, mut cut) = (Vec::new(), false, false);
+            while let Some(frame) = body.frame().await {
+                match frame {
+                    Ok(frame) if frame.is_trailers() => trailers = true,
+                    Ok(frame) => data.extend_from_slice(&frame.into_data().expect("data")),
+                    Err(_) => cut = true,
+                }
+            }
+            let case = format!("{parts:?}, recorded: {recorded}");
+            assert_eq!((trailers, cut), (recorded, !recorded), "{case}");
+            let whole = parts.concat();
+            if recorded {
+                assert_eq!(data, whole.as_bytes(), "{case}");
+            } else {
+                // Short of its declared length: no server or hop takes it for the whole body.
+                assert!((data.len() as u64) < declared, "{case}: {data:?}");
             }
         }
-        assert_eq!(
-            (trailers, cut),
-            (recorded, !recorded),
-            "recorded: {recorded}"
-        );
-        // Short of its declared length when not recorded: no hop takes it for the whole body.
-        let whole: &[u8] = b"{\"id\":1}";
-        let expected = if recorded { whole } else { &whole[..7] };
-        assert_eq!(&data[..], expected, "recorded: {recorded}");
     }
+    // A length of 0 is whole with the head: the answer goes chunked, its end after the record.
+    let (engine, _) = engine();
+    let (_, lease) = claimed(&engine, "empty").await;
+    let frames = futures_util::stream::iter([Frame::trailers(http::HeaderMap::new())]).then(
+        |frame| async move {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            Ok::<_, std::io::Error>(frame)
+        },
+    );
+    let mut handler = response(201, Body::new(http_body_util::StreamBody::new(frames)));
+    handler
+        .headers_mut()
+        .insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(0));
+    let answer = record(&LayerSettings::default(), lease, handler).await;
+    assert!(answer.headers().get(http::header::CONTENT_LENGTH).is_none());
 }

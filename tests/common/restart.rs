@@ -1,0 +1,78 @@
+//! A restart of the store's server does not count against a live holder (SPEC 24): the one
+//! scenario, run on every store whose server a test can restart (a private PostgreSQL, MariaDB,
+//! and a Redis that keeps its records).
+//!
+//! A restart ends every keeper's presences and stops renewals while it lasts. A record in progress
+//! is not retaken before the server has been up for the record's TTL, however old its last
+//! renewal, so the time the server was down does not count against a live holder (whose keeper
+//! shows its presences, and renews, again once the server is back). After that, a holder that
+//! shows and renews nothing is dead, and its record is retaken.
+
+use std::time::Duration;
+
+use axum_idempotency::Fingerprint;
+use axum_idempotency::store::{ClaimOutcome, ClaimRequest, IdempotencyStore, RecordKey};
+use tokio::time::Instant;
+
+/// Claims a record under a lease whose presence no keeper shows (after a restart, a live holder's
+/// keeper may not have shown its own again yet), has `restart` restart the server half a TTL
+/// later (it must take well under half a TTL), then claims again: `409` a TTL after the last
+/// renewal, a retake a TTL (and a second, for whole-second clocks) after the server came back.
+pub async fn a_restart_does_not_count_against_a_holder<S: IdempotencyStore>(
+    store: &S,
+    ttl: Duration,
+    restart: impl FnOnce() + Send + 'static,
+) {
+    let held = ClaimRequest::new(
+        RecordKey {
+            key: "restarted".into(),
+            subject: "alice".into(),
+            endpoint: "POST /pay".into(),
+        },
+        Fingerprint::of(None, b"{}"),
+        ttl,
+        Duration::from_secs(600),
+    );
+    let claimed = store.claim(&held).await.expect("claim");
+    assert!(
+        matches!(claimed, ClaimOutcome::Claimed { .. }),
+        "{claimed:?}"
+    );
+    let claimed_at = Instant::now();
+    tokio::time::sleep_until(claimed_at + ttl / 2).await;
+    tokio::task::spawn_blocking(restart).await.expect("restart");
+    let up_at = Instant::now();
+    assert!(
+        up_at < claimed_at + ttl - Duration::from_millis(300),
+        "the restart took {:?}: too long for this test's TTL",
+        up_at - claimed_at
+    );
+    // The record's last renewal is a TTL old; the server has been up for less than a TTL. (The
+    // store's connections died with the server: the claim is retried until it answers.)
+    tokio::time::sleep_until(claimed_at + ttl + Duration::from_millis(200)).await;
+    let early = loop {
+        match store.claim(&held.from_another_request()).await {
+            Ok(outcome) => break outcome,
+            // Still well within the TTL of the server's uptime: the check means something.
+            Err(_) if up_at.elapsed() < ttl - Duration::from_millis(500) => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("no claim after the restart: {e}"),
+        }
+    };
+    assert!(
+        matches!(early, ClaimOutcome::InProgress),
+        "retaken {:?} after the server came back, {:?} after the last renewal: {early:?}",
+        up_at.elapsed(),
+        claimed_at.elapsed()
+    );
+    // A TTL and a second after the server came back, nobody has shown or renewed anything: the
+    // holder is dead.
+    tokio::time::sleep_until(up_at + ttl + Duration::from_millis(1200)).await;
+    let retaker = held.from_another_request();
+    let late = store
+        .claim(&retaker)
+        .await
+        .expect("claim a TTL after the restart");
+    assert!(late.is_retake(&retaker), "{late:?}");
+}
