@@ -10,9 +10,10 @@
 //!   timer. The caller waits for it a moment ([`recorded_within`](super::timing::recorded_within)),
 //!   then answers that the result is not recorded yet ([`Completed::Retrying`]), never the result
 //!   itself: a result sent before its record could be followed by another run's, should this
-//!   process die before the record is written. After three attempts that failed while the store took renewals between them (it is
-//!   reachable; the completion itself fails), the body is left out of the record: a body too large
-//!   for the store, or for its timeout, must not keep the key in progress for ever.
+//!   process die before the record is written. After three attempts that failed while the store
+//!   took renewals between them (it is reachable; the completion itself fails), the body is left
+//!   out of the record: a body too large for the store, or for its timeout, must not keep the key
+//!   in progress for ever.
 //! - **Release.** Retried in the background until the store answers, for at most the maximum
 //!   hold and a TTL (by then no lease of its presence is left, and the record is retakeable after
 //!   its TTL).

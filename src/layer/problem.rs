@@ -176,11 +176,11 @@ error_kinds! {
             title: "Request with this Idempotency-Key is in progress",
             may_retry: true,
         },
-        /// `503 idempotency_store_unavailable`: the store could not be reached or failed (or a record
-        /// could not be decrypted); the handler did not run, or its effect was rolled back, or it ran
-        /// and its answer is not recorded yet (the detail says which; the answer is never sent before
-        /// its record). Retryable: same request, same key, after `Retry-After`: the retry gets the
-        /// recorded answer, or runs when nothing ran.
+        /// `503 idempotency_store_unavailable`: the store could not be reached or failed (or a
+        /// record could not be decrypted); the handler did not run, or its effect was rolled back,
+        /// or it ran and its answer is not recorded yet (the detail says which; an answer is never
+        /// sent before its record). Retryable: same request, same key, after `Retry-After`: the
+        /// retry gets the recorded answer, or runs when nothing ran.
         StoreUnavailable {
             status: SERVICE_UNAVAILABLE,
             code: "idempotency_store_unavailable",

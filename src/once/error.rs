@@ -26,8 +26,9 @@ pub enum OnceError<E> {
     Store(StoreError),
     /// The closure ran (it returned, or was cancelled at the maximum hold), but the store did not
     /// take its settlement in time: it is recorded in the background (heartbeat running) and not
-    /// returned, since it is not the record's yet. Do not take it as "nothing happened": call again with the same scope for the
-    /// recorded output ([`InProgress`](Self::InProgress) until it is written).
+    /// returned, since it is not the record's yet. Do not take it as "nothing happened": call
+    /// again with the same scope for the recorded output ([`InProgress`](Self::InProgress) until
+    /// it is written).
     NotRecorded,
     /// The input or the output could not be serialized as JSON. For the output, the closure had
     /// run: the scope is settled as failed (later calls get [`Decode`](Self::Decode)), so its

@@ -156,8 +156,8 @@ impl Statements {
                                       - GREATEST($7::float8, coalesce(in_progress_ttl_us, 0)) \
                                         * interval '1 microsecond' \
                                   AND (lease_token = {RELEASED} \
-                                       OR (pg_postmaster_start_time() <= now() \
-                                             - GREATEST($7::float8, coalesce(in_progress_ttl_us, 0)) \
+                                       OR (pg_postmaster_start_time() <= now() - GREATEST( \
+                                               $7::float8, coalesce(in_progress_ttl_us, 0)) \
                                                * interval '1 microsecond' \
                                            AND pg_try_advisory_xact_lock({PRESENCE}, \
                                                 (lease_token >> 32)::int4)))))) \
