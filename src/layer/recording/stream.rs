@@ -174,7 +174,7 @@ async fn on_frame(
         }
         Some(Err(e)) => {
             copy.omit();
-            forward(client, Err(e), patience).await;
+            pass(client, Err(e), patience, held).await;
             false
         }
     }

@@ -333,3 +333,41 @@ async fn a_streamed_answer_ends_for_the_client_only_after_its_record() {
     let answer = record(&LayerSettings::default(), lease, handler).await;
     assert!(answer.headers().get(http::header::CONTENT_LENGTH).is_none());
 }
+
+/// A body that fails after what was held back of it (the byte that fills its declared length):
+/// the client gets the error, and nothing after it, even once the record (without the body) is
+/// written.
+#[tokio::test(start_paused = true)]
+async fn nothing_follows_the_error_of_a_streamed_body() {
+    use futures_util::StreamExt as _;
+    let (engine, _) = engine();
+    let (_, lease) = claimed(&engine, "fails").await;
+    let frames = futures_util::stream::iter([
+        Ok(Frame::data(Bytes::from_static(b"{\"id\":"))),
+        Ok(Frame::data(Bytes::from_static(b"1}"))),
+        Err(std::io::Error::other("the handler's stream failed")),
+    ])
+    .then(|frame| async move {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        frame
+    });
+    let mut handler = response(201, Body::new(http_body_util::StreamBody::new(frames)));
+    handler
+        .headers_mut()
+        .insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(8));
+    let answer = record(&LayerSettings::default(), lease, handler).await;
+    let mut body = answer.into_body();
+    let mut data = Vec::new();
+    let mut after_error = 0;
+    let mut failed = false;
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(_) if failed => after_error += 1,
+            Ok(frame) => data.extend_from_slice(&frame.into_data().expect("data")),
+            Err(_) => failed = true,
+        }
+    }
+    assert!(failed);
+    assert_eq!(after_error, 0, "frames after the error");
+    assert_eq!(&data[..], b"{\"id\":1", "short of its declared length");
+}
