@@ -295,27 +295,17 @@ where
     // after the TTL: wait for `drain()` at shutdown, as for the layer.)
     lease.answered(&recorded(OUTPUT, Vec::new()));
     match serialized(&value) {
-        Ok(body) => match lease.complete(Arc::new(recorded(OUTPUT, body))).await {
-            // Retaken while it ran (no heartbeat got through for a TTL): the retaker's output is
-            // the record's, and later calls get it; this one is not answered.
-            Completed::Lost => Err(OnceError::InProgress),
-            // Not the record's output yet: were this process to die before the record is
-            // written, a later call would run the closure again and get another output.
-            Completed::Retrying => Err(OnceError::NotRecorded),
-            Completed::Recorded => Ok(value),
-        },
+        Ok(body) => settled(
+            lease.complete(Arc::new(recorded(OUTPUT, body))).await,
+            Ok(value),
+        ),
         Err(e) => {
             tracing::error!(error = %e, "the output did not serialize; recorded as failed");
             let body = format!("the output did not serialize: {e}").into_bytes();
-            match lease
+            let completed = lease
                 .complete(Arc::new(recorded(UNSERIALIZABLE, body)))
-                .await
-            {
-                Completed::Retrying => Err(OnceError::NotRecorded),
-                // The retaker's output is the record's.
-                Completed::Lost => Err(OnceError::InProgress),
-                Completed::Recorded => Err(OnceError::Encode(e)),
-            }
+                .await;
+            settled(completed, Err(OnceError::Encode(e)))
         }
     }
 }
@@ -326,13 +316,25 @@ async fn timed_out<St, T, E>(lease: Lease<St>) -> Result<T, OnceError<E>>
 where
     St: IdempotencyStore,
 {
-    match lease
+    let completed = lease
         .complete(Arc::new(recorded(TIMED_OUT, Vec::new())))
-        .await
-    {
-        Completed::Retrying => Err(OnceError::NotRecorded),
+        .await;
+    settled(completed, Err(OnceError::TimedOut))
+}
+
+/// What a call answers once its lease settled the record: `written` when the record is this
+/// run's settlement. Lost (retaken while it ran: no heartbeat got through for a TTL), the
+/// retaker's settlement is the record's, and later calls get it. Not written yet, it is not the
+/// record's: were this process to die before it lands, a later call would run the closure again
+/// and get another.
+fn settled<T, E>(
+    completed: Completed,
+    written: Result<T, OnceError<E>>,
+) -> Result<T, OnceError<E>> {
+    match completed {
+        Completed::Recorded => written,
         Completed::Lost => Err(OnceError::InProgress),
-        Completed::Recorded => Err(OnceError::TimedOut),
+        Completed::Retrying => Err(OnceError::NotRecorded),
     }
 }
 

@@ -33,7 +33,7 @@ pub(super) fn stream<St: IdempotencyStore>(
     mut body: Body,
 ) -> Response<Body> {
     // The end of the body is the client's sign that it has the whole answer, and it comes only
-    // after the record: with a declared length, its last byte (see `Held`).
+    // after the record: with a declared length, from the byte that fills it on (see `Held`).
     let mut declared = parts
         .headers
         .get(http::header::CONTENT_LENGTH)
