@@ -164,16 +164,7 @@ impl PrivateMySql {
     /// Restarts the server: stops it (a clean shutdown), leaves it down for `down`, then starts it
     /// on the same port and data.
     pub fn restart(&self, down: Duration) {
-        let pid = std::fs::read_to_string(&self.pidfile).expect("the server's pid file");
-        run(Command::new("kill").arg(pid.trim()));
-        let stopped = Instant::now();
-        while answers(&format!("127.0.0.1:{}", self.port)) || self.pidfile.exists() {
-            assert!(
-                stopped.elapsed() < Duration::from_secs(60),
-                "the private MySQL did not stop within 60 s"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        stop(&self.pidfile, self.port, "MySQL", Duration::from_secs(60));
         std::thread::sleep(down);
         self.launch();
     }
@@ -339,16 +330,7 @@ impl PersistentRedis {
     /// the same port and files.
     pub fn restart(&self) {
         let pidfile = self.dir.join(format!("redis-{}.pid", self.port));
-        let pid = std::fs::read_to_string(&pidfile).expect("the server's pid file");
-        run(Command::new("kill").arg(pid.trim()));
-        let stopped = Instant::now();
-        while answers(&format!("127.0.0.1:{}", self.port)) || pidfile.exists() {
-            assert!(
-                stopped.elapsed() < Duration::from_secs(30),
-                "the private Redis did not stop within 30 s"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        stop(&pidfile, self.port, "Redis", Duration::from_secs(30));
         start_redis(&self.dir, self.port, &["--appendonly", "yes"]);
     }
 }
@@ -434,6 +416,21 @@ fn start_redis(dir: &Path, port: u16, extra: &[&str]) {
             "the private Redis on port {port} did not start within 30 s"
         );
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Stops the private `what` server whose pid is in `pidfile` with SIGTERM (a clean shutdown), and
+/// waits until it no longer answers on `port` and has removed its pid file, at most `within`.
+fn stop(pidfile: &Path, port: u16, what: &str, within: Duration) {
+    let pid = std::fs::read_to_string(pidfile).expect("the server's pid file");
+    run(Command::new("kill").arg(pid.trim()));
+    let stopped = Instant::now();
+    while answers(&format!("127.0.0.1:{port}")) || pidfile.exists() {
+        assert!(
+            stopped.elapsed() < within,
+            "the private {what} did not stop within {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
