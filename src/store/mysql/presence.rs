@@ -87,11 +87,14 @@ impl Presences {
                 }
             }
         };
+        let mut current = current;
         if want.is_empty() {
-            // Every presence let go of at once: the connection closes.
+            // Every presence let go of at once: released by statement, so they are free when this
+            // returns (a closed connection's locks go only once the server has seen it close), then
+            // the connection closes. Should the release fail, the close lets them go anyway.
+            let _ = self.bounded(current.update(&want)).await;
             return Ok(());
         }
-        let mut current = current;
         // A connection that fails here is dropped with `current`: its locks go with it, and the
         // next call shows them anew.
         let refused = self.bounded(current.update(&want)).await?;
