@@ -113,18 +113,25 @@ pub async fn waiters_on_a_dead_holder_get_409_and_a_later_retake_runs_once<S: Id
         assert!(took < wait + Duration::from_millis(700), "waited {took:?}");
     }
     assert_eq!(counters.started(), 0);
-    tokio::time::sleep(ttl).await;
-    let mut retries = JoinSet::new();
-    for _ in 0..6 {
-        let router = router.clone();
-        retries.spawn(async move { send(&router, req()).await.status });
-    }
-    while let Some(done) = retries.join_next().await {
-        let status = done.expect("task");
-        assert!(
-            status == StatusCode::CREATED || status == StatusCode::CONFLICT,
-            "{status}"
-        );
+    // Retries a TTL apart: a store that marks a silent holder first takes its record a TTL after
+    // the first claim that found it so (one of the waiters', or the first retries').
+    for _ in 0..2 {
+        tokio::time::sleep(ttl).await;
+        let mut retries = JoinSet::new();
+        for _ in 0..6 {
+            let router = router.clone();
+            retries.spawn(async move { send(&router, req()).await.status });
+        }
+        while let Some(done) = retries.join_next().await {
+            let status = done.expect("task");
+            assert!(
+                status == StatusCode::CREATED || status == StatusCode::CONFLICT,
+                "{status}"
+            );
+        }
+        if counters.started() > 0 {
+            break;
+        }
     }
     assert_eq!(counters.started(), 1, "the retake runs once");
 }

@@ -405,10 +405,11 @@ async fn retaker_and_late_worker_commit_one_effect() {
     }
     // The late worker is cut off from the store past its TTL and past its presence (its session
     // lapsed): its record looks abandoned. (A live keeper's presence would keep it: the record is
-    // aged and its lease put under no presence, as the lapse leaves it.)
+    // aged, marked by a claim that found it silent an hour ago, and its lease put under no
+    // presence, as the lapse leaves it.)
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE {} SET updated_at = now() - interval '1 hour', \
-           lease_token = lease_token & 4294967295",
+           suspected_at = now() - interval '1 hour', lease_token = lease_token & 4294967295",
         s.store.table()
     )))
     .execute(&s.pool)

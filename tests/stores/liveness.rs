@@ -430,3 +430,88 @@ mod sqlite_presences {
         assert!(!shown(&folder, 22), "gone with the session");
     }
 }
+
+/// A holder whose presence ended and whose renewals stopped without the server restarting (a
+/// failover to a replica, a proxy restarted between it and the store): the store cannot tell it
+/// from a dead one. Its record is not taken at the first claim that finds it silent for a TTL,
+/// which only marks it; a renewal within a TTL of the mark keeps the record (the holder was alive,
+/// and answers its client); once it is silent again, a new mark, and a TTL later, a claim takes
+/// it. The holder here is a lease claimed on the store directly, with no keeper showing its
+/// presence.
+async fn a_holder_back_within_a_ttl_of_the_mark_keeps_its_record<S: IdempotencyStore>(store: S) {
+    use axum_idempotency::store::{ClaimOutcome, ClaimRequest, LeaseToken};
+    const TTL: Duration = Duration::from_millis(500);
+    let request = |lease: LeaseToken| ClaimRequest {
+        lease,
+        in_progress_ttl: TTL,
+        ..axum_idempotency::conformance::app::claim_request("failover", b"{}")
+    };
+    let holder = request(LeaseToken::generate());
+    let lifetime = TTL + holder.retention;
+    assert!(matches!(
+        store.claim(&holder).await.expect("claim"),
+        ClaimOutcome::Claimed { .. }
+    ));
+    // Silent for a TTL: the first claim that finds it so marks it, and takes nothing.
+    tokio::time::sleep(TTL + Duration::from_millis(100)).await;
+    let noticer = request(LeaseToken::generate());
+    let first = store.claim(&noticer).await.expect("claim");
+    assert_eq!(first, ClaimOutcome::InProgress, "taken at the first look");
+    // The holder is back (reconnected) and renews, within a TTL of the mark.
+    tokio::time::sleep(TTL / 2).await;
+    assert!(
+        store
+            .renew(&holder.key, holder.lease, lifetime)
+            .await
+            .expect("renew")
+            .is_done(),
+        "the holder lost its record while the claimer only marked it"
+    );
+    // Silent again for a TTL, the old mark more than a TTL old: a renewal came after it, so
+    // the mark counts for nothing, and this claim only marks the record again.
+    tokio::time::sleep(TTL + Duration::from_millis(100)).await;
+    let second = store.claim(&request(LeaseToken::generate())).await;
+    assert_eq!(
+        second.expect("claim"),
+        ClaimOutcome::InProgress,
+        "taken on a mark older than the holder's last renewal"
+    );
+    // A TTL after that mark, with no renewal: the holder is dead, and one claim takes it.
+    tokio::time::sleep(TTL + Duration::from_millis(100)).await;
+    let retaker = request(LeaseToken::generate());
+    let taken = store.claim(&retaker).await.expect("claim");
+    assert!(taken.is_retake(&retaker), "{taken:?}");
+    assert!(
+        !store
+            .renew(&holder.key, holder.lease, lifetime)
+            .await
+            .expect("renew")
+            .is_done()
+    );
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn a_holder_back_within_a_ttl_of_the_mark_keeps_its_record_on_postgres() {
+    a_holder_back_within_a_ttl_of_the_mark_keeps_its_record(crate::postgres::store().await).await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn a_holder_back_within_a_ttl_of_the_mark_keeps_its_record_on_mysql() {
+    a_holder_back_within_a_ttl_of_the_mark_keeps_its_record(crate::mysql::store().await).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_holder_back_within_a_ttl_of_the_mark_keeps_its_record_on_redis() {
+    a_holder_back_within_a_ttl_of_the_mark_keeps_its_record(crate::redis_store::store().await)
+        .await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_holder_back_within_a_ttl_of_the_mark_keeps_its_record_on_a_redis_cluster() {
+    a_holder_back_within_a_ttl_of_the_mark_keeps_its_record(crate::redis_cluster::store().await)
+        .await;
+}

@@ -389,13 +389,14 @@ async fn claim_races_on_real_connections_have_one_winner() {
     let admin = pool(1).await;
     for round in 0..ROUNDS {
         let key = format!("race-{round}");
-        // Fresh, stale (its holder stopped renewing), released: each raced by every task.
+        // Fresh, stale (its holder stopped renewing, and a claim found it so an hour ago: see
+        // `Statements::mark`), released: each raced by every task.
         for phase in ["fresh", "stale", "released"] {
             match phase {
                 "stale" => {
                     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-                        "UPDATE `{}` SET updated_at = updated_at - INTERVAL 1 HOUR \
-                         WHERE idempotency_key = '{key}'",
+                        "UPDATE `{}` SET updated_at = updated_at - INTERVAL 1 HOUR, \
+                           suspected_at = updated_at WHERE idempotency_key = '{key}'",
                         store.table()
                     )))
                     .execute(&admin)

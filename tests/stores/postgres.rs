@@ -736,6 +736,12 @@ async fn records_of_the_previous_version_keep_their_derived_key_after_migrate() 
         .expect("migrate adds the generation column");
     let mut retake = claim_request("old", b"{}");
     retake.key = dead.key.clone();
+    // The record keeps no TTL of its holder's: the claimer's decides. The first claim finds its
+    // holder silent and marks it; a claim a TTL later takes it.
+    retake.in_progress_ttl = Duration::from_millis(300);
+    let marked = store.claim(&retake).await.expect("mark");
+    assert_eq!(marked, ClaimOutcome::InProgress);
+    tokio::time::sleep(Duration::from_millis(400)).await;
     let outcome = store.claim(&retake).await.expect("retake");
     assert!(
         matches!(

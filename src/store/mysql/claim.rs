@@ -40,10 +40,37 @@ impl MySqlStore {
             Err(e) => return Err(db("claim")(e)),
         };
         match answers.last().and_then(|a| a.rows.first()) {
-            Some(row) => decide(request, row),
+            Some(row) => {
+                let outcome = decide(request, row)?;
+                if matches!(outcome, ClaimOutcome::InProgress)
+                    && row.try_get::<i64, _>("unmarked").is_ok_and(|u| u == 1)
+                {
+                    self.mark_silent(request, &scope, row).await;
+                }
+                Ok(outcome)
+            }
             // The row was there a moment ago and is gone again (deleted, purged): `409`, and the
             // client's retry settles it.
             None => Ok(ClaimOutcome::InProgress),
+        }
+    }
+
+    /// Marks the record the claim's read found held by a silent holder, and unmarked (see
+    /// `Statements::mark`). The claim answers `409` whatever the mark does: one not written is
+    /// written by the next claim, and only delays the record's retake.
+    async fn mark_silent(&self, request: &ClaimRequest, scope: &[u8; 32], row: &MySqlRow) {
+        let Ok(lease) = row.try_get::<i64, _>("lease_token") else {
+            return;
+        };
+        let mark = self.sql.mark(scope, lease, request.in_progress_ttl);
+        match self.batch("claim", &mark).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "mysql claim: a silent holder's record was not marked")
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "mysql claim: a silent holder's record was not marked")
+            }
         }
     }
 }

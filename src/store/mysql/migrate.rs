@@ -15,6 +15,9 @@ const TABLE: &str = include_str!("../../../migrations/mysql/0001_idempotency_rec
 /// Each record's body length, kept with the row (applied when the column is missing).
 const BODY_BYTES: &str = include_str!("../../../migrations/mysql/0002_idempotency_body_bytes.sql");
 
+/// The mark of a record whose holder a claim found silent (applied when the column is missing).
+const SUSPECTED: &str = include_str!("../../../migrations/mysql/0003_idempotency_suspected.sql");
+
 /// The indexes the table has (each made by `CREATE TABLE`, and again, if missing, by `migrate()`):
 /// the suffix of its name after the table's, and its columns.
 const INDEXES: [(&str, &str); 2] = [
@@ -105,22 +108,25 @@ impl MySqlStore {
                     e,
                 )
             })?;
-        let (present,): (i64,) = sqlx::query_as(
-            "SELECT COUNT(*) FROM information_schema.columns \
-             WHERE table_schema = COALESCE(?, DATABASE()) AND table_name = ? \
-               AND column_name = 'body_bytes'",
-        )
-        .bind(self.sql.database.as_deref())
-        .bind(name)
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(db("migrate: look up a column"))?;
-        if present == 0 {
-            let alter = BODY_BYTES.replace(DEFAULT_TABLE, &self.sql.quoted);
-            sqlx::raw_sql(sqlx::AssertSqlSafe(alter))
-                .execute(&mut *conn)
-                .await
-                .map_err(db("migrate: add body_bytes"))?;
+        for (column, migration) in [("body_bytes", BODY_BYTES), ("suspected_at", SUSPECTED)] {
+            let (present,): (i64,) = sqlx::query_as(
+                "SELECT COUNT(*) FROM information_schema.columns \
+                 WHERE table_schema = COALESCE(?, DATABASE()) AND table_name = ? \
+                   AND column_name = ?",
+            )
+            .bind(self.sql.database.as_deref())
+            .bind(name)
+            .bind(column)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(db("migrate: look up a column"))?;
+            if present == 0 {
+                let alter = migration.replace(DEFAULT_TABLE, &self.sql.quoted);
+                sqlx::raw_sql(sqlx::AssertSqlSafe(alter))
+                    .execute(&mut *conn)
+                    .await
+                    .map_err(|e| StoreError::new(format!("mysql migrate: add {column}"), e))?;
+            }
         }
         self.sql
             .body_bytes

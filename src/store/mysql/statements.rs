@@ -16,6 +16,16 @@ use crate::store::{ClaimRequest, LeaseToken, StoredResponse};
 /// second more, both being whole seconds.
 const STARTED: &str = "((UUID_SHORT() >> 24) & 4294967295)";
 
+/// The longer of the claimer's in-progress TTL (`ttl`, µs) and the holder's, as an interval.
+fn holder_ttl(ttl: i64) -> String {
+    format!("INTERVAL GREATEST({ttl}, in_progress_ttl_us) MICROSECOND")
+}
+
+/// A record not renewed for the longer of the claimer's TTL (`ttl`, µs) and its holder's.
+fn silent(ttl: i64) -> String {
+    format!("updated_at <= {NOW} - {}", holder_ttl(ttl))
+}
+
 /// Rows removed per statement by `purge_expired`, so no single statement holds locks for long.
 pub(super) const PURGE_BATCH: u64 = 10_000;
 
@@ -136,15 +146,19 @@ impl Statements {
                                AND fingerprint = {fingerprint}, generation, {generation}), \
                fingerprint = {fingerprint}, status = 'in_progress', lease_token = {lease}, \
                response_status = NULL, response_headers = NULL, response_body = NULL, \
-               updated_at = {NOW}, expires_at = {expires}, in_progress_ttl_us = {ttl} \
+               updated_at = {NOW}, expires_at = {expires}, in_progress_ttl_us = {ttl}, \
+               suspected_at = NULL \
              WHERE scope = {scope} AND (expires_at <= {NOW} OR (lease_token <> {lease} \
                AND status = 'in_progress' AND (lease_token = {RELEASED} \
-                 OR (fingerprint = {fingerprint} AND updated_at <= {NOW} \
-                     - INTERVAL GREATEST({ttl}, in_progress_ttl_us) MICROSECOND \
+                 OR (fingerprint = {fingerprint} AND {silent} \
+                     AND suspected_at >= updated_at \
+                     AND suspected_at <= {NOW} - {holder_ttl} \
                      AND IS_FREE_LOCK({presence}) = 1 \
                      AND UNIX_TIMESTAMP() >= {STARTED} + 1 \
                            + CEILING(GREATEST({ttl}, in_progress_ttl_us) / 1000000)))))",
             presence = super::presence::lock_name_sql("lease_token"),
+            silent = silent(ttl),
+            holder_ttl = holder_ttl(ttl),
         );
         Batch::default()
             .push(READ_COMMITTED)
@@ -163,9 +177,33 @@ impl Statements {
             "SELECT status, lease_token, fingerprint = {fingerprint} AS same_fp, \
                response_status, response_headers, \
                IF(fingerprint = {fingerprint}, response_body, NULL) AS response_body, \
-               TIMESTAMPDIFF(MICROSECOND, {NOW}, expires_at) AS expires_in_us, generation \
-             FROM {t} WHERE scope = {scope}"
+               TIMESTAMPDIFF(MICROSECOND, {NOW}, expires_at) AS expires_in_us, generation, \
+               COALESCE(status = 'in_progress' AND lease_token <> {RELEASED} \
+                 AND lease_token <> {lease} AND fingerprint = {fingerprint} \
+                 AND expires_at > {NOW} AND {silent} \
+                 AND (suspected_at IS NULL OR suspected_at < updated_at), 0) AS unmarked \
+             FROM {t} WHERE scope = {scope}",
+            lease = request.lease.0,
+            silent = silent(micros(request.in_progress_ttl)),
         )
+    }
+
+    /// The mark of a record held by `lease` whose holder the claim found silent (see
+    /// `migrations/mysql/0003`): a record is taken only by a claim a TTL after its mark, if no
+    /// renewal came in between, so that the holder gets a whole TTL from a time the server took
+    /// writes (a failover, a proxy restarted, end its named lock and stop its renewals without
+    /// the server's start time showing it). Sent only when the claim's read found it unmarked.
+    pub(super) fn mark(&self, scope: &[u8; 32], lease: i64, in_progress_ttl: Duration) -> Batch {
+        let t = &self.quoted;
+        let mark = format!(
+            "UPDATE {t} SET suspected_at = {NOW} \
+             WHERE scope = {} AND lease_token = {lease} AND lease_token <> {RELEASED} \
+               AND status = 'in_progress' AND expires_at > {NOW} AND {} \
+               AND (suspected_at IS NULL OR suspected_at < updated_at)",
+            hex(scope),
+            silent(micros(in_progress_ttl)),
+        );
+        Batch::default().push(READ_COMMITTED).push(&mark)
     }
 
     /// The completion, fenced by the lease, then whether the lease has finished the record (also

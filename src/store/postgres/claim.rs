@@ -46,12 +46,12 @@ impl PostgresStore {
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
                 return Ok(None);
             }
-            // The table lacks the holder's TTL column: made by an earlier version, and `migrate()`
-            // has not run. Nothing was retaken; never a reason to run unguarded.
+            // The table lacks the holder's TTL column or the mark's: made by an earlier version,
+            // and `migrate()` has not run. Nothing was retaken; never a reason to run unguarded.
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42703") => {
                 return Err(StoreError::refused_claim(format!(
                     "postgres claim: the table {} lacks a column this version needs; run \
-                     PostgresStore::migrate() (or apply migrations/0003 and 0006): {e}",
+                     PostgresStore::migrate() (or apply migrations/0003, 0006 and 0007): {e}",
                     self.sql().table
                 )));
             }

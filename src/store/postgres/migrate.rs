@@ -28,6 +28,10 @@ const SEARCH_PATH_MIGRATION: &str =
 /// `idempotency_records` as the table name.
 const HOLDER_TTL_MIGRATION: &str =
     include_str!("../../../migrations/0006_idempotency_holder_ttl.sql");
+/// The column that marks a record whose holder a claim found silent, with `idempotency_records`
+/// as the table name.
+const SUSPECTED_MIGRATION: &str =
+    include_str!("../../../migrations/0007_idempotency_suspected.sql");
 /// The index that lists a subject's records, with `idempotency_records` as the table name.
 const SUBJECT_INDEX_MIGRATION: &str =
     include_str!("../../../migrations/0005_idempotency_subject_index.sql");
@@ -129,6 +133,8 @@ impl PostgresStore {
             let pinned = Statements::on(Some(&schema), name, &configured.table);
             self.apply_generation(&mut tx, &pinned).await?;
             apply_holder_ttl(&mut tx, &pinned).await?;
+            let suspected = SUSPECTED_MIGRATION.replace(DEFAULT_TABLE, &pinned.quoted);
+            add_column(&mut tx, &pinned, "suspected_at", "0007", suspected).await?;
             apply_subject_index(&mut tx, &pinned).await?;
             tx.commit().await.map_err(db("migrate: commit"))?;
             *lock(&pinned.function_missing) = None;

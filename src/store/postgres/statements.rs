@@ -125,20 +125,26 @@ impl Statements {
             // $7 in-progress TTL (µs; the row keeps it as its holder's, and a holder with a longer
             // one is not stale before it), $8 lock timeout, $9 generation (for an expired record, or
             // a released one taken by another request; a retake of the same operation keeps its
-            // own; so does its creation time, as in every store). It answers the generation it left, which is the run's: the row may have been
-            // taken and released again since the claim read it (every released row has lease 0).
+            // own; so does its creation time, as in every store). It answers the generation it
+            // left, which is the run's: the row may have been taken and released again since the
+            // claim read it (every released row has lease 0).
             // The row already under the new lease matches too: the same retake sent again (its
             // connection was lost after the first one committed) is granted again, not refused as a
             // lost race, which would leave the key in progress with no worker for a TTL.
-            // A stale record is taken only when no live keeper shows its lease's presence: the
-            // lock of `(NAMESPACE, presence)`, which keepers hold shared, is free for this
-            // statement to take exclusive (see `presence.rs`). Held for its transaction only.
-            // Presences and renewals stop while the server restarts, and a keeper needs a moment
-            // to show its presences again once it is back: a held record is not taken before the
-            // server has been up for its TTL, so the time it was down does not count against a
-            // live holder.
+            // A held record (not released, not expired) is taken only when:
+            // - no live keeper shows its lease's presence: the lock of `(NAMESPACE, presence)`,
+            //   which keepers hold shared, is free for this statement to take exclusive (see
+            //   `presence.rs`). Held for its transaction only;
+            // - a claim marked it silent (`suspected_at`) a TTL ago at least, and it was not
+            //   renewed since. The first claim to find it stale only marks it (`marked`): a
+            //   failover, a backend crash, a pooler restarted end a live holder's presence and
+            //   stop its renewals without the server showing it, and the mark, a write, starts the
+            //   holder's TTL at a time the database took writes (migrations/0007);
+            // - the server has been up for its TTL (a restart, which the mark covers too, shown
+            //   at once).
             retake: format!(
-                "{LOCK_BOUND_CTE} UPDATE {t} SET fingerprint = $2, status = 'in_progress', lease_token = $3, \
+                "{LOCK_BOUND_CTE}, took AS ( \
+                 UPDATE {t} SET fingerprint = $2, status = 'in_progress', lease_token = $3, \
                    generation = CASE WHEN status = 'in_progress' AND expires_at > now() \
                                        AND fingerprint = $2 THEN generation ELSE $9 END, \
                    response_status = NULL, header_names = NULL, header_values = NULL, \
@@ -147,25 +153,32 @@ impl Statements {
                                        AND lease_token <> 0 THEN created_at ELSE now() END, \
                    updated_at = now(), \
                    expires_at = now() + $4::float8 * interval '1 microsecond', \
-                   in_progress_ttl_us = $7::float8 \
+                   in_progress_ttl_us = $7::float8, suspected_at = NULL \
                  WHERE scope = $1 \
                    AND ((lease_token = $5 AND status = $6 \
                          AND (expires_at <= now() \
-                              OR (status = 'in_progress' \
-                                  AND updated_at <= now() \
-                                      - GREATEST($7::float8, coalesce(in_progress_ttl_us, 0)) \
-                                        * interval '1 microsecond' \
+                              OR (status = 'in_progress' AND updated_at <= now() - {HOLDER_TTL} \
                                   AND (lease_token = {RELEASED} \
-                                       OR (pg_postmaster_start_time() <= now() - GREATEST( \
-                                               $7::float8, coalesce(in_progress_ttl_us, 0)) \
-                                               * interval '1 microsecond' \
+                                       OR (suspected_at >= updated_at \
+                                           AND suspected_at <= now() - {HOLDER_TTL} \
+                                           AND pg_postmaster_start_time() <= now() - {HOLDER_TTL} \
                                            AND pg_try_advisory_xact_lock({PRESENCE}, \
                                                 (lease_token >> 32)::int4)))))) \
                         OR (lease_token = $3 AND status = 'in_progress')) \
                    AND {LOCK_BOUND} \
-                 RETURNING generation",
+                 RETURNING generation), \
+                 marked AS ( \
+                 UPDATE {t} SET suspected_at = now() \
+                 WHERE scope = $1 AND NOT EXISTS (SELECT 1 FROM took) \
+                   AND lease_token = $5 AND lease_token <> {RELEASED} AND status = 'in_progress' \
+                   AND expires_at > now() AND updated_at <= now() - {HOLDER_TTL} \
+                   AND (suspected_at IS NULL OR suspected_at < updated_at) \
+                   AND {LOCK_BOUND}) \
+                 SELECT generation FROM took",
                 LOCK_BOUND_CTE = lock_bound_cte(8),
                 PRESENCE = super::presence::NAMESPACE,
+                HOLDER_TTL = "GREATEST($7::float8, coalesce(in_progress_ttl_us, 0)) \
+                              * interval '1 microsecond'",
             ),
             // The heartbeat. $1 scope, $2 lease, $3 lifetime (µs), $4 lock timeout.
             renew: format!(

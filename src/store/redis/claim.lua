@@ -1,6 +1,6 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local rec = redis.call('HMGET', KEYS[1], 'fp', 'st', 'ts', 'lease', 'gen', 'ct', 'ttl', 'rt')
+local rec = redis.call('HMGET', KEYS[1], 'fp', 'st', 'ts', 'lease', 'gen', 'ct', 'ttl', 'rt', 'sus')
 if not rec[1] then
   redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'st', 'in_progress', 'lease', ARGV[2], 'ts', now,
     'gen', ARGV[5], 'ct', now, 'k', ARGV[6], 'sub', ARGV[7], 'ep', ARGV[8], 'ttl', ARGV[3])
@@ -32,6 +32,17 @@ end
 -- Stale only past the holder's TTL too: it renews on its own schedule, whatever the claimer's.
 local ttl = math.max(tonumber(ARGV[3]), tonumber(rec[7]) or 0)
 if now - tonumber(rec[3]) < ttl then return {'in_progress'} end
+-- Not taken at the first look: the first claim to find the holder silent marks the record
+-- (`sus`, its time), and a claim a TTL after the mark takes it if no renewal came in between. A
+-- failover to a replica (which may lack the holder's last renewals, and whose uptime is its own)
+-- stops renewals without the uptime showing it; the mark, a write, gives the holder a whole TTL
+-- from a time the server took writes to renew.
+local sus = tonumber(rec[9])
+if not sus or sus < tonumber(rec[3]) then
+  redis.call('HSET', KEYS[1], 'sus', now)
+  return {'in_progress'}
+end
+if now - sus < ttl then return {'in_progress'} end
 -- A restart (a record kept by persistence) stopped every renewal while the server was down, and
 -- holders need a moment to renew again once it is back: a held record is not taken before the
 -- server has been up for its TTL (and a second, the uptime being whole seconds), so the time it
