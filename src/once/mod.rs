@@ -12,7 +12,7 @@
 //! | any | differs | [`OnceError::KeyReuse`] |
 //! | finished | same | the recorded output, deserialized (the closure does not run) |
 //! | in progress | same | [`OnceError::InProgress`] at once |
-//! | in progress, not renewed for the in-progress TTL | same | retaken: the closure runs again, [`IdempotencyContext::is_retake`] |
+//! | in progress, not renewed for the in-progress TTL | same | retaken: the closure runs again, [`IdempotencyContext::is_retake`] (on PostgreSQL, MySQL and Redis, the first such call only marks the record and gets [`OnceError::InProgress`]; a call a TTL later retakes it) |
 //!
 //! **The reason.** Queues, webhooks and schedulers deliver at least once: a message is redelivered
 //! when its consumer died or was slow to acknowledge, a webhook is resent when its answer was lost,

@@ -190,7 +190,11 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     ///   after its answer was lost): [`ClaimOutcome::Claimed`], changing nothing;
     /// - an older one (its holder stopped renewing it: presumed dead): replace its lease with
     ///   `request.lease` by compare-and-swap on the old token, so that of many concurrent retakers
-    ///   exactly one gets `Claimed { retaken: true }` and the rest `InProgress`.
+    ///   exactly one gets `Claimed { retaken: true }` and the rest `InProgress`. A store whose
+    ///   holders' liveness can end without the store showing it (a failover, a restarted proxy)
+    ///   may instead mark the record at the first such claim, answering `InProgress`, and take it
+    ///   only at a claim a TTL after the mark with no renewal in between, as the crate's
+    ///   PostgreSQL, MySQL and Redis stores do; the conformance kit accepts either.
     ///
     /// Every scope the layer lets through must be accepted: any subject or endpoint, of any length,
     /// with any characters (NUL included).

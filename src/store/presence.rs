@@ -16,7 +16,8 @@ use super::record::{LeaseToken, unique_u64};
 /// ([`IdempotencyStore::show_presences`](super::IdempotencyStore::show_presences)). A lease token
 /// carries its presence in its high 32 bits ([`Presence::of`]), and a claim retakes a stale record
 /// only when its holder's presence is not shown: a holder that lives is never retaken, whatever
-/// delayed its renewals; one that died is retaken after the in-progress TTL, as before. A holder
+/// delayed its renewals; one that died is retaken after the in-progress TTL (on the stores that
+/// mark a silent holder first, a TTL after the first claim that found it silent). A holder
 /// whose presence the store cannot see (a store without presences, a keeper that could not show
 /// it, a token not issued by a keeper) is judged by the TTL alone.
 ///

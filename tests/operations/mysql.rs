@@ -287,8 +287,8 @@ async fn a_lost_lease_rolls_back_and_one_effect_commits() {
     // record is aged, marked by a claim that found it silent an hour ago, and its lease put under
     // no presence, as the lapse leaves it.
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "UPDATE `{}` SET updated_at = updated_at - INTERVAL 1 HOUR, suspected_at = updated_at, \
-           lease_token = lease_token & 4294967295",
+        "UPDATE `{}` SET suspected_at = updated_at - INTERVAL 1 HOUR, \
+           updated_at = updated_at - INTERVAL 1 HOUR, lease_token = lease_token & 4294967295",
         s.store.table()
     )))
     .execute(&s.pool)

@@ -395,8 +395,9 @@ async fn claim_races_on_real_connections_have_one_winner() {
             match phase {
                 "stale" => {
                     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-                        "UPDATE `{}` SET updated_at = updated_at - INTERVAL 1 HOUR, \
-                           suspected_at = updated_at WHERE idempotency_key = '{key}'",
+                        "UPDATE `{}` SET suspected_at = updated_at - INTERVAL 1 HOUR, \
+                           updated_at = updated_at - INTERVAL 1 HOUR \
+                         WHERE idempotency_key = '{key}'",
                         store.table()
                     )))
                     .execute(&admin)

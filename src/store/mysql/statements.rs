@@ -129,9 +129,9 @@ impl Statements {
         let insert = format!(
             "INSERT INTO {t} (scope, idempotency_key, subject, subject_digest, endpoint, \
                fingerprint, status, lease_token, generation, in_progress_ttl_us, created_at, \
-               updated_at, expires_at) \
+               updated_at, expires_at, suspected_at) \
              VALUES ({scope}, {}, {}, {}, {}, {fingerprint}, 'in_progress', {lease}, \
-               {generation}, {ttl}, {NOW}, {NOW}, {expires}) \
+               {generation}, {ttl}, {NOW}, {NOW}, {expires}, NULL) \
              ON DUPLICATE KEY UPDATE scope = scope",
             hex(key.key.as_bytes()),
             hex(key.subject.as_bytes()),
@@ -181,27 +181,33 @@ impl Statements {
                COALESCE(status = 'in_progress' AND lease_token <> {RELEASED} \
                  AND lease_token <> {lease} AND fingerprint = {fingerprint} \
                  AND expires_at > {NOW} AND {silent} \
-                 AND (suspected_at IS NULL OR suspected_at < updated_at), 0) AS unmarked \
+                 AND (suspected_at IS NULL OR suspected_at < updated_at) \
+                 AND IS_FREE_LOCK({presence}) = 1, 0) AS unmarked \
              FROM {t} WHERE scope = {scope}",
             lease = request.lease.0,
             silent = silent(micros(request.in_progress_ttl)),
+            presence = super::presence::lock_name_sql("lease_token"),
         )
     }
 
-    /// The mark of a record held by `lease` whose holder the claim found silent (see
-    /// `migrations/mysql/0003`): a record is taken only by a claim a TTL after its mark, if no
-    /// renewal came in between, so that the holder gets a whole TTL from a time the server took
-    /// writes (a failover, a proxy restarted, end its named lock and stop its renewals without
-    /// the server's start time showing it). Sent only when the claim's read found it unmarked.
+    /// The mark of a record held by `lease` whose holder the claim found silent, its named lock
+    /// free (see `migrations/mysql/0003`): a record is taken only by a claim a TTL after its
+    /// mark, if no renewal came in between, so that the holder gets a whole TTL from a time the
+    /// server took writes (a failover, a proxy restarted, end its named lock and stop its
+    /// renewals without the server's start time showing it). A holder whose lock is held is not
+    /// marked: a mark made while it was known alive would let a failover just after it count the
+    /// time before it against the holder. Sent only when the claim's read found it unmarked.
     pub(super) fn mark(&self, scope: &[u8; 32], lease: i64, in_progress_ttl: Duration) -> Batch {
         let t = &self.quoted;
         let mark = format!(
             "UPDATE {t} SET suspected_at = {NOW} \
              WHERE scope = {} AND lease_token = {lease} AND lease_token <> {RELEASED} \
                AND status = 'in_progress' AND expires_at > {NOW} AND {} \
-               AND (suspected_at IS NULL OR suspected_at < updated_at)",
+               AND (suspected_at IS NULL OR suspected_at < updated_at) \
+               AND IS_FREE_LOCK({}) = 1",
             hex(scope),
             silent(micros(in_progress_ttl)),
+            super::presence::lock_name_sql("lease_token"),
         );
         Batch::default().push(READ_COMMITTED).push(&mark)
     }

@@ -136,10 +136,13 @@ impl Statements {
             //   which keepers hold shared, is free for this statement to take exclusive (see
             //   `presence.rs`). Held for its transaction only;
             // - a claim marked it silent (`suspected_at`) a TTL ago at least, and it was not
-            //   renewed since. The first claim to find it stale only marks it (`marked`): a
-            //   failover, a backend crash, a pooler restarted end a live holder's presence and
-            //   stop its renewals without the server showing it, and the mark, a write, starts the
-            //   holder's TTL at a time the database took writes (migrations/0007);
+            //   renewed since. The first claim to find it stale, its presence not shown, only
+            //   marks it (`marked`): a failover, a backend crash, a pooler restarted end a live
+            //   holder's presence and stop its renewals without the server showing it, and the
+            //   mark, a write, starts the holder's TTL at a time the database took writes
+            //   (migrations/0007). A record whose presence is shown is not marked: a mark made
+            //   while the holder was known alive would let a failover just after it count the
+            //   time before it against the holder;
             // - the server has been up for its TTL (a restart, which the mark covers too, shown
             //   at once).
             retake: format!(
@@ -173,6 +176,7 @@ impl Statements {
                    AND lease_token = $5 AND lease_token <> {RELEASED} AND status = 'in_progress' \
                    AND expires_at > now() AND updated_at <= now() - {HOLDER_TTL} \
                    AND (suspected_at IS NULL OR suspected_at < updated_at) \
+                   AND pg_try_advisory_xact_lock({PRESENCE}, (lease_token >> 32)::int4) \
                    AND {LOCK_BOUND}) \
                  SELECT generation FROM took",
                 LOCK_BOUND_CTE = lock_bound_cte(8),
