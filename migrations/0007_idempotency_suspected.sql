@@ -12,6 +12,12 @@
 -- failover to a replica, a backend crash that reinitialised the server, a pooler restarted between
 -- the application and the database end a live holder's presence and stop its renewals without
 -- the server's start time showing it, and the holder gets a whole TTL, once the database answers
--- again, to renew. Records written before this column existed have none (NULL): unmarked.
+-- again, to renew. The mark keeps the start time of the server process that made it
+-- (`suspected_on`, `pg_postmaster_start_time()`), and counts only on that process: a mark made
+-- before a restart, or on the primary before a failover (a replica's start is its own), does not
+-- count after it, even when the holder's renewals after the mark were lost with the old primary.
+-- Records written before these columns existed have none (NULL): unmarked.
 
-ALTER TABLE idempotency_records ADD COLUMN IF NOT EXISTS suspected_at timestamptz;
+ALTER TABLE idempotency_records
+    ADD COLUMN IF NOT EXISTS suspected_at timestamptz,
+    ADD COLUMN IF NOT EXISTS suspected_on timestamptz;

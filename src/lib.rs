@@ -10,7 +10,7 @@
 //! | any | differs | `422 idempotency_key_reuse` |
 //! | `completed` / `failed` | same | the stored answer again, with `Idempotent-Replayed: true` |
 //! | `in_progress` | same | `409 in_progress` at once, with `Retry-After` |
-//! | `in_progress` past the in-progress TTL | same | retaken by compare-and-swap on its lease |
+//! | `in_progress` past the in-progress TTL | same | retaken by compare-and-swap on its lease (on PostgreSQL, MySQL and Redis, marked by the first such claim, `409`, and retaken a TTL after the mark) |
 //!
 //! A record is scoped by (key, [subject](Subject), endpoint): the same key from another user or on
 //! another route is another operation.

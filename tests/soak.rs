@@ -363,9 +363,12 @@ async fn soak(secs: u64, transactional: bool, chaos: Chaos) -> Report {
             continue;
         }
         // The store locked past the TTL: every renewal, claim and completion waits on it, live
-        // holders included; none may be retaken for it.
+        // holders included; none may be retaken for it. Once at half-time, and at random only
+        // once the run has had the three stops the report asks for: a run that drew locks
+        // instead of stops (one had 2 locks, 2 stops and the restart in its 25 s) proved less
+        // than it should, and failed for it.
         if chaos == Chaos::Mixed
-            && (rng.below(4) == 0
+            && ((rng.below(4) == 0 && report.kills + report.graceful_stops >= 3)
                 || (locks.is_empty() && Instant::now() >= start + Duration::from_secs(secs / 2)))
         {
             let (schema, locked) = (schema.clone(), locked.clone());

@@ -27,7 +27,8 @@ pub type Lock = Box<
 /// given back (so one waits on it, beside the holder's renewal, when it goes) until the handler
 /// is done. Twenty runs in a row: every handler runs once, every retry gets
 /// `409` (or `503` while the store is locked), never a second run, and the first request gets its
-/// own answer, which the retries then replay.
+/// own answer (or, when the store just given back was too busy to take its record in time, the
+/// `503` saying it ran and is not recorded yet), which the retries then replay.
 ///
 /// Give the store a short operation timeout (`150 ms`), so that the TTL (at least twice it) and
 /// the runs stay short.
@@ -61,15 +62,17 @@ pub async fn a_locked_store_does_not_make_a_live_holder_look_dead<S: Idempotency
         // The first request, sent again should the store be too busy to claim it (a `503` before
         // anything ran: not what this test is about).
         let holder = tokio::spawn({
-            let (router, requests) = (
+            let (router, requests, counted) = (
                 first.clone(),
                 (0..20).map(|_| request()).collect::<Vec<_>>(),
+                (first_runs.clone(), second_runs.clone()),
             );
             async move {
                 let mut answer = None;
                 for request in requests {
                     let sent = send(&router, request).await;
-                    let busy = sent.status == StatusCode::SERVICE_UNAVAILABLE;
+                    let busy = sent.status == StatusCode::SERVICE_UNAVAILABLE
+                        && counted.0.started() + counted.1.started() == before;
                     answer = Some(sent);
                     if !busy {
                         break;
@@ -118,16 +121,22 @@ pub async fn a_locked_store_does_not_make_a_live_holder_look_dead<S: Idempotency
             tokio::time::sleep(ttl / 6).await;
         }
         let answer = holder.await.expect("holder");
-        assert_eq!(
-            answer.status,
-            StatusCode::CREATED,
+        // Its own answer; or, when the store, just given back, was too busy to take its record
+        // in time (its first attempt timed out), the `503` that says it ran and is not recorded
+        // yet, never another run's answer.
+        let unrecorded = answer.status == StatusCode::SERVICE_UNAVAILABLE
+            && String::from_utf8_lossy(&answer.body).contains("could not be recorded yet");
+        assert!(
+            answer.status == StatusCode::CREATED || unrecorded,
             "run {run}: the first request gets its own answer: {answer:?}"
         );
         assert!(!answer.replayed(), "run {run}: {answer:?}");
         assert_eq!(runs(), before + 1, "run {run}: the handler ran once");
         let replay = super::app::until_not_in_progress(&second, request, 50).await;
         assert!(replay.replayed(), "run {run}: {replay:?}");
-        assert_eq!(replay.body, answer.body, "run {run}");
+        if !unrecorded {
+            assert_eq!(replay.body, answer.body, "run {run}");
+        }
         assert_eq!(runs(), before + 1, "run {run}: the handler ran once");
     }
 }

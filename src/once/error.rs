@@ -9,7 +9,8 @@ use crate::store::StoreError;
 #[non_exhaustive]
 pub enum OnceError<E> {
     /// Another run holds the record (here or in another process): try again later. Its lease is
-    /// renewed while it runs; if its process died, the record is retaken after the in-progress TTL.
+    /// renewed while it runs; if its process died, the record is retaken after the in-progress TTL
+    /// (on PostgreSQL, MySQL and Redis, a TTL after the first call that found it silent).
     InProgress,
     /// The scope was used with another fingerprint (another input) within the retention.
     KeyReuse,

@@ -16,7 +16,8 @@ use super::Finished;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum RecordState {
-    /// Claimed: a request holds it (or held it and died; it is retaken after the in-progress TTL).
+    /// Claimed: a request holds it (or held it and died; it is retaken after the in-progress TTL,
+    /// and on PostgreSQL, MySQL and Redis a TTL after a claim marked it).
     InProgress,
     /// Finished: completed (by default a 2xx answer) or failed for good (by default most 4xx).
     Finished(Finished),

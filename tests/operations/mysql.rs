@@ -284,10 +284,13 @@ async fn a_lost_lease_rolls_back_and_one_effect_commits() {
     });
     s.until_written(1).await;
     // The late worker is cut off past its TTL and past its presence (its session lapsed): the
-    // record is aged, marked by a claim that found it silent an hour ago, and its lease put under
+    // record is aged, marked by a claim that found it silent long ago (an hour, or since the
+    // server started), and its lease put under
     // no presence, as the lapse leaves it.
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "UPDATE `{}` SET suspected_at = updated_at - INTERVAL 1 HOUR, \
+        "UPDATE `{}` SET suspected_on = CONCAT(@@hostname, ':', @@port, ':', @@server_id), \
+           suspected_at = UTC_TIMESTAMP(6) - INTERVAL LEAST(3600, UNIX_TIMESTAMP() \
+             - ((UUID_SHORT() >> 24) & 4294967295) - 2) SECOND, \
            updated_at = updated_at - INTERVAL 1 HOUR, lease_token = lease_token & 4294967295",
         s.store.table()
     )))

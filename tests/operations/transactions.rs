@@ -409,7 +409,8 @@ async fn retaker_and_late_worker_commit_one_effect() {
     // presence, as the lapse leaves it.)
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE {} SET updated_at = now() - interval '1 hour', \
-           suspected_at = now() - interval '1 hour', lease_token = lease_token & 4294967295",
+           suspected_at = now() - interval '1 hour', suspected_on = pg_postmaster_start_time(), \
+           lease_token = lease_token & 4294967295",
         s.store.table()
     )))
     .execute(&s.pool)

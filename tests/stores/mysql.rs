@@ -379,6 +379,13 @@ async fn the_longest_scopes_are_stored_whole() {
     );
 }
 
+/// A mark as the store writes it, made by this server as long ago as it counts: an hour ago, or
+/// two seconds after the server started if that is later (a mark from before its start counts for
+/// nothing).
+const MARKED_LONG_AGO: &str = "suspected_on = CONCAT(@@hostname, ':', @@port, ':', \
+       @@server_id), suspected_at = UTC_TIMESTAMP(6) - INTERVAL LEAST(3600, UNIX_TIMESTAMP() \
+       - ((UUID_SHORT() >> 24) & 4294967295) - 2) SECOND";
+
 /// Many tasks on real connections claim one key at once, round after round: a fresh key, then the
 /// same record once it is stale, then once it is released. Every round grants it exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -389,13 +396,13 @@ async fn claim_races_on_real_connections_have_one_winner() {
     let admin = pool(1).await;
     for round in 0..ROUNDS {
         let key = format!("race-{round}");
-        // Fresh, stale (its holder stopped renewing, and a claim found it so an hour ago: see
-        // `Statements::mark`), released: each raced by every task.
+        // Fresh, stale (its holder stopped renewing, and a claim found it so long ago: see
+        // `MARKED_LONG_AGO`), released: each raced by every task.
         for phase in ["fresh", "stale", "released"] {
             match phase {
                 "stale" => {
                     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-                        "UPDATE `{}` SET suspected_at = updated_at - INTERVAL 1 HOUR, \
+                        "UPDATE `{}` SET {MARKED_LONG_AGO}, \
                            updated_at = updated_at - INTERVAL 1 HOUR \
                          WHERE idempotency_key = '{key}'",
                         store.table()

@@ -42,10 +42,16 @@ impl MySqlStore {
         match answers.last().and_then(|a| a.rows.first()) {
             Some(row) => {
                 let outcome = decide(request, row)?;
-                if matches!(outcome, ClaimOutcome::InProgress)
-                    && row.try_get::<i64, _>("unmarked").is_ok_and(|u| u == 1)
-                {
-                    self.mark_silent(request, &scope, row).await;
+                if matches!(outcome, ClaimOutcome::InProgress) {
+                    match row.try_get::<i64, _>("unmarked") {
+                        Ok(1) => self.mark_silent(request, &scope, row).await,
+                        Ok(_) => {}
+                        Err(e) => tracing::warn!(
+                            error = %e,
+                            "mysql claim: whether the record's holder is silent could not be \
+                             read; it is not marked, and not retaken"
+                        ),
+                    }
                 }
                 Ok(outcome)
             }

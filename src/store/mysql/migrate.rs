@@ -108,7 +108,24 @@ impl MySqlStore {
                     e,
                 )
             })?;
-        for (column, migration) in [("body_bytes", BODY_BYTES), ("suspected_at", SUSPECTED)] {
+        // Each statement (the files' comments left out) adds one column: applied when its column
+        // is missing.
+        let statements: Vec<String> = [BODY_BYTES, SUSPECTED]
+            .into_iter()
+            .flat_map(|file| {
+                let code: Vec<&str> = file
+                    .lines()
+                    .filter(|line| !line.trim_start().starts_with("--"))
+                    .collect();
+                let code = code.join("\n");
+                code.split(';').map(str::to_owned).collect::<Vec<_>>()
+            })
+            .collect();
+        let columns = statements.iter().filter_map(|statement| {
+            let (_, added) = statement.split_once("ADD COLUMN ")?;
+            Some((added.split_whitespace().next()?, statement))
+        });
+        for (column, migration) in columns {
             let (present,): (i64,) = sqlx::query_as(
                 "SELECT COUNT(*) FROM information_schema.columns \
                  WHERE table_schema = COALESCE(?, DATABASE()) AND table_name = ? \

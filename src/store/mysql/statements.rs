@@ -6,15 +6,34 @@ use std::time::Duration;
 use super::sql::{NOW, RELEASED, epoch_micros, hex, hex_or_null, micros, now_plus, quote_ident};
 use crate::store::{ClaimRequest, LeaseToken, StoredResponse};
 
-/// When the server started, in whole seconds of the Unix epoch: `UUID_SHORT()` is
-/// `(server_id & 255) << 56 | started << 24` plus a counter of its calls, on MySQL and MariaDB
-/// alike, and costs a function call, where the `Uptime` status is a table read on every claim
+/// The server, as a mark names it (see [`Statements::mark`]): its host, port and server id (a
+/// replica's are its own), as bytes (compared with the column, a text would meet the table's
+/// collation, which may differ from the variables').
+const SERVER: &str = "CAST(CONCAT(@@hostname, ':', @@port, ':', @@server_id) AS BINARY)";
+
+/// Whether the record's mark was made by this server since it last started: named by it, and made
+/// a second at least after its start. The start is in whole seconds of the Unix epoch:
+/// `UUID_SHORT()` is `(server_id & 255) << 56 | started << 24` plus a counter of its calls, on
+/// MySQL and MariaDB alike, and costs a function call, where the `Uptime` status is a table read
 /// (in `information_schema` on MariaDB, `performance_schema` on MySQL). The counter's carry into
-/// the start (one second per 2^24 calls) only makes the server look younger: a retake waits a
-/// little longer, never less. It is unsigned: the retake adds to it rather than subtract from the
-/// clock (a clock stepped back behind the start would be an error, not a wait), and waits a
-/// second more, both being whole seconds.
-const STARTED: &str = "((UUID_SHORT() >> 24) & 4294967295)";
+/// the start (one second per 2^24 calls) only makes the server look younger: a mark made just
+/// before a carry may count for nothing, and the record is marked again. The mark's time is read
+/// as seconds before now, so that no time zone enters.
+fn marked_here() -> String {
+    format!(
+        "(suspected_on <=> {SERVER} AND UNIX_TIMESTAMP() \
+           - TIMESTAMPDIFF(SECOND, suspected_at, {NOW}) >= ((UUID_SHORT() >> 24) & 4294967295) + 1)"
+    )
+}
+
+/// A record with no mark that counts: none, one older than its last renewal, or one made by
+/// another server, or by this one before it last started.
+fn unmarked() -> String {
+    format!(
+        "(suspected_at IS NULL OR suspected_at < updated_at OR NOT {})",
+        marked_here()
+    )
+}
 
 /// The longer of the claimer's in-progress TTL (`ttl`, µs) and the holder's, as an interval.
 fn holder_ttl(ttl: i64) -> String {
@@ -99,9 +118,10 @@ impl Statements {
     /// 2. take the row by compare-and-swap if it is there to take: past its expiry, released, or
     ///    in progress with this fingerprint, not renewed for the longer of the two TTLs, and its
     ///    lease's presence not shown by a live keeper (its named lock free, see `presence.rs`),
-    ///    and the server up for that TTL at least ([`STARTED`]): a restart ends every named lock
-    ///    and stops renewals while it lasts, and keepers need a moment to show their presences
-    ///    again, so the time the server was down does not count against a live holder. The row
+    ///    and marked silent a TTL ago at least by this server process, with no renewal since
+    ///    (see [`Statements::mark`]): a restart or a failover ends every named lock and stops
+    ///    renewals while it lasts, and keepers need a moment to show their presences again, so
+    ///    the time the server was down does not count against a live holder. The row
     ///    is locked and its newest committed version read, so of concurrent takers exactly
     ///    one matches: the others then find it renewed. The creation time and the generation are
     ///    assigned first, from the row as it was (whether the server assigns in order or all at
@@ -129,9 +149,9 @@ impl Statements {
         let insert = format!(
             "INSERT INTO {t} (scope, idempotency_key, subject, subject_digest, endpoint, \
                fingerprint, status, lease_token, generation, in_progress_ttl_us, created_at, \
-               updated_at, expires_at, suspected_at) \
+               updated_at, expires_at, suspected_at, suspected_on) \
              VALUES ({scope}, {}, {}, {}, {}, {fingerprint}, 'in_progress', {lease}, \
-               {generation}, {ttl}, {NOW}, {NOW}, {expires}, NULL) \
+               {generation}, {ttl}, {NOW}, {NOW}, {expires}, NULL, NULL) \
              ON DUPLICATE KEY UPDATE scope = scope",
             hex(key.key.as_bytes()),
             hex(key.subject.as_bytes()),
@@ -147,18 +167,18 @@ impl Statements {
                fingerprint = {fingerprint}, status = 'in_progress', lease_token = {lease}, \
                response_status = NULL, response_headers = NULL, response_body = NULL, \
                updated_at = {NOW}, expires_at = {expires}, in_progress_ttl_us = {ttl}, \
-               suspected_at = NULL \
+               suspected_at = NULL, suspected_on = NULL \
              WHERE scope = {scope} AND (expires_at <= {NOW} OR (lease_token <> {lease} \
                AND status = 'in_progress' AND (lease_token = {RELEASED} \
                  OR (fingerprint = {fingerprint} AND {silent} \
                      AND suspected_at >= updated_at \
                      AND suspected_at <= {NOW} - {holder_ttl} \
-                     AND IS_FREE_LOCK({presence}) = 1 \
-                     AND UNIX_TIMESTAMP() >= {STARTED} + 1 \
-                           + CEILING(GREATEST({ttl}, in_progress_ttl_us) / 1000000)))))",
+                     AND {marked_here} \
+                     AND IS_FREE_LOCK({presence}) = 1))))",
             presence = super::presence::lock_name_sql("lease_token"),
             silent = silent(ttl),
             holder_ttl = holder_ttl(ttl),
+            marked_here = marked_here(),
         );
         Batch::default()
             .push(READ_COMMITTED)
@@ -181,32 +201,36 @@ impl Statements {
                COALESCE(status = 'in_progress' AND lease_token <> {RELEASED} \
                  AND lease_token <> {lease} AND fingerprint = {fingerprint} \
                  AND expires_at > {NOW} AND {silent} \
-                 AND (suspected_at IS NULL OR suspected_at < updated_at) \
+                 AND {unmarked} \
                  AND IS_FREE_LOCK({presence}) = 1, 0) AS unmarked \
              FROM {t} WHERE scope = {scope}",
             lease = request.lease.0,
             silent = silent(micros(request.in_progress_ttl)),
             presence = super::presence::lock_name_sql("lease_token"),
+            unmarked = unmarked(),
         )
     }
 
     /// The mark of a record held by `lease` whose holder the claim found silent, its named lock
     /// free (see `migrations/mysql/0003`): a record is taken only by a claim a TTL after its
-    /// mark, if no renewal came in between, so that the holder gets a whole TTL from a time the
-    /// server took writes (a failover, a proxy restarted, end its named lock and stop its
-    /// renewals without the server's start time showing it). A holder whose lock is held is not
+    /// mark, if no renewal came in between, on the server that made it since it last started
+    /// ([`marked_here`]), so
+    /// that the holder gets a whole TTL from a time this server took writes (a restart, a
+    /// failover, a proxy restarted, end its named lock and stop its renewals; a mark made before
+    /// a failover does not count after it, even if renewals after it were lost with the old
+    /// primary). A holder whose lock is held is not
     /// marked: a mark made while it was known alive would let a failover just after it count the
     /// time before it against the holder. Sent only when the claim's read found it unmarked.
     pub(super) fn mark(&self, scope: &[u8; 32], lease: i64, in_progress_ttl: Duration) -> Batch {
         let t = &self.quoted;
         let mark = format!(
-            "UPDATE {t} SET suspected_at = {NOW} \
+            "UPDATE {t} SET suspected_at = {NOW}, suspected_on = {SERVER} \
              WHERE scope = {} AND lease_token = {lease} AND lease_token <> {RELEASED} \
-               AND status = 'in_progress' AND expires_at > {NOW} AND {} \
-               AND (suspected_at IS NULL OR suspected_at < updated_at) \
+               AND status = 'in_progress' AND expires_at > {NOW} AND {} AND {} \
                AND IS_FREE_LOCK({}) = 1",
             hex(scope),
             silent(micros(in_progress_ttl)),
+            unmarked(),
             super::presence::lock_name_sql("lease_token"),
         );
         Batch::default().push(READ_COMMITTED).push(&mark)
@@ -254,7 +278,7 @@ impl Statements {
     /// The heartbeat: restarts the in-progress clock and pushes the expiry.
     pub(super) fn renew(&self, scope: &[u8; 32], lease: LeaseToken, lifetime: Duration) -> Batch {
         Batch::default().push(&format!(
-            "UPDATE {} SET updated_at = {NOW}, expires_at = {} WHERE {}",
+            "UPDATE {} SET updated_at = {NOW}, suspected_at = NULL, expires_at = {} WHERE {}",
             self.quoted,
             now_plus(lifetime),
             held(scope, lease)

@@ -46,6 +46,11 @@ impl PostgresStore {
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
                 return Ok(None);
             }
+            // A serialization failure (the database's default isolation is above READ
+            // COMMITTED): a concurrent retake or mark of this record; nothing was written.
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("40001") => {
+                return Ok(None);
+            }
             // The table lacks the holder's TTL column or the mark's: made by an earlier version,
             // and `migrate()` has not run. Nothing was retaken; never a reason to run unguarded.
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42703") => {

@@ -134,7 +134,7 @@ impl PostgresStore {
             self.apply_generation(&mut tx, &pinned).await?;
             apply_holder_ttl(&mut tx, &pinned).await?;
             let suspected = SUSPECTED_MIGRATION.replace(DEFAULT_TABLE, &pinned.quoted);
-            add_column(&mut tx, &pinned, "suspected_at", "0007", suspected).await?;
+            add_column(&mut tx, &pinned, "suspected_on", "0007", suspected).await?;
             apply_subject_index(&mut tx, &pinned).await?;
             tx.commit().await.map_err(db("migrate: commit"))?;
             *lock(&pinned.function_missing) = None;

@@ -135,16 +135,20 @@ impl Statements {
             // - no live keeper shows its lease's presence: the lock of `(NAMESPACE, presence)`,
             //   which keepers hold shared, is free for this statement to take exclusive (see
             //   `presence.rs`). Held for its transaction only;
-            // - a claim marked it silent (`suspected_at`) a TTL ago at least, and it was not
-            //   renewed since. The first claim to find it stale, its presence not shown, only
-            //   marks it (`marked`): a failover, a backend crash, a pooler restarted end a live
-            //   holder's presence and stop its renewals without the server showing it, and the
-            //   mark, a write, starts the holder's TTL at a time the database took writes
-            //   (migrations/0007). A record whose presence is shown is not marked: a mark made
-            //   while the holder was known alive would let a failover just after it count the
-            //   time before it against the holder;
-            // - the server has been up for its TTL (a restart, which the mark covers too, shown
-            //   at once).
+            // - a claim marked it silent (`suspected_at`) a TTL ago at least, on this very server
+            //   process (`suspected_on`, its start time), and it was not renewed since (a renewal
+            //   removes the mark). The first claim to find it stale, its presence not shown, only
+            //   marks it (`marked`): a failover, a restart, a backend crash, a pooler restarted
+            //   end a live holder's presence and stop its renewals, and the mark, a write, starts
+            //   the holder's TTL at a time this server took writes (migrations/0007). A mark made
+            //   before a restart or a failover does not count after it, even if the renewals that
+            //   followed it were lost with the old primary. A record whose presence is shown is
+            //   not marked: a mark made while the holder was known alive would let a failover
+            //   just after it count the time before it against the holder. The presence's lock is
+            //   asked for last (the `CASE`: the planner orders a flat list of conditions by cost),
+            //   so that a record found renewed is not locked from its keeper (a renewal that
+            //   lands while this statement runs may still find the lock taken, for this
+            //   statement's transaction).
             retake: format!(
                 "{LOCK_BOUND_CTE}, took AS ( \
                  UPDATE {t} SET fingerprint = $2, status = 'in_progress', lease_token = $3, \
@@ -156,7 +160,7 @@ impl Statements {
                                        AND lease_token <> 0 THEN created_at ELSE now() END, \
                    updated_at = now(), \
                    expires_at = now() + $4::float8 * interval '1 microsecond', \
-                   in_progress_ttl_us = $7::float8, suspected_at = NULL \
+                   in_progress_ttl_us = $7::float8, suspected_at = NULL, suspected_on = NULL \
                  WHERE scope = $1 \
                    AND ((lease_token = $5 AND status = $6 \
                          AND (expires_at <= now() \
@@ -164,20 +168,22 @@ impl Statements {
                                   AND (lease_token = {RELEASED} \
                                        OR (suspected_at >= updated_at \
                                            AND suspected_at <= now() - {HOLDER_TTL} \
-                                           AND pg_postmaster_start_time() <= now() - {HOLDER_TTL} \
+                                           AND suspected_on = pg_postmaster_start_time() \
                                            AND pg_try_advisory_xact_lock({PRESENCE}, \
                                                 (lease_token >> 32)::int4)))))) \
                         OR (lease_token = $3 AND status = 'in_progress')) \
                    AND {LOCK_BOUND} \
                  RETURNING generation), \
                  marked AS ( \
-                 UPDATE {t} SET suspected_at = now() \
-                 WHERE scope = $1 AND NOT EXISTS (SELECT 1 FROM took) \
-                   AND lease_token = $5 AND lease_token <> {RELEASED} AND status = 'in_progress' \
-                   AND expires_at > now() AND updated_at <= now() - {HOLDER_TTL} \
-                   AND (suspected_at IS NULL OR suspected_at < updated_at) \
-                   AND pg_try_advisory_xact_lock({PRESENCE}, (lease_token >> 32)::int4) \
-                   AND {LOCK_BOUND}) \
+                 UPDATE {t} SET suspected_at = now(), suspected_on = pg_postmaster_start_time() \
+                 WHERE scope = $1 AND NOT EXISTS (SELECT 1 FROM took) AND {LOCK_BOUND} \
+                   AND CASE WHEN lease_token = $5 AND lease_token <> {RELEASED} \
+                                 AND status = 'in_progress' AND expires_at > now() \
+                                 AND updated_at <= now() - {HOLDER_TTL} \
+                                 AND (suspected_at IS NULL OR suspected_at < updated_at \
+                                      OR suspected_on IS DISTINCT FROM pg_postmaster_start_time()) \
+                            THEN pg_try_advisory_xact_lock({PRESENCE}, (lease_token >> 32)::int4) \
+                            ELSE false END) \
                  SELECT generation FROM took",
                 LOCK_BOUND_CTE = lock_bound_cte(8),
                 PRESENCE = super::presence::NAMESPACE,
@@ -186,7 +192,7 @@ impl Statements {
             ),
             // The heartbeat. $1 scope, $2 lease, $3 lifetime (µs), $4 lock timeout.
             renew: format!(
-                "{} UPDATE {t} SET updated_at = now(), \
+                "{} UPDATE {t} SET updated_at = now(), suspected_at = NULL, \
                    expires_at = now() + $3::float8 * interval '1 microsecond' \
                  WHERE scope = $1 AND lease_token = $2 AND lease_token <> {RELEASED} \
                    AND status = 'in_progress' AND {LOCK_BOUND}",
@@ -208,7 +214,7 @@ impl Statements {
                      AND {LOCK_BOUND} \
                    FOR UPDATE OF r SKIP LOCKED), \
                  renewed AS ( \
-                   UPDATE {t} r SET updated_at = now(), \
+                   UPDATE {t} r SET updated_at = now(), suspected_at = NULL, \
                      expires_at = now() + $3::float8 * interval '1 microsecond' \
                    FROM taken WHERE r.scope = taken.scope \
                    RETURNING r.scope, r.lease_token) \

@@ -1,6 +1,7 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local rec = redis.call('HMGET', KEYS[1], 'fp', 'st', 'ts', 'lease', 'gen', 'ct', 'ttl', 'rt', 'sus')
+local rec = redis.call('HMGET', KEYS[1], 'fp', 'st', 'ts', 'lease', 'gen', 'ct', 'ttl', 'rt', 'sus',
+  'srun')
 if not rec[1] then
   redis.call('HSET', KEYS[1], 'fp', ARGV[1], 'st', 'in_progress', 'lease', ARGV[2], 'ts', now,
     'gen', ARGV[5], 'ct', now, 'k', ARGV[6], 'sub', ARGV[7], 'ep', ARGV[8], 'ttl', ARGV[3])
@@ -33,24 +34,27 @@ end
 local ttl = math.max(tonumber(ARGV[3]), tonumber(rec[7]) or 0)
 if now - tonumber(rec[3]) < ttl then return {'in_progress'} end
 -- Not taken at the first look: the first claim to find the holder silent marks the record
--- (`sus`, its time), and a claim a TTL after the mark takes it if no renewal came in between. A
--- failover to a replica (which may lack the holder's last renewals, and whose uptime is its own)
--- stops renewals without the uptime showing it; the mark, a write, gives the holder a whole TTL
--- from a time the server took writes to renew.
+-- (`sus`, its time, and `srun`, the server's run id and replication id), and a claim a TTL after
+-- the mark takes it if no renewal came in between (a renewal removes the mark) and the mark was
+-- made by this very server process in its current role (a promotion draws a new replication id,
+-- so a primary that failed over and back counts its old marks for nothing). A failover to a
+-- replica (which may lack the holder's last renewals) or a
+-- restart (a record kept by persistence) stops renewals without the record showing it, and
+-- holders need a moment to renew again once the server is back; the mark, a write, gives the
+-- holder a whole TTL from a time this server process took writes to renew. Redis shows no
+-- presences: a holder whose renewals are late is marked too, and the run id keeps a mark made
+-- before a failover or a restart from counting after it. A user not allowed INFO
+-- (`-@dangerous`) gets the mark alone, rather than a key no claim could ever retake.
+local read, info = pcall(redis.call, 'INFO', 'server')
+local run = read and string.match(info, 'run_id:(%w+)') or ''
+local replicated, replication = pcall(redis.call, 'INFO', 'replication')
+run = run .. ':' .. (replicated and string.match(replication, 'master_replid:(%w+)') or '')
 local sus = tonumber(rec[9])
-if not sus or sus < tonumber(rec[3]) then
-  redis.call('HSET', KEYS[1], 'sus', now)
+if not sus or sus < tonumber(rec[3]) or rec[10] ~= run then
+  redis.call('HSET', KEYS[1], 'sus', now, 'srun', run)
   return {'in_progress'}
 end
 if now - sus < ttl then return {'in_progress'} end
--- A restart (a record kept by persistence) stopped every renewal while the server was down, and
--- holders need a moment to renew again once it is back: a held record is not taken before the
--- server has been up for its TTL (and a second, the uptime being whole seconds), so the time it
--- was down does not count against a live holder. A user not allowed INFO (`-@dangerous`) gets
--- the TTL alone, as before, rather than a key no claim could ever retake.
-local read, info = pcall(redis.call, 'INFO', 'server')
-local up = read and tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
-if up and (up - 1) * 1000 < ttl then return {'in_progress'} end
 redis.call('HSET', KEYS[1], 'lease', ARGV[2], 'ts', now, 'ttl', ARGV[3], 'rt', '1')
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return {'retaken', rec[5], rec[6]}

@@ -6,7 +6,8 @@ use redis::Script;
 /// Claim, atomically: insert; or answer mismatch, finished (with the response), in progress; or
 /// retake a record whose claim (or last renewal) is older than the in-progress TTL, once a claim
 /// marked it so (`sus`) a TTL before and no renewal came since (the first claim only marks it:
-/// see `claim.lua`), and the server has been up for the TTL. A record in
+/// see `claim.lua`) by this very server process in its current role (its run id and replication
+/// id: not a replica promoted since, nor the server before a restart). A record in
 /// progress under this very lease is this claim's own, sent twice (a resend after a lost reply):
 /// claimed again, or retaken again if the first one retook it (the field `rt` says so). A released
 /// record (lease `0`) is claimed at once: by the same request with its generation, by another with
