@@ -515,3 +515,92 @@ async fn a_holder_back_within_a_ttl_of_the_mark_keeps_its_record_on_a_redis_clus
     a_holder_back_within_a_ttl_of_the_mark_keeps_its_record(crate::redis_cluster::store().await)
         .await;
 }
+
+/// A mark made by another server (the primary before a failover; this server before a restart)
+/// counts for nothing: the claim that finds it, a TTL after it, marks the record again and takes
+/// nothing; a claim a TTL after that takes it. `rename` makes the record's mark another server's,
+/// as the table would hold it after a failover.
+async fn a_mark_made_by_another_server_counts_for_nothing<S, F>(store: S, rename: impl Fn() -> F)
+where
+    S: IdempotencyStore,
+    F: std::future::Future<Output = ()>,
+{
+    use axum_idempotency::store::{ClaimOutcome, ClaimRequest, LeaseToken};
+    const TTL: Duration = Duration::from_millis(500);
+    let request = |lease: LeaseToken| ClaimRequest {
+        lease,
+        in_progress_ttl: TTL,
+        ..axum_idempotency::conformance::app::claim_request("moved", b"{}")
+    };
+    let holder = request(LeaseToken::generate());
+    assert!(matches!(
+        store.claim(&holder).await.expect("claim"),
+        ClaimOutcome::Claimed { .. }
+    ));
+    tokio::time::sleep(TTL + Duration::from_millis(100)).await;
+    let first = store.claim(&request(LeaseToken::generate())).await;
+    assert_eq!(first.expect("claim"), ClaimOutcome::InProgress, "marks");
+    rename().await;
+    // The mark is a TTL old, and nothing renewed the record since; but another server made it.
+    tokio::time::sleep(TTL + Duration::from_millis(100)).await;
+    let second = store.claim(&request(LeaseToken::generate())).await;
+    assert_eq!(
+        second.expect("claim"),
+        ClaimOutcome::InProgress,
+        "taken on a mark another server made"
+    );
+    tokio::time::sleep(TTL + Duration::from_millis(100)).await;
+    let retaker = request(LeaseToken::generate());
+    let taken = store.claim(&retaker).await.expect("claim");
+    assert!(taken.is_retake(&retaker), "{taken:?}");
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn a_mark_made_by_another_server_counts_for_nothing_on_postgres() {
+    use axum_idempotency::store::PostgresStore;
+    let pool = crate::postgres::pool(4).await;
+    let schema = crate::postgres::fresh_schema(&pool).await;
+    let table = format!("{schema}.idempotency_records");
+    let store = PostgresStore::with_table(pool.clone(), &table)
+        .expect("table")
+        .with_timeout(common::SUITE_STORE_TIMEOUT);
+    store.migrate().await.expect("migrate");
+    // A server started a second earlier.
+    let rename = || {
+        let (pool, table) = (pool.clone(), table.clone());
+        async move {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "UPDATE {table} SET suspected_on = suspected_on - interval '1 second'"
+            )))
+            .execute(&pool)
+            .await
+            .expect("rename the mark");
+        }
+    };
+    a_mark_made_by_another_server_counts_for_nothing(store, rename).await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn a_mark_made_by_another_server_counts_for_nothing_on_mysql() {
+    use axum_idempotency::store::MySqlStore;
+    let pool = crate::mysql::pool(4).await;
+    let table = crate::mysql::fresh_table(&pool).await;
+    let store = MySqlStore::with_table(pool.clone(), &table)
+        .expect("table")
+        .with_timeout(common::SUITE_STORE_TIMEOUT);
+    store.migrate().await.expect("migrate");
+    let rename = || {
+        let (pool, table) = (pool.clone(), table.clone());
+        async move {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "UPDATE `{table}` SET suspected_on = X'00'"
+            )))
+            .execute(&pool)
+            .await
+            .expect("rename the mark");
+        }
+    };
+    a_mark_made_by_another_server_counts_for_nothing(store, rename).await;
+}

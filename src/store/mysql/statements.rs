@@ -214,13 +214,12 @@ impl Statements {
     /// The mark of a record held by `lease` whose holder the claim found silent, its named lock
     /// free (see `migrations/mysql/0003`): a record is taken only by a claim a TTL after its
     /// mark, if no renewal came in between, on the server that made it since it last started
-    /// ([`marked_here`]), so
-    /// that the holder gets a whole TTL from a time this server took writes (a restart, a
-    /// failover, a proxy restarted, end its named lock and stop its renewals; a mark made before
-    /// a failover does not count after it, even if renewals after it were lost with the old
-    /// primary). A holder whose lock is held is not
-    /// marked: a mark made while it was known alive would let a failover just after it count the
-    /// time before it against the holder. Sent only when the claim's read found it unmarked.
+    /// ([`marked_here`]), so that the holder gets a whole TTL from a time this server took
+    /// writes (a restart, a failover, a proxy restarted, end its named lock and stop its
+    /// renewals; a mark made before a failover does not count after it, even if renewals after
+    /// it were lost with the old primary). A holder whose lock is held is not marked: a mark
+    /// made while it was known alive would let a failover just after it count the time before
+    /// it against the holder. Sent only when the claim's read found it unmarked.
     pub(super) fn mark(&self, scope: &[u8; 32], lease: i64, in_progress_ttl: Duration) -> Batch {
         let t = &self.quoted;
         let mark = format!(

@@ -36,15 +36,14 @@ if now - tonumber(rec[3]) < ttl then return {'in_progress'} end
 -- Not taken at the first look: the first claim to find the holder silent marks the record
 -- (`sus`, its time, and `srun`, the server's run id and replication id), and a claim a TTL after
 -- the mark takes it if no renewal came in between (a renewal removes the mark) and the mark was
--- made by this very server process in its current role (a promotion draws a new replication id,
--- so a primary that failed over and back counts its old marks for nothing). A failover to a
--- replica (which may lack the holder's last renewals) or a
--- restart (a record kept by persistence) stops renewals without the record showing it, and
--- holders need a moment to renew again once the server is back; the mark, a write, gives the
--- holder a whole TTL from a time this server process took writes to renew. Redis shows no
--- presences: a holder whose renewals are late is marked too, and the run id keeps a mark made
--- before a failover or a restart from counting after it. A user not allowed INFO
--- (`-@dangerous`) gets the mark alone, rather than a key no claim could ever retake.
+-- made by this very server process in its current role. A failover to a replica (which may lack
+-- the holder's last renewals) or a restart (a record kept by persistence) stops renewals without
+-- the record showing it, and holders need a moment to renew again once the server is back; the
+-- mark, a write, gives the holder a whole TTL from a time this server took writes to renew. Redis
+-- shows no presences: a holder whose renewals are late is marked too, and the run id (new at each
+-- start) and the replication id (new at each promotion) keep a mark made before a restart or a
+-- failover, and back, from counting after it. A user not allowed INFO (`-@dangerous`) gets the
+-- mark alone, rather than a key no claim could ever retake.
 local read, info = pcall(redis.call, 'INFO', 'server')
 local run = read and string.match(info, 'run_id:(%w+)') or ''
 local replicated, replication = pcall(redis.call, 'INFO', 'replication')
