@@ -520,11 +520,10 @@ async fn a_holder_back_within_a_ttl_of_the_mark_keeps_its_record_on_a_redis_clus
 /// counts for nothing: the claim that finds it, a TTL after it, marks the record again and takes
 /// nothing; a claim a TTL after that takes it. `rename` makes the record's mark another server's,
 /// as the table would hold it after a failover.
-async fn a_mark_made_by_another_server_counts_for_nothing<S, F>(store: S, rename: impl Fn() -> F)
-where
-    S: IdempotencyStore,
-    F: std::future::Future<Output = ()>,
-{
+async fn a_mark_made_by_another_server_counts_for_nothing<S: IdempotencyStore>(
+    store: S,
+    rename: impl std::future::Future<Output = ()>,
+) {
     use axum_idempotency::store::{ClaimOutcome, ClaimRequest, LeaseToken};
     const TTL: Duration = Duration::from_millis(500);
     let request = |lease: LeaseToken| ClaimRequest {
@@ -540,7 +539,7 @@ where
     tokio::time::sleep(TTL + Duration::from_millis(100)).await;
     let first = store.claim(&request(LeaseToken::generate())).await;
     assert_eq!(first.expect("claim"), ClaimOutcome::InProgress, "marks");
-    rename().await;
+    rename.await;
     // The mark is a TTL old, and nothing renewed the record since; but another server made it.
     tokio::time::sleep(TTL + Duration::from_millis(100)).await;
     let second = store.claim(&request(LeaseToken::generate())).await;
@@ -558,25 +557,16 @@ where
 #[cfg(feature = "postgres")]
 #[tokio::test]
 async fn a_mark_made_by_another_server_counts_for_nothing_on_postgres() {
-    use axum_idempotency::store::PostgresStore;
-    let pool = crate::postgres::pool(4).await;
-    let schema = crate::postgres::fresh_schema(&pool).await;
-    let table = format!("{schema}.idempotency_records");
-    let store = PostgresStore::with_table(pool.clone(), &table)
-        .expect("table")
-        .with_timeout(common::SUITE_STORE_TIMEOUT);
-    store.migrate().await.expect("migrate");
+    let store = crate::postgres::store().await;
+    let (pool, table) = (store.pool().clone(), store.table().to_owned());
     // A server started a second earlier.
-    let rename = || {
-        let (pool, table) = (pool.clone(), table.clone());
-        async move {
-            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-                "UPDATE {table} SET suspected_on = suspected_on - interval '1 second'"
-            )))
-            .execute(&pool)
-            .await
-            .expect("rename the mark");
-        }
+    let rename = async move {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "UPDATE {table} SET suspected_on = suspected_on - interval '1 second'"
+        )))
+        .execute(&pool)
+        .await
+        .expect("rename the mark");
     };
     a_mark_made_by_another_server_counts_for_nothing(store, rename).await;
 }
@@ -584,23 +574,15 @@ async fn a_mark_made_by_another_server_counts_for_nothing_on_postgres() {
 #[cfg(feature = "mysql")]
 #[tokio::test]
 async fn a_mark_made_by_another_server_counts_for_nothing_on_mysql() {
-    use axum_idempotency::store::MySqlStore;
-    let pool = crate::mysql::pool(4).await;
-    let table = crate::mysql::fresh_table(&pool).await;
-    let store = MySqlStore::with_table(pool.clone(), &table)
-        .expect("table")
-        .with_timeout(common::SUITE_STORE_TIMEOUT);
-    store.migrate().await.expect("migrate");
-    let rename = || {
-        let (pool, table) = (pool.clone(), table.clone());
-        async move {
-            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-                "UPDATE `{table}` SET suspected_on = X'00'"
-            )))
-            .execute(&pool)
-            .await
-            .expect("rename the mark");
-        }
+    let store = crate::mysql::store().await;
+    let (pool, table) = (store.pool().clone(), store.table().to_owned());
+    let rename = async move {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "UPDATE `{table}` SET suspected_on = X'00'"
+        )))
+        .execute(&pool)
+        .await
+        .expect("rename the mark");
     };
     a_mark_made_by_another_server_counts_for_nothing(store, rename).await;
 }
