@@ -178,7 +178,10 @@ pub mod metrics;
 #[cfg_attr(docsrs, doc(cfg(feature = "openapi")))]
 pub mod openapi;
 
-pub use engine::{ConfigError, Drain, IdempotencyContext, Outcome, OutcomeCounters};
+pub use engine::{
+    ConfigError, Drain, IdempotencyContext, Outcome, OutcomeCounters, ReplayInfo, is_tombstone,
+    tombstone_of,
+};
 pub use fingerprint::Fingerprint;
 #[cfg(sql)]
 #[cfg_attr(

@@ -60,12 +60,12 @@ use utoipa::openapi::example::ExampleBuilder;
 use utoipa::openapi::header::HeaderBuilder;
 use utoipa::openapi::path::{Operation, Parameter, ParameterBuilder, ParameterIn, PathItem};
 use utoipa::openapi::response::{Response, ResponseBuilder};
-use utoipa::openapi::schema::{AnyOfBuilder, ObjectBuilder, SchemaFormat, Type};
+use utoipa::openapi::schema::{AllOfBuilder, AnyOfBuilder, ObjectBuilder, SchemaFormat, Type};
 use utoipa::openapi::{Components, ContentBuilder, OpenApi, Ref, RefOr, Required, Schema};
 
 use crate::ErrorKind;
 use crate::header::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY, IDEMPOTENCY_REPLAY};
-use crate::layer::key::MAX_KEY_LEN;
+use crate::layer::key::{KeySource, MAX_KEY_LEN};
 use crate::layer::{LayerSettings, guards};
 
 /// The name, under `components/schemas`, of the schema of the layer's error answers.
@@ -158,16 +158,10 @@ impl IdempotencyOpenApi {
     }
 
     fn operation(&self, operation: &mut Operation) {
-        let parameters = operation.parameters.get_or_insert_with(Vec::new);
-        let key = self.key_parameter();
-        let written = parameters.iter_mut().find(|p| {
-            matches!(p, RefOr::T(p) if p.parameter_in == ParameterIn::Header
-                && p.name.eq_ignore_ascii_case(&key.name))
-        });
-        match written {
-            // The layer's rule wins over what was written by hand: it is what is enforced.
-            Some(existing) => *existing = RefOr::T(key),
-            None => parameters.push(RefOr::T(key)),
+        if let KeySource::Body(pointer) = &self.settings.key_source {
+            self.key_in_body(operation, pointer);
+        } else {
+            self.key_in_headers(operation);
         }
         for (status, kinds) in self.problems() {
             let answer = self.problem_response(status, &kinds);
@@ -191,23 +185,99 @@ impl IdempotencyOpenApi {
         }
     }
 
-    fn key_parameter(&self) -> Parameter {
-        let description = if self.settings.require_key {
+    /// The key's header parameter: the layer's header (and, when it reads another one or uses an
+    /// extractor, the draft's `Idempotency-Key` too, which it also takes).
+    fn key_in_headers(&self, operation: &mut Operation) {
+        let parameters = operation.parameters.get_or_insert_with(Vec::new);
+        let name = match &self.settings.key_source {
+            KeySource::Header(name) => title_case(name.as_str()),
+            _ => title_case(IDEMPOTENCY_KEY.as_str()),
+        };
+        let key = self.key_parameter(name);
+        let written = parameters.iter_mut().find(|p| {
+            matches!(p, RefOr::T(p) if p.parameter_in == ParameterIn::Header
+                && p.name.eq_ignore_ascii_case(&key.name))
+        });
+        match written {
+            // The layer's rule wins over what was written by hand: it is what is enforced.
+            Some(existing) => *existing = RefOr::T(key),
+            None => parameters.push(RefOr::T(key)),
+        }
+    }
+
+    /// The key as a field of the JSON request body: the body's schema becomes all of what it was
+    /// and an object holding the field (nested as the pointer says), required when the layer
+    /// requires a key.
+    fn key_in_body(&self, operation: &mut Operation, pointer: &str) {
+        let mut schema: RefOr<Schema> = RefOr::T(Schema::Object(self.key_schema().build()));
+        let tokens: Vec<String> = pointer
+            .strip_prefix('/')
+            .unwrap_or(pointer)
+            .split('/')
+            .map(|t| t.replace("~1", "/").replace("~0", "~"))
+            .collect();
+        for token in tokens.iter().rev() {
+            let mut object = ObjectBuilder::new()
+                .schema_type(Type::Object)
+                .property(token.as_str(), schema);
+            if self.settings.require_key {
+                object = object.required(token.as_str());
+            }
+            schema = RefOr::T(Schema::Object(object.build()));
+        }
+        if let RefOr::T(Schema::Object(object)) = &mut schema {
+            object.description = Some(format!(
+                "The idempotency key is the field `{pointer}` of this body: {}",
+                self.key_description()
+            ));
+        }
+        let body = operation
+            .request_body
+            .get_or_insert_with(|| RefOr::T(utoipa::openapi::request_body::RequestBody::new()));
+        // A body described by reference is left as it is: its component is shared.
+        let RefOr::T(body) = body else {
+            return;
+        };
+        let content = body
+            .content
+            .entry("application/json".to_owned())
+            .or_insert_with(|| RefOr::T(ContentBuilder::new().build()));
+        let RefOr::T(content) = content else {
+            return;
+        };
+        content.schema = Some(match content.schema.take() {
+            None => schema,
+            Some(existing) => RefOr::T(Schema::AllOf(
+                AllOfBuilder::new().item(existing).item(schema).build(),
+            )),
+        });
+    }
+
+    fn key_description(&self) -> &'static str {
+        if self.settings.require_key {
             "Required. One key per operation: a retry of the same request sends the same key and \
              gets the first answer again, never a second effect. Without it the answer is \
              `400 missing_idempotency_key`."
         } else {
             "One key per operation: a retry of the same request sends the same key and gets the \
              first answer again, never a second effect. Without it the request runs unguarded."
-        };
-        let schema = ObjectBuilder::new()
+        }
+    }
+
+    fn key_schema(&self) -> ObjectBuilder {
+        ObjectBuilder::new()
             .schema_type(Type::String)
             .min_length(Some(self.settings.min_key_length))
             .max_length(Some(MAX_KEY_LEN))
             .pattern(Some(KEY_PATTERN))
-            .examples(["8e03978e-40d5-43e8-bc93-6894a57f9324"]);
+            .examples(["8e03978e-40d5-43e8-bc93-6894a57f9324"])
+    }
+
+    fn key_parameter(&self, name: String) -> Parameter {
+        let description = self.key_description();
+        let schema = self.key_schema();
         ParameterBuilder::new()
-            .name(title_case(IDEMPOTENCY_KEY.as_str()))
+            .name(name)
             .parameter_in(ParameterIn::Header)
             .required(if self.settings.require_key {
                 Required::True
@@ -224,6 +294,9 @@ impl IdempotencyOpenApi {
         let mut by_status = BTreeMap::<StatusCode, Vec<ErrorKind>>::new();
         for kind in ErrorKind::ALL {
             if kind == ErrorKind::MissingIdempotencyKey && !self.settings.require_key {
+                continue;
+            }
+            if kind == ErrorKind::KeyExpired && !self.settings.tombstones {
                 continue;
             }
             by_status.entry(kind.status()).or_default().push(kind);

@@ -8,6 +8,9 @@ use crate::policy::RetryPolicy;
 
 /// The `error` code of `422 idempotency_key_reuse`: the key belongs to another request. Final.
 pub(crate) const KEY_REUSE: &str = "idempotency_key_reuse";
+/// The `error` code of `410 idempotency_key_expired`: the key's record expired within the server's
+/// tombstone time; the operation was done and is not run again. Final.
+pub(crate) const KEY_EXPIRED: &str = "idempotency_key_expired";
 /// The `error` code of `409 in_progress`: the first request with the key is still running.
 pub(crate) const IN_PROGRESS: &str = "in_progress";
 
@@ -61,8 +64,9 @@ pub(crate) fn is_problem(headers: &HeaderMap) -> bool {
 ///   is sent (a recorded problem that said `retryable: true` when it was first answered is final
 ///   for this key now).
 /// - `2xx` and `3xx`: never.
-/// - A problem body: `idempotency_key_reuse` never (the key belongs to another request; a new key
-///   would be a new operation), `in_progress` always (the first request is still running: poll
+/// - A problem body: `idempotency_key_reuse` and `idempotency_key_expired` never (the key belongs
+///   to another request, or to an operation done and forgotten; a new key would be a new
+///   operation), `in_progress` always (the first request is still running: poll
 ///   it), otherwise its `retryable` member when it has one.
 /// - Otherwise the policy's statuses (default `408`, `429`, `503`): a handler's `500`, `502` or
 ///   `504` without a problem body is final, since its effect may have happened.
@@ -77,7 +81,7 @@ pub(crate) fn retry_answer(
     }
     if let Some(problem) = problem {
         match problem.code.as_deref() {
-            Some(KEY_REUSE) => return false,
+            Some(KEY_REUSE | KEY_EXPIRED) => return false,
             Some(IN_PROGRESS) => return true,
             _ => {}
         }
@@ -168,6 +172,7 @@ mod tests {
             (401, "missing_subject"),
             (413, "request_too_large"),
             (422, "idempotency_key_reuse"),
+            (410, "idempotency_key_expired"),
             (504, "idempotency_handler_timeout"),
             (500, "internal_error"),
         ] {
@@ -188,6 +193,11 @@ mod tests {
         assert!(!retried(
             422,
             Some(r#"{"error":"idempotency_key_reuse","retryable":true}"#)
+        ));
+        // Nor is an expired key: its operation was done.
+        assert!(!retried(
+            410,
+            Some(r#"{"error":"idempotency_key_expired","retryable":true}"#)
         ));
         // In progress is always polled, even without (or with a wrong) `retryable`.
         assert!(retried(409, Some(r#"{"error":"in_progress"}"#)));

@@ -51,6 +51,7 @@ mod inspection;
 pub mod locked;
 pub mod suite;
 pub mod tenants;
+mod tombstones;
 mod waiting;
 
 /// Ends the lease keepers' runtime (the thread every keeper of the process renews on) as if it

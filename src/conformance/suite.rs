@@ -21,6 +21,7 @@ pub use super::inspection::{
     delete_racing_requests_runs_the_handler_at_most_once_more, inspection_forgets_expired_records,
     inspection_shows_every_state, listing_pages_through_one_subjects_records,
 };
+pub use super::tombstones::an_expired_key_is_answered_gone_until_its_tombstone_expires;
 pub use super::waiting::{
     a_released_answer_ends_the_wait_with_409, a_waiter_is_told_the_holders_expiry,
     answers_say_when_their_record_expires, waiters_get_the_replay_and_never_wait_past_the_bound,
@@ -89,6 +90,7 @@ macro_rules! store_suite {
             answers_say_when_their_record_expires,
             a_waiter_is_told_the_holders_expiry,
             renew_many_answers_each_lease_on_its_own,
+            an_expired_key_is_answered_gone_until_its_tombstone_expires,
         );
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {

@@ -34,6 +34,8 @@ pub(crate) enum Claim<St: IdempotencyStore> {
     InProgress,
     /// The key was used for another request within the retention.
     KeyReuse,
+    /// The key's record expired within the tombstones' time: nothing runs.
+    Expired,
     /// The store failed, and the settings say to run the work unguarded (`fail_open`).
     Unguarded,
     /// The store failed (or answered the claim too late to be trusted): nothing runs.
@@ -138,6 +140,31 @@ impl<St: IdempotencyStore> Engine<St> {
                     );
                     return Claim::Unavailable(Unavailable::TooLate);
                 };
+                // A key whose record expired within the tombstones' time is not run again. Every
+                // grant is looked at: a request that got "expired" released its claim, and the
+                // same request sent again takes that record back as a retake.
+                if settings.tombstones.is_some() {
+                    let grave = self.grave(&request.key).await;
+                    if !matches!(grave, Ok(super::tombstone::Grave::Empty)) {
+                        let _ = self.store_release(&request.key, request.lease).await;
+                        return match grave {
+                            Err(e) => {
+                                self.report(&label, Outcome::StoreUnavailable);
+                                tracing::error!(
+                                    error = %e,
+                                    "the key's tombstone could not be looked up; refusing the \
+                                     request"
+                                );
+                                Claim::Unavailable(Unavailable::Store(e))
+                            }
+                            Ok(_) => {
+                                self.report(&label, Outcome::Expired);
+                                tracing::info!("the key's record expired; answered expired");
+                                Claim::Expired
+                            }
+                        };
+                    }
+                }
                 if retaken {
                     self.report(&label, Outcome::Retaken);
                     tracing::info!("retook a claim whose holder stopped renewing it");

@@ -255,6 +255,7 @@ impl<St: IdempotencyStore> Lease<St> {
         match how {
             Settled::Recorded { status } => {
                 self.report(Outcome::Recorded);
+                held.engine.entomb(&held.key);
                 tracing::debug!(status, "recorded in the work's transaction");
             }
             Settled::Released => self.report(Outcome::Released),
@@ -354,6 +355,7 @@ impl<St: IdempotencyStore> Lease<St> {
         match attempt {
             Ok(Fenced::Done) => {
                 self.report(Outcome::Recorded);
+                self.held.engine.entomb(&self.held.key);
                 tracing::debug!(status, "recorded");
                 Some(Completed::Recorded)
             }

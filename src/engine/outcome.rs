@@ -46,11 +46,14 @@ pub enum Outcome {
     QuotaExceeded,
     /// The handler or its body was still running at the maximum hold and was cancelled.
     TimedOut,
+    /// The key's record expired within the tombstones' time: answered "expired" (`410`), nothing
+    /// ran.
+    Expired,
 }
 
 impl Outcome {
     /// Every outcome, in a fixed order.
-    pub const ALL: [Outcome; 16] = [
+    pub const ALL: [Outcome; 17] = [
         Outcome::Claimed,
         Outcome::Retaken,
         Outcome::Recorded,
@@ -67,6 +70,7 @@ impl Outcome {
         Outcome::TimedOut,
         Outcome::StoreFull,
         Outcome::QuotaExceeded,
+        Outcome::Expired,
     ];
 
     /// A stable snake_case name, as logged in the `outcome` field of the outcome's DEBUG event and
@@ -89,6 +93,7 @@ impl Outcome {
             Outcome::TimedOut => "timed_out",
             Outcome::StoreFull => "store_full",
             Outcome::QuotaExceeded => "quota_exceeded",
+            Outcome::Expired => "expired",
         }
     }
 

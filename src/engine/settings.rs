@@ -111,6 +111,8 @@ pub(crate) struct Settings {
     pub(crate) max_bytes_per_subject: Option<u64>,
     /// Whether a store failure lets the work run unguarded.
     pub(crate) fail_open: bool,
+    /// How long a finished record's tombstone outlives it; `None`: no tombstones.
+    pub(crate) tombstones: Option<Duration>,
     /// The deployment secret mixed into derived keys (HMAC), if any.
     pub(crate) derived_key_secret: Option<Arc<Secret>>,
     /// The application's hook on outcomes.
@@ -140,6 +142,7 @@ impl Default for Settings {
             max_records_per_subject: Some(100_000),
             max_bytes_per_subject: Some(DEFAULT_MAX_BYTES_PER_SUBJECT),
             fail_open: false,
+            tombstones: None,
             derived_key_secret: None,
             on_outcome: None,
             log_scope: false,
@@ -164,6 +167,7 @@ impl fmt::Debug for Settings {
             .field("max_records_per_subject", &self.max_records_per_subject)
             .field("max_bytes_per_subject", &self.max_bytes_per_subject)
             .field("fail_open", &self.fail_open)
+            .field("tombstones", &self.tombstones)
             .finish_non_exhaustive()
     }
 }
@@ -220,6 +224,14 @@ impl Settings {
         if self.retention < MIN_RETENTION || self.retention > MAX_DURATION {
             return Err(ConfigError::new(
                 "retention",
+                "must be from 100 ms to ten years",
+            ));
+        }
+        if let Some(after) = self.tombstones
+            && (after < MIN_RETENTION || after > MAX_DURATION)
+        {
+            return Err(ConfigError::new(
+                "tombstones",
                 "must be from 100 ms to ten years",
             ));
         }
@@ -387,6 +399,26 @@ macro_rules! engine_setters {
         /// `max_waiters_per_key`); the others are told at once.
         pub fn wait(mut self, wait: std::time::Duration) -> Self {
             self.$settings.wait = wait;
+            self
+        }
+
+        /// Keeps a tombstone of every finished record for `after` past the record's retention
+        /// (default: none). A request whose key's record expired within that time is answered
+        /// "expired" (the layer's `410 idempotency_key_expired`, `RunOnce`'s
+        /// `OnceError::Expired`), not run again: a client that retries a day late gets told, not
+        /// charged twice. From 100 ms to 10 years.
+        ///
+        /// A tombstone holds no answer: the key, subject and endpoint (hashed under
+        /// `EncryptedStore`), in a record of its own on a scope no request can name
+        /// (`store::tombstone_of`), written through the store's own operations, so every store
+        /// keeps them. It costs a look-up on every claim that runs, and a write (a claim and a
+        /// completion, in the background) after every recorded answer; it counts as one of its
+        /// subject's records. A tombstone that could not be written (the store failed four times)
+        /// is logged, and that key runs again once its record expires. Deleting a record through
+        /// the store does not delete its tombstone: delete `tombstone_of(scope)` too, to make the
+        /// key new at once.
+        pub fn tombstones(mut self, after: std::time::Duration) -> Self {
+            self.$settings.tombstones = Some(after);
             self
         }
 

@@ -7,7 +7,7 @@ use axum::body::Body;
 use http::Response;
 use http::request::Parts;
 
-use super::key;
+use super::key::{self, Found};
 use super::label;
 use super::problem::ErrorKind;
 use super::settings::LayerSettings;
@@ -45,23 +45,21 @@ pub(super) fn admit<St: IdempotencyStore>(
         engine.report(&label::of(parts), Outcome::Rejected);
         Admission::Refused(http.problem(kind, detail, None))
     };
-    let key = match key::from_headers(&parts.headers) {
-        Ok(Some(key)) if key.len() < http.min_key_length => {
+    let key = match http.key_source.in_parts(parts) {
+        Ok(Found::Key(key)) => match checked(http, key) {
+            Ok(key) => Some(key),
+            Err(detail) => return refuse(ErrorKind::InvalidIdempotencyKey, &detail),
+        },
+        Ok(Found::InBody) => None,
+        Ok(Found::Absent) if http.require_key => {
             let detail = format!(
-                "the Idempotency-Key must be at least {} characters long here",
-                http.min_key_length
+                "this endpoint requires a key in {}",
+                http.key_source.describe()
             );
-            return refuse(ErrorKind::InvalidIdempotencyKey, &detail);
+            return refuse(ErrorKind::MissingIdempotencyKey, &detail);
         }
-        Ok(Some(key)) => key,
-        Ok(None) if http.require_key => {
-            return refuse(
-                ErrorKind::MissingIdempotencyKey,
-                "this endpoint requires an Idempotency-Key header",
-            );
-        }
-        Ok(None) => return Admission::Unguarded,
-        Err(e) => return refuse(ErrorKind::InvalidIdempotencyKey, e.detail()),
+        Ok(Found::Absent) => return Admission::Unguarded,
+        Err(key::Refused(detail)) => return refuse(ErrorKind::InvalidIdempotencyKey, &detail),
     };
     let subject = match http.subject.subject(parts).filter(|s| !s.is_empty()) {
         Some(subject) => subject,
@@ -141,13 +139,25 @@ pub(super) fn admit<St: IdempotencyStore>(
     };
     Admission::Guarded {
         scope: RecordKey {
-            key,
+            // A key in the body is filled in once the body is read.
+            key: key.unwrap_or_default(),
             subject,
             endpoint,
         },
         label,
         in_flight,
     }
+}
+
+/// `key`, if it is long enough here; else why not.
+pub(super) fn checked(http: &LayerSettings, key: String) -> Result<String, String> {
+    if key.len() < http.min_key_length {
+        return Err(format!(
+            "the idempotency key must be at least {} characters long here",
+            http.min_key_length
+        ));
+    }
+    Ok(key)
 }
 
 /// `503 idempotency_overloaded`: the instance runs as many guarded requests as it takes.

@@ -8,6 +8,7 @@ use http::request::Parts;
 use http::{Method, StatusCode};
 
 use super::handler::Transactions;
+use super::key::KeySpec;
 use super::layer::IdempotencyLayer;
 use super::policy::Disposition;
 #[cfg(doc)]
@@ -40,14 +41,21 @@ impl<Store: IdempotencyStore> IdempotencyLayer<Store> {
 /// | `max_hold` | 10 min (or the TTL, if longer) | the longest a claim may be held by its handler and its body; past it a handler is cancelled and the key's record becomes a definitive `504 idempotency_handler_timeout` that replays (on the transactional path: rolled back, key released); a streamed body is cut and its response recorded without the body. From the TTL to 10 years |
 /// | `max_running` | 1024 | guarded requests in flight at this instance, attached or running on after their clients went away (counted in the layer's `Drain` then); a subject holding `h` of them takes one more only while `h` stay free; past it, new guarded requests get `503 idempotency_overloaded` before any claim |
 /// | `drain` | one per layer | share one `Drain` across layers, to wait for all of them (every guarded request, attached or not, and the background work) at shutdown |
+/// | `tombstones` | none (off) | how long a finished record's tombstone outlives it: a request whose key's record expired within that time gets `410 idempotency_key_expired`, not a second run |
 /// | `retention` | 24 h | how long completed and failed records are replayed; after that the key is new again. At most 10 years |
 /// | `retry_after_secs` | 2 | `Retry-After` of `409 in_progress` and `503` |
 /// | `body_limit` | 1 MiB | largest request body read (`Content-Length` checked first); larger is `413` |
 /// | `response_limit` | 1 MiB | largest response body recorded; a larger one is passed on whole and recorded without its body (replayed with an empty body and `Idempotency-Replay: omitted`) |
 /// | `require_key` | `false` | without a key: pass through (`false`) or `400 missing_idempotency_key` (`true`) |
+/// | `key_header` | `Idempotency-Key` | the header the key is read from; the draft's `Idempotency-Key`, if sent too, must name the same key (else `400`), and alone it still keys the request |
+/// | `key_from` | none | the key from the request's parts, by the application's extractor; the draft's header as with `key_header` |
+/// | `key_from_body` | none | the key from a string field of the JSON body, by JSON pointer (AIP-155's `/request_id`); the draft's header as with `key_header`. The last of the three set wins |
 /// | `methods` | `POST`, `PATCH` | methods guarded; others pass through; safe methods are refused |
 /// | `store_header` | `content-type`, `location`, `content-language`, `etag`, `cache-control` | response headers recorded (repeated ones in order); `set-cookie`, `authorization` and the like are never stored and refused here |
-/// | `response_policy` | `default_policy` | status to `Complete` / `Fail` / `Release` |
+/// | `response_policy` | `default_policy` | status to `Complete` / `Fail` / `Release`; a [`Disposition`] in a response's extensions overrides it for that response |
+/// | `release_rejections` | on | axum's extractor rejections (a JSON, form, query or path that does not parse or fit, a missing content type) release the key: the request failed validation, nothing ran |
+/// | `release_no_store` | off | a response marked `Cache-Control: no-store` by the handler is released, not recorded |
+/// | `replay_check` | none | an async check before every replay, with the request's parts and the record, that may refuse it with an answer of its own |
 /// | `subject_extractor` | the `Subject` extension | where the subject comes from |
 /// | `allow_anonymous` | `false` | one shared scope for requests without a subject |
 /// | `anonymous_shares_by` | none | what tells anonymous callers apart (their peer address, say) for their shares of requests in flight and running; by default they share one |
@@ -84,6 +92,7 @@ pub struct IdempotencyLayerBuilder<Store> {
     ignored_fields: Vec<String>,
     problem_type_base: Option<String>,
     credential_headers: Option<Vec<String>>,
+    key_source: Option<KeySpec>,
     transactions: Option<Arc<dyn Transactions<Store>>>,
 }
 
@@ -108,6 +117,7 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
             ignored_fields: Vec::new(),
             problem_type_base: None,
             credential_headers: None,
+            key_source: None,
             transactions: None,
         }
     }
@@ -167,6 +177,81 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
         policy: impl Fn(StatusCode) -> Disposition + Send + Sync + 'static,
     ) -> Self {
         self.http.policy = Arc::new(policy);
+        self
+    }
+
+    /// Reads the key from the header `name` instead of `Idempotency-Key` (checked by
+    /// [`build`](Self::build)). A request that sends the draft's `Idempotency-Key` too must send
+    /// the same key in both (else `400 invalid_idempotency_key`); one that sends only the draft's
+    /// header is keyed by it, never run unguarded. The same rules of what a key may hold apply.
+    pub fn key_header(mut self, name: impl Into<String>) -> Self {
+        self.key_source = Some(KeySpec::Header(name.into()));
+        self
+    }
+
+    /// Reads the key with `extract`, from the request's parts (its headers, its URI, the
+    /// extensions an earlier layer set): `None` when the request has none. The draft's
+    /// `Idempotency-Key` header, if sent too, must name the same key, as with
+    /// [`key_header`](Self::key_header); the key's rules apply to what `extract` returns.
+    pub fn key_from(
+        mut self,
+        extract: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.key_source = Some(KeySpec::Parts(Arc::new(extract)));
+        self
+    }
+
+    /// Reads the key from a string field of the JSON body, named by a JSON pointer (RFC 6901):
+    /// `/request_id`, as AIP-155 puts it. The body is read (up to [`body_limit`](Self::body_limit))
+    /// for every request of a guarded method, since only it says whether the request has a key; a
+    /// body that is not JSON, or has no such field (or `null`), has none. A field that is not a
+    /// string is `400 invalid_idempotency_key`. The draft's `Idempotency-Key` header, if sent
+    /// too, must name the same key, as with [`key_header`](Self::key_header). The OpenAPI
+    /// description documents the field in the request body, not a header.
+    pub fn key_from_body(mut self, pointer: impl Into<String>) -> Self {
+        self.key_source = Some(KeySpec::Body(pointer.into()));
+        self
+    }
+
+    /// Whether axum's extractor rejections release the key (default: on). A request that failed
+    /// validation is not an operation: `Json`, `Form`, `Query` and `Path` refused it before the
+    /// handler ran, so nothing happened, and the corrected retry with the same key must run rather
+    /// than get the old refusal replayed. They are told by their answers: a `400`, `413`, `415` or
+    /// `422` in `text/plain` whose text starts as axum 0.8's rejections do. Off: they follow the
+    /// status policy (a `4xx` is recorded as failed). A handler that wants one recorded says so
+    /// with a [`Disposition`] in the response's extensions, which always decides.
+    pub fn release_rejections(mut self, on: bool) -> Self {
+        self.http.release_rejections = on;
+        self
+    }
+
+    /// Whether a response the handler marks `Cache-Control: no-store` is released rather than
+    /// recorded (default: off). For answers that must not be kept (a one-time secret): the key is
+    /// released, and a retry runs the handler again, so mark only answers whose effect may be
+    /// repeated (or is deduplicated otherwise). A [`Disposition`] in the response's extensions
+    /// still decides over it.
+    pub fn release_no_store(mut self, on: bool) -> Self {
+        self.http.release_no_store = on;
+        self
+    }
+
+    /// Runs `check` before every replay (a finished record's answer, including a waiting
+    /// duplicate's), with the request's parts and the record ([`ReplayInfo`](crate::ReplayInfo)).
+    /// `check` answers a future: `None` lets the replay go; `Some(response)` refuses it, and that
+    /// response is sent instead, nothing of the record. For what may change between the first
+    /// request and its retry: the caller lost access to the account, the session was revoked.
+    ///
+    /// `check` reads what it needs from the parts (say, the subject, or a database pool from the
+    /// extensions) and returns a `'static` future. A check that panics, or whose future panics,
+    /// refuses the replay with `500`: it exists to keep an answer from a caller, and a check that
+    /// did not finish has not said it may be sent.
+    pub fn replay_check<F, Fut>(mut self, check: F) -> Self
+    where
+        F: Fn(&Parts, &crate::ReplayInfo<'_>) -> Fut + Send + Sync + 'static,
+        Fut:
+            std::future::Future<Output = Option<http::Response<axum::body::Body>>> + Send + 'static,
+    {
+        self.http.replay_check = Some(Arc::new(move |parts, info| Box::pin(check(parts, info))));
         self
     }
 
@@ -461,13 +546,15 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
     }
 
     /// Checks the settings and builds the layer.
-    pub fn build(self) -> Result<IdempotencyLayer<Store>, ConfigError> {
+    pub fn build(mut self) -> Result<IdempotencyLayer<Store>, ConfigError> {
+        self.http.tombstones = self.engine.tombstones.is_some();
         let http = self.http.finished(Unchecked {
             problem_type_base: self.problem_type_base,
             extra_headers: self.extra_headers,
             replay_header_name: self.replay_header_name,
             ignored_fields: self.ignored_fields,
             credential_headers: self.credential_headers,
+            key_source: self.key_source,
         })?;
         let engine = Engine::new(self.store, self.engine, self.drain)?;
         Ok(IdempotencyLayer {
@@ -533,7 +620,7 @@ mod tests {
                 .collect()
         };
         let shared = setters_of(shared);
-        assert_eq!(shared.len(), 6, "{shared:?}");
+        assert_eq!(shared.len(), 7, "{shared:?}");
         let setters: Vec<&str> = setters_of(source)
             .into_iter()
             .chain(shared.clone())

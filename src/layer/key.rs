@@ -1,8 +1,187 @@
-//! The `Idempotency-Key` header: what a valid key is, and how a header value is read as one.
+//! The `Idempotency-Key` header: what a valid key is, and how a header value is read as one; and
+//! where else a layer may be set to find the key (another header, the request's parts, a field of
+//! the JSON body).
 
-use http::HeaderMap;
+use std::sync::Arc;
+
+use http::request::Parts;
+use http::{HeaderMap, HeaderName};
 
 use crate::header::IDEMPOTENCY_KEY;
+
+/// The application's own key extractor: the key from the request's parts, `None` when it has none.
+pub(crate) type KeyFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+
+/// Where the layer finds a request's key. Whichever it is, a key also sent in the draft's
+/// `Idempotency-Key` header must be the same, and a request with the header alone is keyed by it:
+/// a client that sends the draft's header is never run unguarded, nor under another key.
+#[derive(Clone)]
+pub(crate) enum KeySource {
+    /// A header: `Idempotency-Key` by default.
+    Header(HeaderName),
+    /// The application's extractor.
+    Parts(Arc<KeyFn>),
+    /// A string field of the JSON body, by JSON pointer (RFC 6901), as AIP-155's `request_id`.
+    Body(String),
+}
+
+impl Default for KeySource {
+    fn default() -> Self {
+        KeySource::Header(IDEMPOTENCY_KEY)
+    }
+}
+
+/// A key source as the builder was given it, checked when the layer is built.
+pub(crate) enum KeySpec {
+    Header(String),
+    Parts(Arc<KeyFn>),
+    Body(String),
+}
+
+impl KeySpec {
+    /// The source, or why it is not one.
+    pub(crate) fn checked(self) -> Result<KeySource, crate::ConfigError> {
+        match self {
+            KeySpec::Header(name) => HeaderName::try_from(name.as_str())
+                .map(KeySource::Header)
+                .map_err(|_| {
+                    crate::ConfigError::new(
+                        "key_header",
+                        format!("{name:?} is not a valid header name"),
+                    )
+                }),
+            KeySpec::Parts(f) => Ok(KeySource::Parts(f)),
+            KeySpec::Body(pointer) => {
+                crate::fingerprint::json_pointer::Pointer::parse(&pointer)
+                    .map_err(|e| crate::ConfigError::new("key_from_body", e))?;
+                Ok(KeySource::Body(pointer))
+            }
+        }
+    }
+}
+
+/// What a source found before the body is read.
+pub(crate) enum Found {
+    /// The key.
+    Key(String),
+    /// No key.
+    Absent,
+    /// The key is in the body, to be read once it is.
+    InBody,
+}
+
+/// Why a key was refused: the detail of the `400`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Refused(pub(crate) String);
+
+impl KeySource {
+    /// Whether a request with these headers surely has no key (so the layer need not look
+    /// further); `false` when it may have one.
+    pub(crate) fn surely_absent(&self, headers: &HeaderMap) -> bool {
+        match self {
+            KeySource::Header(name) => {
+                !headers.contains_key(name) && !headers.contains_key(&IDEMPOTENCY_KEY)
+            }
+            KeySource::Parts(_) | KeySource::Body(_) => false,
+        }
+    }
+
+    /// The key, from the request's parts (or `InBody`).
+    pub(crate) fn in_parts(&self, parts: &Parts) -> Result<Found, Refused> {
+        let draft = from_headers(&parts.headers).map_err(|e| Refused(e.detail().to_owned()))?;
+        let found =
+            match self {
+                KeySource::Header(name) if *name == IDEMPOTENCY_KEY => {
+                    return Ok(found_or_absent(draft));
+                }
+                KeySource::Header(name) => from_header(&parts.headers, name)
+                    .map_err(|e| Refused(format!("the {name} header: {}", e.detail_of_value())))?,
+                KeySource::Parts(f) => match f(parts) {
+                    Some(key) => Some(parse(key.as_bytes()).map_err(|e| {
+                        Refused(format!("the request's key: {}", e.detail_of_value()))
+                    })?),
+                    None => None,
+                },
+                // The draft's header (valid, if sent) is checked against the field once it is read.
+                KeySource::Body(_) => return Ok(Found::InBody),
+            };
+        agreed(found, draft, self).map(found_or_absent)
+    }
+
+    /// The key, from the body of a request whose source is a body field: the field's string, or
+    /// the draft's header's when the body has none.
+    pub(crate) fn in_body(&self, headers: &HeaderMap, body: &[u8]) -> Result<Found, Refused> {
+        let KeySource::Body(pointer) = self else {
+            return Ok(Found::Absent);
+        };
+        let draft = from_headers(headers).map_err(|e| Refused(e.detail().to_owned()))?;
+        let field = match serde_json::from_slice::<serde_json::Value>(body) {
+            Ok(document) => match document.pointer(pointer) {
+                None | Some(serde_json::Value::Null) => None,
+                Some(serde_json::Value::String(key)) => {
+                    Some(parse(key.as_bytes()).map_err(|e| {
+                        Refused(format!(
+                            "the body's {pointer} field: {}",
+                            e.detail_of_value()
+                        ))
+                    })?)
+                }
+                Some(_) => {
+                    return Err(Refused(format!(
+                        "the body's {pointer} field must be a string, the request's key"
+                    )));
+                }
+            },
+            // Not JSON: no field to read.
+            Err(_) => None,
+        };
+        agreed(field, draft, self).map(found_or_absent)
+    }
+
+    /// Where the key is, as the layer's answers name it.
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            KeySource::Header(name) if *name == IDEMPOTENCY_KEY => {
+                "the Idempotency-Key header".to_owned()
+            }
+            KeySource::Header(name) => format!("the {name} header"),
+            KeySource::Parts(_) => "the request's key".to_owned(),
+            KeySource::Body(pointer) => format!("the body's {pointer} field"),
+        }
+    }
+}
+
+fn found_or_absent(key: Option<String>) -> Found {
+    key.map_or(Found::Absent, Found::Key)
+}
+
+/// The key from the source, or from the draft's header; both, only when they are the same.
+fn agreed(
+    key: Option<String>,
+    draft: Option<String>,
+    source: &KeySource,
+) -> Result<Option<String>, Refused> {
+    match (key, draft) {
+        (Some(key), Some(draft)) if key != draft => Err(Refused(format!(
+            "{} and the Idempotency-Key header name different keys; send one key",
+            source.describe()
+        ))),
+        (Some(key), _) => Ok(Some(key)),
+        (None, draft) => Ok(draft),
+    }
+}
+
+/// One header's key: `Ok(None)` when it is absent.
+fn from_header(headers: &HeaderMap, name: &HeaderName) -> Result<Option<String>, KeyError> {
+    let mut values = headers.get_all(name).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(KeyError::Repeated);
+    }
+    parse(value.as_bytes()).map(Some)
+}
 
 /// The longest key accepted, in characters (all keys are ASCII).
 pub(crate) const MAX_KEY_LEN: usize = 255;
@@ -35,18 +214,22 @@ impl KeyError {
             KeyError::BadQuoting => "the Idempotency-Key header is not a valid quoted string",
         }
     }
+
+    /// The same, of a key found elsewhere than the `Idempotency-Key` header.
+    fn detail_of_value(self) -> &'static str {
+        match self {
+            KeyError::Repeated => "must be sent once",
+            KeyError::Empty => "is empty",
+            KeyError::TooLong => "is longer than 255 characters",
+            KeyError::InvalidCharacter => "may hold only visible ASCII characters and spaces",
+            KeyError::BadQuoting => "is not a valid quoted string",
+        }
+    }
 }
 
 /// Reads the key from the request headers: `Ok(None)` when there is none.
 pub fn from_headers(headers: &HeaderMap) -> Result<Option<String>, KeyError> {
-    let mut values = headers.get_all(&IDEMPOTENCY_KEY).iter();
-    let Some(value) = values.next() else {
-        return Ok(None);
-    };
-    if values.next().is_some() {
-        return Err(KeyError::Repeated);
-    }
-    parse(value.as_bytes()).map(Some)
+    from_header(headers, &IDEMPOTENCY_KEY)
 }
 
 /// Parses one header value into a key.

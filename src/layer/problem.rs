@@ -205,6 +205,16 @@ error_kinds! {
             title: "Idempotency store full",
             may_retry: true,
         },
+        /// `410 idempotency_key_expired`: the key's record expired within the layer's
+        /// [`tombstones`](crate::IdempotencyLayerBuilder::tombstones) time; nothing ran. Not
+        /// retryable: the operation this key named was done, and its answer is gone; a new
+        /// operation needs a new key.
+        KeyExpired {
+            status: GONE,
+            code: "idempotency_key_expired",
+            title: "Idempotency-Key expired",
+            may_retry: false,
+        },
         /// `429 idempotency_quota_exceeded`: this subject's records hold its share of the store, so
         /// no new key is taken for it until some expire; its finished records still replay. Retryable
         /// after `Retry-After`.

@@ -9,15 +9,17 @@ use http::{Request, Response};
 use tower::{BoxError, Service, ServiceExt};
 use tracing::Instrument;
 
-use super::admission::{Admission, admit};
+use super::admission::{Admission, admit, checked};
 use super::body::{self, RequestBodyError};
 use super::handler::{self, Transactions};
+use super::key::{Found, KeySource, Refused};
 use super::problem::ErrorKind;
 use super::replay;
-use super::settings::LayerSettings;
+use super::settings::{LayerSettings, ReplayCheckFn};
 use crate::engine::{Claim, Engine, Outcome, Stage, Unavailable, span};
-use crate::store::{IdempotencyStore, StoredResponse};
+use crate::store::{IdempotencyStore, RecordKey, StoredResponse};
 use crate::util::metrics::Label;
+use futures_util::FutureExt;
 
 /// Runs one request through the layer. `inner` is a ready clone of the wrapped service; `stage`
 /// is shared with the request's future (see [`Stage`]).
@@ -38,7 +40,7 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let (parts, body) = request.into_parts();
-    let (key, label, in_flight) = match admit(&engine, &http, &parts) {
+    let (mut key, label, in_flight) = match admit(&engine, &http, &parts) {
         Admission::Guarded {
             scope,
             label,
@@ -56,10 +58,22 @@ where
             Ok(bytes) => bytes,
             Err(refused) => return Ok(refused),
         };
+        if let KeySource::Body(_) = http.key_source {
+            match key_in_body(&engine, &http, &label, &parts, &bytes) {
+                Ok(Some(found)) => key.key = found,
+                Ok(None) => {
+                    drop(in_flight);
+                    let request = Request::from_parts(parts, Body::from(bytes));
+                    return pass_through(inner, request).await;
+                }
+                Err(refused) => return Ok(*refused),
+            }
+        }
         // From here on the request runs to its end if its client leaves.
         stage.body_read();
         let fingerprint = http.fingerprint.of(&parts, &bytes);
-        let request = Request::from_parts(parts, Body::from(bytes));
+        // The scope a replay check is shown (kept only when there is one).
+        let scope = http.replay_check.as_ref().map(|_| key.clone());
         match engine.claim(label, key, fingerprint, Some(&stage)).await {
             Claim::Held(mut lease, context) => {
                 if let Some(share) = in_flight.take() {
@@ -71,13 +85,22 @@ where
                     &http,
                     transactions.as_deref(),
                     inner,
-                    request,
+                    Request::from_parts(parts, Body::from(bytes)),
                     lease,
                     context,
                 ))
                 .await
             }
-            Claim::Finished(stored, sent) => Ok(replayed(&http, &request, &stored, sent)),
+            Claim::Finished(stored, sent) => {
+                if let (Some(check), Some(scope)) = (&http.replay_check, &scope)
+                    && let Some(refused) =
+                        refused(&http, check.as_ref(), &parts, scope, &stored).await
+                {
+                    return Ok(refused);
+                }
+                let request = Request::from_parts(parts, Body::from(bytes));
+                Ok(replayed(&http, &request, &stored, sent))
+            }
             Claim::InProgress => Ok(http.retryable(
                 ErrorKind::InProgress,
                 "a request with this Idempotency-Key is still being processed; retry later",
@@ -87,7 +110,15 @@ where
                 "this Idempotency-Key was used for a request with a different body or query",
                 None,
             )),
-            Claim::Unguarded => pass_through(inner, request).await,
+            Claim::Expired => Ok(http.problem(
+                ErrorKind::KeyExpired,
+                "this Idempotency-Key named an operation whose record has expired; it is not run \
+                 again, and a new operation needs a new key",
+                None,
+            )),
+            Claim::Unguarded => {
+                pass_through(inner, Request::from_parts(parts, Body::from(bytes))).await
+            }
             Claim::Unavailable(Unavailable::TooLate) => Ok(http.retryable(
                 ErrorKind::StoreUnavailable,
                 "the idempotency store answered too slowly; retry later",
@@ -159,6 +190,65 @@ async fn read_body<St: IdempotencyStore>(
     };
     engine.report(label, Outcome::Rejected);
     Err(refused)
+}
+
+/// The key in the body's field (or the `Idempotency-Key` header), `None` when there is none and
+/// none is required; or the answer refusing the request.
+fn key_in_body<St: IdempotencyStore>(
+    engine: &Engine<St>,
+    http: &LayerSettings,
+    label: &Label,
+    parts: &http::request::Parts,
+    bytes: &[u8],
+) -> Result<Option<String>, Box<Response<Body>>> {
+    let refused = match http.key_source.in_body(&parts.headers, bytes) {
+        Ok(Found::Key(key)) => match checked(http, key) {
+            Ok(key) => return Ok(Some(key)),
+            Err(detail) => http.problem(ErrorKind::InvalidIdempotencyKey, &detail, None),
+        },
+        Ok(Found::Absent | Found::InBody) if http.require_key => {
+            let detail = format!(
+                "this endpoint requires a key in {}",
+                http.key_source.describe()
+            );
+            http.problem(ErrorKind::MissingIdempotencyKey, &detail, None)
+        }
+        Ok(Found::Absent | Found::InBody) => return Ok(None),
+        Err(Refused(detail)) => http.problem(ErrorKind::InvalidIdempotencyKey, &detail, None),
+    };
+    engine.report(label, Outcome::Rejected);
+    Err(Box::new(refused))
+}
+
+/// What the replay check answers instead of the replay of `stored`, if it refuses it. A check
+/// that panics refuses it with `500`: it did not say the answer may be sent.
+async fn refused(
+    http: &LayerSettings,
+    check: &ReplayCheckFn,
+    parts: &http::request::Parts,
+    scope: &RecordKey,
+    stored: &StoredResponse,
+) -> Option<Response<Body>> {
+    let info = crate::ReplayInfo::new(scope, stored);
+    let checked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(parts, &info)));
+    let answer = match checked {
+        Ok(future) => std::panic::AssertUnwindSafe(future).catch_unwind().await,
+        Err(panic) => Err(panic),
+    };
+    match answer {
+        Ok(None) => None,
+        Ok(Some(refusal)) => {
+            tracing::info!(
+                status = refusal.status().as_u16(),
+                "the replay check refused a replay"
+            );
+            Some(refusal)
+        }
+        Err(_) => {
+            tracing::error!("the replay check panicked; the replay is refused");
+            Some(super::handler::internal_error(http))
+        }
+    }
 }
 
 /// The replay of a finished record.

@@ -11,7 +11,6 @@ use super::future::ResponseFuture;
 use super::handler::Transactions;
 use super::settings::LayerSettings;
 use crate::engine::{Engine, Stage};
-use crate::header::IDEMPOTENCY_KEY;
 use crate::store::IdempotencyStore;
 
 /// Guards an inner service; built by [`IdempotencyLayer`](crate::IdempotencyLayer).
@@ -95,7 +94,7 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         if !guards(&self.http, request.method())
-            || !request.headers().contains_key(IDEMPOTENCY_KEY) && !self.http.require_key
+            || self.http.key_source.surely_absent(request.headers()) && !self.http.require_key
         {
             let future = inner.call(request);
             return ResponseFuture::passed(Box::pin(

@@ -33,6 +33,12 @@ pub(crate) type EndpointFn = dyn Fn(&Parts) -> String + Send + Sync;
 pub(crate) type FingerprintFn = dyn Fn(&Parts, &[u8]) -> Fingerprint + Send + Sync;
 pub(crate) type ReplayFn =
     dyn Fn(&http::Request<axum::body::Body>, &StoredResponse, &mut http::HeaderMap) + Send + Sync;
+pub(crate) type ReplayCheckFn = dyn Fn(
+        &Parts,
+        &crate::ReplayInfo<'_>,
+    ) -> futures_util::future::BoxFuture<'static, Option<http::Response<axum::body::Body>>>
+    + Send
+    + Sync;
 
 /// How a request's fingerprint is computed.
 #[derive(Clone)]
@@ -62,6 +68,10 @@ pub(crate) struct LayerSettings {
     pub(crate) body_timeout: Duration,
     pub(crate) response_limit: usize,
     pub(crate) require_key: bool,
+    /// Where the key is found.
+    pub(crate) key_source: super::key::KeySource,
+    /// Whether the engine keeps tombstones (so `410 idempotency_key_expired` may be answered).
+    pub(crate) tombstones: bool,
     pub(crate) methods: Vec<Method>,
     pub(crate) stored_headers: Vec<HeaderName>,
     pub(crate) policy: Arc<PolicyFn>,
@@ -79,6 +89,13 @@ pub(crate) struct LayerSettings {
     pub(crate) min_key_length: usize,
     /// The hook on replays.
     pub(crate) on_replay: Option<Arc<ReplayFn>>,
+    /// The check run before a replay is sent, which may refuse it.
+    pub(crate) replay_check: Option<Arc<ReplayCheckFn>>,
+    /// Whether a response marked `Cache-Control: no-store` is released rather than recorded.
+    pub(crate) release_no_store: bool,
+    /// Whether axum's extractor rejections release the key (the default) rather than follow the
+    /// status policy.
+    pub(crate) release_rejections: bool,
     /// Whether answers carry the expiry header.
     pub(crate) expiry_header: bool,
     /// The request headers that count as credentials: a request with one of them and no subject
@@ -101,6 +118,8 @@ impl fmt::Debug for LayerSettings {
             .field("replay_header", &self.replay_header)
             .field("min_key_length", &self.min_key_length)
             .field("expiry_header", &self.expiry_header)
+            .field("release_no_store", &self.release_no_store)
+            .field("release_rejections", &self.release_rejections)
             .finish_non_exhaustive()
     }
 }
@@ -180,6 +199,8 @@ impl Default for LayerSettings {
             body_timeout: Duration::from_secs(10),
             response_limit: 1024 * 1024,
             require_key: false,
+            key_source: super::key::KeySource::default(),
+            tombstones: false,
             methods: vec![Method::POST, Method::PATCH],
             stored_headers: DEFAULT_STORED_HEADERS.to_vec(),
             policy: Arc::new(default_policy),
@@ -192,6 +213,9 @@ impl Default for LayerSettings {
             problems: ProblemTypes::default(),
             min_key_length: 1,
             on_replay: None,
+            replay_check: None,
+            release_no_store: false,
+            release_rejections: true,
             expiry_header: true,
             credential_headers: vec![http::header::AUTHORIZATION],
         }
@@ -221,12 +245,16 @@ pub(crate) struct Unchecked {
     pub(crate) replay_header_name: Option<String>,
     pub(crate) ignored_fields: Vec<String>,
     pub(crate) credential_headers: Option<Vec<String>>,
+    pub(crate) key_source: Option<super::key::KeySpec>,
 }
 
 impl LayerSettings {
     /// The settings with `unchecked` applied, once every part is valid: what `build()` makes.
     pub(crate) fn finished(mut self, unchecked: Unchecked) -> Result<Self, ConfigError> {
         self.check()?;
+        if let Some(source) = unchecked.key_source {
+            self.key_source = source.checked()?;
+        }
         if let Some(base) = unchecked.problem_type_base {
             let absolute = http::Uri::try_from(base.as_str()).is_ok_and(|uri| {
                 matches!(uri.scheme_str(), Some("http" | "https")) && uri.authority().is_some()

@@ -1,10 +1,11 @@
 //! [`RunOnceBuilder`]: the settings of a [`RunOnce`], checked when it is built.
 
 use std::fmt;
+use std::sync::Arc;
 
 #[cfg(doc)]
 use super::OnceError;
-use super::{RUN_ONCE_LABEL, RunOnce};
+use super::{RUN_ONCE_LABEL, ReplayCheckFn, RunOnce};
 use crate::engine::{ConfigError, Drain, Engine, Settings};
 use crate::store::IdempotencyStore;
 use crate::util::metrics::Label;
@@ -15,6 +16,7 @@ pub struct RunOnceBuilder<St> {
     store: St,
     settings: Settings,
     drain: Drain,
+    replay_check: Option<Arc<ReplayCheckFn>>,
 }
 
 impl<St> fmt::Debug for RunOnceBuilder<St> {
@@ -36,6 +38,7 @@ impl<St: IdempotencyStore> RunOnceBuilder<St> {
                 ..Settings::default()
             },
             drain: Drain::new(),
+            replay_check: None,
         }
     }
 
@@ -65,11 +68,25 @@ impl<St: IdempotencyStore> RunOnceBuilder<St> {
         self
     }
 
+    /// Runs `check` before a recorded output is returned, with the record
+    /// ([`ReplayInfo`](crate::ReplayInfo): its scope and its recorded answer). Its future answers
+    /// `None` to let the output be returned, or `Some(reason)` to refuse it:
+    /// [`OnceError::ReplayRefused`], and nothing of the record. A check that panics refuses.
+    pub fn replay_check<F, Fut>(mut self, check: F) -> Self
+    where
+        F: Fn(&crate::ReplayInfo<'_>) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Option<String>> + Send + 'static,
+    {
+        self.replay_check = Some(Arc::new(move |info| Box::pin(check(info))));
+        self
+    }
+
     /// Checks the settings and builds the [`RunOnce`].
     pub fn build(self) -> Result<RunOnce<St>, ConfigError> {
         Ok(RunOnce {
             engine: Engine::new(self.store, self.settings, self.drain)?,
             label: Label::named(RUN_ONCE_LABEL),
+            replay_check: self.replay_check,
         })
     }
 }

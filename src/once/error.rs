@@ -14,6 +14,10 @@ pub enum OnceError<E> {
     InProgress,
     /// The scope was used with another fingerprint (another input) within the retention.
     KeyReuse,
+    /// The scope's record expired within the tombstones' time
+    /// ([`tombstones`](super::RunOnceBuilder::tombstones)): the operation was done, its output is
+    /// gone, and it does not run again.
+    Expired,
     /// The closure returned this error. The record was released: a later call runs it again.
     Failed(E),
     /// The closure panicked. The record was released: a later call runs it again.
@@ -35,6 +39,9 @@ pub enum OnceError<E> {
     /// run: the scope is settled as failed (later calls get [`Decode`](Self::Decode)), so its
     /// effect is not repeated.
     Encode(serde_json::Error),
+    /// The replay check ([`RunOnceBuilder::replay_check`](super::RunOnceBuilder::replay_check))
+    /// refused to return the recorded output, for this reason. Nothing ran; the record stands.
+    ReplayRefused(String),
     /// The recorded output could not be read back as `T` (another type, a record made by the HTTP
     /// layer under the same scope, an output that did not serialize, or one the store kept
     /// without its body because it refused it several times while it took renewals).
@@ -48,6 +55,7 @@ impl<E: fmt::Display> fmt::Display for OnceError<E> {
             OnceError::KeyReuse => {
                 f.write_str("the scope was used for an operation with another input")
             }
+            OnceError::Expired => f.write_str("the operation's record has expired"),
             OnceError::Failed(e) => write!(f, "the operation failed: {e}"),
             OnceError::Panicked => f.write_str("the operation panicked"),
             OnceError::TimedOut => f.write_str("the operation ran past the maximum hold"),
@@ -57,6 +65,12 @@ impl<E: fmt::Display> fmt::Display for OnceError<E> {
             }
             OnceError::Encode(e) => write!(f, "the input or output did not serialize: {e}"),
             OnceError::Decode(e) => write!(f, "the recorded output could not be read: {e}"),
+            OnceError::ReplayRefused(reason) => {
+                write!(
+                    f,
+                    "the recorded output was refused by the replay check: {reason}"
+                )
+            }
         }
     }
 }

@@ -92,10 +92,32 @@ use serde::de::DeserializeOwned;
 use tracing::Instrument;
 
 pub use crate::engine::IdempotencyContext;
-use crate::engine::{Claim, Completed, ConfigError, Drain, Engine, Lease, Ran, Unavailable, span};
+use crate::engine::{
+    Claim, Completed, ConfigError, Drain, Engine, Lease, Ran, ReplayInfo, Unavailable, span,
+};
 pub use crate::store::{Fingerprint, RecordKey};
 use crate::store::{Finished, IdempotencyStore, StoreError, StoredResponse};
 use crate::util::metrics::Label;
+
+/// Why the replay check refuses to return `stored`, if it does. A check that panics refuses it: it
+/// did not say the output may be returned.
+async fn recheck(
+    check: &ReplayCheckFn,
+    scope: &RecordKey,
+    stored: &StoredResponse,
+) -> Option<String> {
+    use futures_util::FutureExt;
+    let info = ReplayInfo::new(scope, stored);
+    let checked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(&info)));
+    let answer = match checked {
+        Ok(future) => std::panic::AssertUnwindSafe(future).catch_unwind().await,
+        Err(panic) => Err(panic),
+    };
+    answer.unwrap_or_else(|_| {
+        tracing::error!("the replay check panicked; the recorded output is not returned");
+        Some("the replay check panicked".to_owned())
+    })
+}
 
 /// The `endpoint` label of run-once outcomes in the metrics (feature `metrics`): one series for
 /// every scope, whatever its endpoint, so that message ids never become label values.
@@ -117,13 +139,20 @@ const TIMED_OUT: u16 = 504;
 pub struct RunOnce<St> {
     engine: Engine<St>,
     label: Label,
+    replay_check: Option<Arc<ReplayCheckFn>>,
 }
+
+/// The check run before a recorded output is returned (see [`RunOnceBuilder::replay_check`]).
+pub(crate) type ReplayCheckFn = dyn Fn(&ReplayInfo<'_>) -> futures_util::future::BoxFuture<'static, Option<String>>
+    + Send
+    + Sync;
 
 impl<St: Clone> Clone for RunOnce<St> {
     fn clone(&self) -> Self {
         RunOnce {
             engine: self.engine.clone(),
             label: self.label.clone(),
+            replay_check: self.replay_check.clone(),
         }
     }
 }
@@ -198,13 +227,23 @@ impl<St: IdempotencyStore> RunOnce<St> {
     {
         let span = span(self.engine.settings(), &scope);
         let (engine, label) = (self.engine.clone(), self.label.clone());
+        let check = self.replay_check.clone();
+        // The scope a replay check is shown (kept only when there is one).
+        let checked_scope = check.as_ref().map(|_| scope.clone());
         let (answer, answered) = tokio::sync::oneshot::channel();
         let work = async move {
             let outcome = match engine.claim(label, scope, fingerprint, None).await {
                 Claim::Held(lease, context) => runner(lease, context).await,
-                Claim::Finished(stored, _) => decode(&stored),
+                Claim::Finished(stored, _) => match (check, checked_scope) {
+                    (Some(check), Some(scope)) => match recheck(&*check, &scope, &stored).await {
+                        Some(reason) => Err(OnceError::ReplayRefused(reason)),
+                        None => decode(&stored),
+                    },
+                    _ => decode(&stored),
+                },
                 Claim::InProgress => Err(OnceError::InProgress),
                 Claim::KeyReuse => Err(OnceError::KeyReuse),
+                Claim::Expired => Err(OnceError::Expired),
                 Claim::Unavailable(Unavailable::Store(e)) => Err(OnceError::Store(e)),
                 Claim::Unavailable(Unavailable::TooLate) | Claim::Unguarded => Err(
                     OnceError::Store(StoreError::msg(Unavailable::TooLate.to_string())),

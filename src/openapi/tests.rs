@@ -72,7 +72,12 @@ fn key_parameters(operation: &Value) -> Vec<&Value> {
 
 #[test]
 fn guarded_operations_get_the_layers_contract_and_the_document_stays_valid() {
-    let doc = documented(layer().require_key(true).min_key_length(16));
+    let doc = documented(
+        layer()
+            .require_key(true)
+            .min_key_length(16)
+            .tombstones(std::time::Duration::from_secs(3600)),
+    );
     validate::validate(&doc).expect("a valid OpenAPI 3.1 document");
     if std::env::var_os("SHOW_OPENAPI").is_some() {
         println!("{doc:#}");
@@ -305,7 +310,11 @@ fn one_operation_with_its_components() {
 
 #[test]
 fn every_example_and_every_answer_of_the_layer_fits_the_problem_schema() {
-    let doc = documented(layer().require_key(true));
+    let doc = documented(
+        layer()
+            .require_key(true)
+            .tombstones(std::time::Duration::from_secs(3600)),
+    );
     let schema = &doc["components"]["schemas"]["IdempotencyProblem"];
     let mut seen = 0;
     for (status, response) in doc["paths"]["/checkout"]["post"]["responses"]
@@ -382,4 +391,69 @@ proptest::proptest! {
         proptest::prop_assume!(key.len() <= crate::layer::key::MAX_KEY_LEN);
         proptest::prop_assert_eq!(crate::layer::key::parse(key.as_bytes()), Ok(key.clone()));
     }
+}
+
+#[test]
+fn the_expired_answer_is_documented_only_with_tombstones() {
+    let without = documented(layer());
+    let with = documented(layer().tombstones(std::time::Duration::from_secs(60)));
+    let post = |doc: &Value| doc["paths"]["/checkout"]["post"]["responses"]["410"].clone();
+    assert!(post(&without).is_null(), "{without:#}");
+    let gone = post(&with);
+    assert_eq!(
+        gone["content"]["application/problem+json"]["examples"]["idempotency_key_expired"]["value"]
+            ["status"],
+        410,
+        "{gone:#}"
+    );
+}
+
+#[test]
+fn the_key_is_documented_where_the_layer_reads_it() {
+    // Another header: that header, not the draft's.
+    let doc = documented(layer().key_header("X-Request-Id"));
+    let post = &doc["paths"]["/checkout"]["post"];
+    let headers: Vec<&str> = post["parameters"]
+        .as_array()
+        .expect("parameters")
+        .iter()
+        .filter(|p| p["in"] == "header")
+        .filter_map(|p| p["name"].as_str())
+        .collect();
+    assert!(headers.contains(&"X-Request-Id"), "{headers:?}");
+    assert!(key_parameters(post).is_empty(), "{post:#}");
+
+    // A body field: in the request's schema, beside what it was, and no header.
+    let mut openapi = document();
+    let checkout = openapi.paths.paths.get_mut("/checkout").expect("/checkout");
+    checkout.post.as_mut().expect("post").request_body = Some(utoipa::openapi::RefOr::T(
+        utoipa::openapi::request_body::RequestBodyBuilder::new()
+            .content(
+                "application/json",
+                utoipa::openapi::ContentBuilder::new()
+                    .schema(Some(utoipa::openapi::Ref::from_schema_name("Checkout")))
+                    .build(),
+            )
+            .build(),
+    ));
+    let layer = layer()
+        .require_key(true)
+        .key_from_body("/meta/request_id")
+        .build()
+        .expect("layer");
+    layer.openapi().document(&mut openapi);
+    let doc = serde_json::to_value(&openapi).expect("json");
+    validate::validate(&doc).expect("a valid OpenAPI 3.1 document");
+    let post = &doc["paths"]["/checkout"]["post"];
+    assert!(key_parameters(post).is_empty(), "{post:#}");
+    let schema = &post["requestBody"]["content"]["application/json"]["schema"];
+    let parts = schema["allOf"]
+        .as_array()
+        .expect("allOf of the body and the key");
+    assert_eq!(parts.len(), 2, "{schema:#}");
+    let key = &parts[1];
+    assert_eq!(key["required"][0], "meta", "{key:#}");
+    let field = &key["properties"]["meta"]["properties"]["request_id"];
+    assert_eq!(field["type"], "string", "{key:#}");
+    assert_eq!(field["maxLength"], 255);
 }

@@ -8,6 +8,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod adopters;
 mod faults;
 mod instances;
 mod mysql;

@@ -60,7 +60,8 @@ pub(crate) async fn record<St: IdempotencyStore>(
     mut lease: Lease<St>,
     response: Response<Body>,
 ) -> Response<Body> {
-    let Some(outcome) = recorded_as(http, &response) else {
+    let (outcome, response) = sorted(http, response);
+    let Some(outcome) = outcome else {
         lease.release("the response asks for a retry").await;
         return response;
     };
@@ -149,18 +150,53 @@ pub(crate) fn taken_over(http: &LayerSettings) -> Response<Body> {
     )
 }
 
-/// How the policy records `response`: completed or failed, or `None` to release the record.
+/// How `response` is recorded: completed or failed, or `None` to release the record; and the
+/// response itself (whose body may have been read, whole, to tell an extractor's rejection).
+///
+/// The first that speaks decides:
+/// 1. a [`Disposition`] the handler put in the response's extensions;
+/// 2. `Cache-Control: no-store` on the response, where the layer is set to release those;
+/// 3. one of axum's extractor rejections (the request failed validation before the handler ran),
+///    released unless the layer is set to record them;
+/// 4. the status policy.
+pub(crate) fn sorted(
+    http: &LayerSettings,
+    mut response: Response<Body>,
+) -> (Option<Finished>, Response<Body>) {
+    if let Some(disposition) = response.extensions_mut().remove::<Disposition>() {
+        return (finished(disposition), response);
+    }
+    if http.release_no_store && super::policy::says_no_store(response.headers()) {
+        return (None, response);
+    }
+    if http.release_rejections {
+        let (rejection, peeked) = super::policy::is_rejection(response);
+        response = peeked;
+        if rejection {
+            return (None, response);
+        }
+    }
+    (recorded_as(http, &response), response)
+}
+
+fn finished(disposition: Disposition) -> Option<Finished> {
+    match disposition {
+        Disposition::Complete => Some(Finished::Completed),
+        Disposition::Fail => Some(Finished::Failed),
+        Disposition::Release => None,
+    }
+}
+
+/// How the status policy records `response`: completed or failed, or `None` to release the record.
 ///
 /// The handler has answered, so its effect may have happened: a policy that panics must not
 /// release the record (a retry would run the handler again). Its answer is then recorded, as
 /// completed for a 2xx and failed otherwise.
-pub(crate) fn recorded_as(http: &LayerSettings, response: &Response<Body>) -> Option<Finished> {
+fn recorded_as(http: &LayerSettings, response: &Response<Body>) -> Option<Finished> {
     let status = response.status();
     let disposition = std::panic::catch_unwind(AssertUnwindSafe(|| (http.policy)(status)));
     match disposition {
-        Ok(Disposition::Complete) => Some(Finished::Completed),
-        Ok(Disposition::Fail) => Some(Finished::Failed),
-        Ok(Disposition::Release) => None,
+        Ok(disposition) => finished(disposition),
         Err(_) => {
             tracing::error!(
                 status = status.as_u16(),

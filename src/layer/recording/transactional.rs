@@ -9,7 +9,7 @@ use axum::response::Response;
 use super::super::problem::ErrorKind;
 use super::super::replay;
 use super::super::settings::LayerSettings;
-use super::{body_of, head_of, read_up_to, recorded_as, taken_over, unrecorded};
+use super::{body_of, head_of, read_up_to, sorted, taken_over, unrecorded};
 use crate::engine::{InTransaction, Lease, Outcome, commit_with_record, rollback};
 use crate::store::{Finished, StoredResponse, TransactionalStore};
 
@@ -25,7 +25,8 @@ pub(crate) async fn record_in<St: TransactionalStore>(
     let engine = lease.engine().clone();
     // Outcomes reported after the lease is settled carry its endpoint label.
     let label = lease.label().clone();
-    let Some(outcome) = recorded_as(http, &response) else {
+    let (outcome, response) = sorted(http, response);
+    let Some(outcome) = outcome else {
         rollback(engine.store(), tx).await;
         lease.release("the response asks for a retry").await;
         return response;

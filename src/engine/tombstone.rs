@@ -1,0 +1,130 @@
+//! Tombstones (opt-in): a record of its own, on a scope no request can name, that outlives a
+//! finished record by a set time and holds no answer. A claim that takes a key whose tombstone
+//! lives (its record expired within that time) answers "expired" instead of running again.
+//!
+//! They are written and read through the store's own operations, so every store keeps them, and a
+//! wrapper such as `EncryptedStore` hashes their scope as it hashes any other.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::core::Engine;
+use crate::store::{
+    ClaimOutcome, ClaimRequest, Fenced, Fingerprint, Finished, IdempotencyStore, RecordKey,
+    RecordState, StoredResponse,
+};
+
+/// What starts the endpoint of a tombstone's scope: a NUL, which no HTTP method or path holds.
+pub(crate) const TOMBSTONE_PREFIX: &str = "\0tombstone\0";
+
+/// The status a tombstone's record keeps (it is never replayed).
+const TOMBSTONE_STATUS: u16 = 410;
+
+/// Attempts at writing a tombstone before it is given up (the key then runs again after its
+/// record expires, as without tombstones).
+const ATTEMPTS: u32 = 4;
+
+/// The scope of the tombstone of `key`'s record: the same key and subject, on an endpoint no
+/// request can name. An application that deletes a record of its own (inspection) and wants the
+/// key new at once deletes this scope too.
+pub fn tombstone_of(key: &RecordKey) -> RecordKey {
+    RecordKey {
+        key: key.key.clone(),
+        subject: key.subject.clone(),
+        endpoint: format!("{TOMBSTONE_PREFIX}{}", key.endpoint),
+    }
+}
+
+/// Whether `key` is a tombstone's scope (inspection lists them with their subject's records).
+pub fn is_tombstone(key: &RecordKey) -> bool {
+    key.endpoint.starts_with(TOMBSTONE_PREFIX)
+}
+
+fn fingerprint() -> Fingerprint {
+    Fingerprint::of_material(b"axum-idempotency tombstone")
+}
+
+/// What a look at a key's tombstone found.
+pub(crate) enum Grave {
+    /// None lives: the key's record never finished, or expired longer ago than the tombstones
+    /// last.
+    Empty,
+    /// One lives: the key's record finished and expired within the tombstones' time.
+    Found,
+}
+
+impl<St: IdempotencyStore> Engine<St> {
+    /// Writes the tombstone of `key`, whose record was just recorded, in the background: it lives
+    /// the retention and the tombstones' time from now. Nothing when tombstones are off.
+    pub(crate) fn entomb(&self, key: &RecordKey) {
+        let Some(after) = self.settings().tombstones else {
+            return;
+        };
+        let tomb = tombstone_of(key);
+        let (store, settings) = (self.store().clone(), self.settings());
+        let lifetime = settings.retention.saturating_add(after);
+        let ttl = settings.in_progress_ttl;
+        self.drain().spawn(async move {
+            let mut pause = Duration::from_millis(100);
+            for attempt in 1..=ATTEMPTS {
+                match write(&store, &tomb, ttl, lifetime).await {
+                    Ok(()) => return,
+                    Err(e) if attempt == ATTEMPTS => {
+                        tracing::error!(
+                            error = %e,
+                            "the key's tombstone could not be written; once its record expires \
+                             the key runs again"
+                        );
+                    }
+                    Err(_) => {
+                        tokio::time::sleep(pause).await;
+                        pause *= 4;
+                    }
+                }
+            }
+        });
+    }
+
+    /// Looks for a living tombstone of `key`.
+    pub(crate) async fn grave(&self, key: &RecordKey) -> Result<Grave, crate::store::StoreError> {
+        match self.store_lookup(&tombstone_of(key)).await? {
+            Some(info) if info.state != RecordState::InProgress => Ok(Grave::Found),
+            _ => Ok(Grave::Empty),
+        }
+    }
+}
+
+/// Claims the tombstone's scope and completes it with an empty answer, to live `lifetime`. A
+/// tombstone that lives already is left as it is.
+async fn write<St: IdempotencyStore>(
+    store: &St,
+    tomb: &RecordKey,
+    ttl: Duration,
+    lifetime: Duration,
+) -> Result<(), crate::store::StoreError> {
+    let request = ClaimRequest::new(tomb.clone(), fingerprint(), ttl, lifetime);
+    match store.claim(&request).await? {
+        ClaimOutcome::Claimed { lease, .. } => {
+            let empty = Arc::new(StoredResponse::new(
+                Finished::Completed,
+                TOMBSTONE_STATUS,
+                Vec::new(),
+                Some(bytes::Bytes::new()),
+            ));
+            match store
+                .complete(tomb, lease, &request.fingerprint, empty, lifetime)
+                .await?
+            {
+                Fenced::Done => Ok(()),
+                Fenced::LeaseLost => Err(crate::store::StoreError::msg(
+                    "the tombstone's claim was taken before it was written",
+                )),
+            }
+        }
+        // Written already (an earlier record of the key, deleted and made again within it).
+        ClaimOutcome::Finished(_) => Ok(()),
+        ClaimOutcome::InProgress | ClaimOutcome::KeyReuse => Err(crate::store::StoreError::msg(
+            "the tombstone's scope is held by another write",
+        )),
+    }
+}
