@@ -21,7 +21,9 @@ use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetReques
 use tower_http::timeout::TimeoutLayer;
 use tower_http::trace::{DefaultOnResponse, TraceLayer};
 
-use super::handlers::{charges, checkout, checkout_separately, refund, refund_separately};
+use super::handlers::{
+    charges, checkout, checkout_separately, close_account, is_closed, refund, refund_separately,
+};
 use super::inspection::{forget, inspect};
 #[cfg(feature = "openapi")]
 use super::openapi;
@@ -40,14 +42,31 @@ pub(crate) fn idempotency<S: IdempotencyStore>(
     store: S,
     settings: &Settings,
 ) -> IdempotencyLayerBuilder<S> {
-    IdempotencyLayer::builder(store)
+    let builder = IdempotencyLayer::builder(store)
         .require_key(true)
         .in_progress_ttl(settings.in_progress_ttl)
         .wait(settings.wait)
         .drain(drain())
         // Logged in the request's span (see `around`), so each outcome carries the request id.
         .on_outcome(|outcome| tracing::info!(outcome = outcome.as_str(), "idempotency outcome"))
+        // A replay sends an earlier answer again: not to an account closed since.
+        .replay_check(|parts, _record| {
+            let closed = parts
+                .extensions
+                .get::<Subject>()
+                .is_none_or(|subject| is_closed(&subject.0));
+            std::future::ready(closed.then(|| error(StatusCode::FORBIDDEN, "account_closed")))
+        });
+    // A retry after the record expired is told so (410), not charged again.
+    if settings.tombstones.is_zero() {
+        builder
+    } else {
+        builder.tombstones(settings.tombstones)
+    }
 }
+
+/// The field of the body that keys `POST /v2/checkout`, as AIP-155 puts it.
+pub(crate) const REQUEST_ID_FIELD: &str = "/request_id";
 
 /// The API: `POST /checkout` and `POST /refund` behind the idempotency layer, `GET /charges`.
 pub(crate) fn app<S: IdempotencyStore>(
@@ -56,8 +75,13 @@ pub(crate) fn app<S: IdempotencyStore>(
     settings: Settings,
 ) -> Result<Router, Box<dyn Error>> {
     let store = idempotency.store().clone();
+    // `POST /v2/checkout`: the same checkout, keyed by the body's `request_id` rather than a
+    // header (its charge written on its own: this layer offers no transaction).
+    let by_body = self::idempotency(store.clone(), &settings)
+        .key_from_body(REQUEST_ID_FIELD)
+        .build()?;
     #[cfg(feature = "openapi")]
-    let document = axum::body::Bytes::from(openapi::document(&idempotency)?);
+    let document = axum::body::Bytes::from(openapi::document(&idempotency, &by_body)?);
     // On Postgres and SQLite the charge is written in the layer's transaction (`IdempotencyTx`), so
     // it commits with its record; `CHECKOUT_TRANSACTIONAL=0` writes it on its own instead, to compare.
     // The layer wraps each handler (`handler.layer(..)`), not the route: a method the route does not
@@ -75,6 +99,8 @@ pub(crate) fn app<S: IdempotencyStore>(
             .route("/refund", post(refund_separately.layer(idempotency)))
     };
     let router = routes
+        .route("/v2/checkout", post(checkout_separately.layer(by_body)))
+        .route("/account/close", post(close_account))
         .route(
             "/checkout/idempotency/{key}",
             get(inspect::<S>).delete(forget::<S>).with_state(store),

@@ -8,7 +8,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use axum_idempotency::layer::IdempotencyRejection;
-use axum_idempotency::{IdempotencyContext, IdempotencyTx, Subject};
+use axum_idempotency::{Disposition, IdempotencyContext, IdempotencyTx, Subject};
 use serde_json::{Value, json};
 
 use super::app::AppState;
@@ -145,7 +145,13 @@ async fn pay(
 ) -> Response {
     let request: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
     let Some(amount) = request.get("amount").and_then(Value::as_i64) else {
-        return error(StatusCode::BAD_REQUEST, "invalid_amount");
+        // Refused before any effect: the handler says so, and the layer releases the key, so the
+        // corrected request runs with the same key rather than get this refusal replayed.
+        return (
+            Disposition::Release,
+            error(StatusCode::BAD_REQUEST, "invalid_amount"),
+        )
+            .into_response();
     };
     let latency = request
         .get("latency_ms")
@@ -197,6 +203,30 @@ async fn pay(
             error(StatusCode::SERVICE_UNAVAILABLE, "ledger_unavailable")
         }
     }
+}
+
+/// `POST /account/close`: the caller's account is closed; replays of its earlier answers are
+/// refused from now on (the layer's replay check asks [`is_closed`]).
+pub(crate) async fn close_account(Extension(subject): Extension<Subject>) -> Response {
+    if let Ok(mut closed) = closed_accounts().lock() {
+        closed.insert(subject.0);
+    }
+    StatusCode::NO_CONTENT.into_response()
+}
+
+/// Whether `subject`'s account was closed.
+pub(crate) fn is_closed(subject: &str) -> bool {
+    closed_accounts()
+        .lock()
+        .map(|closed| closed.contains(subject))
+        .unwrap_or(true)
+}
+
+/// The demo's closed accounts (a real API asks its accounts service).
+fn closed_accounts() -> &'static std::sync::Mutex<std::collections::HashSet<String>> {
+    static CLOSED: std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<String>>> =
+        std::sync::OnceLock::new();
+    CLOSED.get_or_init(Default::default)
 }
 
 pub(crate) async fn charges(

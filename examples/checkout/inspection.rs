@@ -4,8 +4,8 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use axum_idempotency::Subject;
 use axum_idempotency::store::{Deleted, IdempotencyStore, RecordKey};
+use axum_idempotency::{Subject, tombstone_of};
 use serde_json::json;
 
 use super::{error, problem};
@@ -65,8 +65,17 @@ pub(crate) async fn forget<S: IdempotencyStore>(
     let Some(scope) = checkout_scope(&subject, &key) else {
         return invalid_key();
     };
+    // Deleting says "make the key new": its tombstone goes too (first, so that a failure leaves
+    // the record to delete again), or the next request with the key would be told it expired.
+    let tombstone = match store.delete(&tombstone_of(&scope)).await {
+        Ok(deleted) => deleted,
+        Err(_) => return store_unavailable(),
+    };
     match store.delete(&scope).await {
         Ok(Deleted::Deleted) => StatusCode::NO_CONTENT.into_response(),
+        Ok(Deleted::NotFound) if tombstone == Deleted::Deleted => {
+            StatusCode::NO_CONTENT.into_response()
+        }
         Ok(Deleted::InProgress) => problem(StatusCode::CONFLICT, "in_progress", true),
         Ok(_) => error(StatusCode::NOT_FOUND, "not_found"),
         Err(_) => store_unavailable(),

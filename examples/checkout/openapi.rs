@@ -9,12 +9,16 @@ use axum_idempotency::store::IdempotencyStore;
 use axum_idempotency::utoipa::openapi::OpenApi;
 use serde_json::json;
 
-/// The routes behind the idempotency layer.
+/// The routes behind the idempotency layer keyed by the `Idempotency-Key` header.
 pub(crate) const GUARDED: [&str; 2] = ["/checkout", "/refund"];
+
+/// The route behind the idempotency layer keyed by the body's `request_id`.
+pub(crate) const KEYED_BY_BODY: &str = "/v2/checkout";
 
 /// The document, as JSON.
 pub(crate) fn document<S: IdempotencyStore>(
     idempotency: &IdempotencyLayer<S>,
+    by_body: &IdempotencyLayer<S>,
 ) -> Result<String, Box<dyn Error>> {
     let problem = json!({"application/problem+json": {"schema": {"$ref": "#/components/schemas/CheckoutProblem"}}});
     // Every route is behind the example's authentication: without a bearer token, `401`.
@@ -39,6 +43,8 @@ pub(crate) fn document<S: IdempotencyStore>(
             "400": {"description": "`invalid_amount`.", "content": problem},
             "401": unauthenticated,
             "402": {"description": "`card_declined`.", "content": problem},
+            "403": {"description": "`account_closed`: the account was closed since the first \
+                request, and its answer is not sent again.", "content": problem},
             "408": {"description": "Also the service's own timeout (`REQUEST_TIMEOUT_SECS`), \
                 answered with no body while the payment may go on: retry with the same key, \
                 which gets the payment's answer once it is recorded (409 until then)."},
@@ -75,7 +81,13 @@ pub(crate) fn document<S: IdempotencyStore>(
         },
         "paths": {
             "/checkout": {"post": payment.clone()},
+            "/v2/checkout": {"post": payment.clone()},
             "/refund": {"post": payment},
+            "/account/close": {"post": {"responses": {
+                "204": {"description": "Closed: replays of the account's earlier answers are \
+                    refused (`403 account_closed`)."},
+                "401": unauthenticated.clone(),
+            }}},
             "/checkout/idempotency/{key}": {
                 "parameters": [record],
                 "get": {"responses": {
@@ -106,6 +118,14 @@ pub(crate) fn document<S: IdempotencyStore>(
     let documented = idempotency.openapi().paths(GUARDED).document(&mut openapi);
     if documented != GUARDED.len() {
         return Err(format!("the layer documented {documented} routes of {GUARDED:?}").into());
+    }
+    if by_body
+        .openapi()
+        .paths([KEYED_BY_BODY])
+        .document(&mut openapi)
+        != 1
+    {
+        return Err(format!("the layer did not document {KEYED_BY_BODY}").into());
     }
     Ok(openapi.to_json()?)
 }

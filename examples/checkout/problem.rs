@@ -15,6 +15,7 @@ pub(crate) fn detail(code: &str) -> &'static str {
         "in_progress" => "the checkout is still in progress; retry later",
         "invalid_amount" => "amount must be a positive whole number of cents",
         "card_declined" => "the card was declined; nothing was charged",
+        "account_closed" => "this account was closed: its earlier answers are not sent again",
         "ledger_unavailable" => "the ledger could not be reached; retry later with the same key",
         "provider_unavailable" => {
             "the payment provider could not be reached; retry later with the same key"

@@ -14,6 +14,9 @@ pub(crate) struct Settings {
     pub wait: Duration,
     /// How long a client waits for its answer before `408` (the checkout itself runs on).
     pub request_timeout: Duration,
+    /// How long a checkout's tombstone outlives its record (0: none): a retry within it is told
+    /// `410 idempotency_key_expired` rather than charged again.
+    pub tombstones: Duration,
 }
 
 impl Settings {
@@ -31,6 +34,7 @@ impl Settings {
             transactional: secs("CHECKOUT_TRANSACTIONAL", 1)? != 0,
             wait: Duration::from_millis(secs("IDEMPOTENCY_WAIT_MS", 0)?),
             request_timeout: Duration::from_secs(secs("REQUEST_TIMEOUT_SECS", 30)?),
+            tombstones: Duration::from_secs(secs("IDEMPOTENCY_TOMBSTONE_SECS", 7 * 24 * 3600)?),
         })
     }
 }

@@ -255,7 +255,6 @@ impl<St: IdempotencyStore> Lease<St> {
         match how {
             Settled::Recorded { status } => {
                 self.report(Outcome::Recorded);
-                held.engine.entomb(&held.key);
                 tracing::debug!(status, "recorded in the work's transaction");
             }
             Settled::Released => self.report(Outcome::Released),
@@ -275,6 +274,9 @@ impl<St: IdempotencyStore> Lease<St> {
         self.done = true;
         let first = self.attempt(stored.clone()).await;
         if let Some(completed) = self.settled(first, stored.status) {
+            if completed == Completed::Recorded {
+                self.held.engine.entomb(&self.held.key).await;
+            }
             return completed;
         }
         self.report(Outcome::RecordDeferred);
@@ -324,6 +326,9 @@ impl<St: IdempotencyStore> Lease<St> {
                 renewals_seen = renewals;
             }
             if let Some(completed) = self.settled(attempt, stored.status) {
+                if completed == Completed::Recorded {
+                    held.engine.entomb(&held.key).await;
+                }
                 // The caller may have stopped waiting: then nobody is told.
                 let _ = settled.send(completed);
                 return;
@@ -355,7 +360,6 @@ impl<St: IdempotencyStore> Lease<St> {
         match attempt {
             Ok(Fenced::Done) => {
                 self.report(Outcome::Recorded);
-                self.held.engine.entomb(&self.held.key);
                 tracing::debug!(status, "recorded");
                 Some(Completed::Recorded)
             }

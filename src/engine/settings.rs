@@ -412,9 +412,10 @@ macro_rules! engine_setters {
         /// `EncryptedStore`), in a record of its own on a scope no request can name
         /// (`store::tombstone_of`), written through the store's own operations, so every store
         /// keeps them. It costs a look-up on every claim that runs, and a write (a claim and a
-        /// completion, in the background) after every recorded answer; it counts as one of its
-        /// subject's records. A tombstone that could not be written (the store failed four times)
-        /// is logged, and that key runs again once its record expires. Deleting a record through
+        /// completion) after every recorded answer, before the answer is sent; it counts as one of
+        /// its subject's records. A tombstone that could not be written (the store failed once
+        /// inline and three times in the background) is logged, and that key runs again once its
+        /// record expires. Deleting a record through
         /// the store does not delete its tombstone: delete `tombstone_of(scope)` too, to make the
         /// key new at once.
         pub fn tombstones(mut self, after: std::time::Duration) -> Self {

@@ -54,9 +54,12 @@ pub(crate) enum Grave {
 }
 
 impl<St: IdempotencyStore> Engine<St> {
-    /// Writes the tombstone of `key`, whose record was just recorded, in the background: it lives
-    /// the retention and the tombstones' time from now. Nothing when tombstones are off.
-    pub(crate) fn entomb(&self, key: &RecordKey) {
+    /// Writes the tombstone of `key`, whose record was just recorded, to live the retention and
+    /// the tombstones' time from now: once before this returns, so that the answer reaches its
+    /// client after its tombstone is written (an application that deletes the record once it has
+    /// the answer finds the tombstone to delete too), then in the background while the store
+    /// fails. Nothing when tombstones are off.
+    pub(crate) async fn entomb(&self, key: &RecordKey) {
         let Some(after) = self.settings().tombstones else {
             return;
         };
@@ -64,9 +67,14 @@ impl<St: IdempotencyStore> Engine<St> {
         let (store, settings) = (self.store().clone(), self.settings());
         let lifetime = settings.retention.saturating_add(after);
         let ttl = settings.in_progress_ttl;
+        if write(&store, &tomb, ttl, lifetime).await.is_ok() {
+            return;
+        }
         self.drain().spawn(async move {
             let mut pause = Duration::from_millis(100);
-            for attempt in 1..=ATTEMPTS {
+            for attempt in 2..=ATTEMPTS {
+                tokio::time::sleep(pause).await;
+                pause *= 4;
                 match write(&store, &tomb, ttl, lifetime).await {
                     Ok(()) => return,
                     Err(e) if attempt == ATTEMPTS => {
@@ -76,10 +84,7 @@ impl<St: IdempotencyStore> Engine<St> {
                              the key runs again"
                         );
                     }
-                    Err(_) => {
-                        tokio::time::sleep(pause).await;
-                        pause *= 4;
-                    }
+                    Err(_) => {}
                 }
             }
         });
@@ -94,9 +99,24 @@ impl<St: IdempotencyStore> Engine<St> {
     }
 }
 
+/// [`write_once`], a store that panics taken for one that failed: the answer it follows is
+/// recorded, and must reach its client.
+async fn write<St: IdempotencyStore>(
+    store: &St,
+    tomb: &RecordKey,
+    ttl: Duration,
+    lifetime: Duration,
+) -> Result<(), crate::store::StoreError> {
+    use futures_util::FutureExt;
+    std::panic::AssertUnwindSafe(write_once(store, tomb, ttl, lifetime))
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|_| Err(crate::store::StoreError::msg("the store panicked")))
+}
+
 /// Claims the tombstone's scope and completes it with an empty answer, to live `lifetime`. A
 /// tombstone that lives already is left as it is.
-async fn write<St: IdempotencyStore>(
+async fn write_once<St: IdempotencyStore>(
     store: &St,
     tomb: &RecordKey,
     ttl: Duration,

@@ -86,9 +86,11 @@ pub(crate) async fn commit_with_record<St: TransactionalStore>(
         }
     }
     engine.recorded(&lease.key().subject, stored.body.len());
+    let key = lease.key().clone();
     lease.settled_outside(Settled::Recorded {
         status: stored.status,
     });
+    engine.entomb(&key).await;
     InTransaction::Committed
 }
 

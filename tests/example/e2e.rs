@@ -853,6 +853,79 @@ pub(crate) async fn inspection_routes(addr: SocketAddr) {
     assert_eq!(bad.status, StatusCode::BAD_REQUEST);
 }
 
+/// What the example shows of what adopters asked for: a refusal before any effect releases its
+/// key (the corrected request runs), a route keyed by the body's `request_id`, and replays refused
+/// to an account closed since.
+pub(crate) async fn what_adopters_asked_for(addr: SocketAddr) {
+    let refused = checkout_req(addr, "carol", "fix-1", r#"{"amount":"ten"}"#).await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{refused:?}");
+    assert_eq!(refused.json()["error"], "invalid_amount");
+    let corrected = checkout_req(addr, "carol", "fix-1", r#"{"amount":1000}"#).await;
+    assert_eq!(corrected.status, StatusCode::CREATED, "{corrected:?}");
+    assert_ne!(corrected.header("idempotent-replayed"), Some("true"));
+
+    let by_body = r#"{"request_id":"req-1","amount":250}"#;
+    let first = http(addr, "POST", "/v2/checkout", "carol", None, by_body).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let reordered = r#"{"amount":250,"request_id":"req-1"}"#;
+    let again = http(addr, "POST", "/v2/checkout", "carol", None, reordered).await;
+    assert_eq!(
+        again.header("idempotent-replayed"),
+        Some("true"),
+        "{again:?}"
+    );
+    assert_eq!(again.body, first.body);
+    let clash = http(
+        addr,
+        "POST",
+        "/v2/checkout",
+        "carol",
+        Some("req-2"),
+        by_body,
+    )
+    .await;
+    assert_eq!(clash.status, StatusCode::BAD_REQUEST, "{clash:?}");
+    let keyless = http(
+        addr,
+        "POST",
+        "/v2/checkout",
+        "carol",
+        None,
+        r#"{"amount":1}"#,
+    )
+    .await;
+    assert_eq!(
+        keyless.json()["error"],
+        "missing_idempotency_key",
+        "{keyless:?}"
+    );
+    assert_eq!(charges(addr, "carol").await.0, 2);
+
+    let closed = http(addr, "POST", "/account/close", "carol", None, "").await;
+    assert_eq!(closed.status, StatusCode::NO_CONTENT);
+    let replay = checkout_req(addr, "carol", "fix-1", r#"{"amount":1000}"#).await;
+    assert_eq!(replay.status, StatusCode::FORBIDDEN, "{replay:?}");
+    assert_eq!(replay.json()["error"], "account_closed");
+    assert_ne!(replay.header("idempotent-replayed"), Some("true"));
+    // Another caller's replays are still sent.
+    checkout_req(addr, "dave", "d-1", r#"{"amount":5}"#).await;
+    let theirs = checkout_req(addr, "dave", "d-1", r#"{"amount":5}"#).await;
+    assert_eq!(
+        theirs.header("idempotent-replayed"),
+        Some("true"),
+        "{theirs:?}"
+    );
+    assert_eq!(charges(addr, "carol").await.0, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn what_adopters_asked_for_on_memory_and_postgres() {
+    let served = serve_memory(0).await;
+    what_adopters_asked_for(served.addr).await;
+    let served = serve_postgres(0).await;
+    what_adopters_asked_for(served.addr).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn inspection_routes_and_the_wait() {
     let served = serve_memory(400).await;

@@ -11,6 +11,9 @@ use crate::e2e::{http, serve_memory_with};
 
 const GUARDED: [&str; 2] = ["/checkout", "/refund"];
 
+/// The route keyed by the body's `request_id` rather than a header.
+const KEYED_BY_BODY: &str = "/v2/checkout";
+
 fn key_parameter(operation: &Value) -> Option<&Value> {
     operation["parameters"].as_array()?.iter().find(|p| {
         p["in"] == "header"
@@ -39,10 +42,27 @@ async fn the_example_documents_the_layer_on_every_guarded_route() {
             }
             let responses = &operation["responses"];
             let is_guarded = method == "post" && GUARDED.contains(&path.as_str());
+            let by_body = method == "post" && path == KEYED_BY_BODY;
             let key = key_parameter(operation);
             assert_eq!(key.is_some(), is_guarded, "{method} {path}");
             let layer_conflict = responses["409"]["headers"].get("Retry-After").is_some();
-            assert_eq!(layer_conflict, is_guarded, "{method} {path}");
+            assert_eq!(layer_conflict, is_guarded || by_body, "{method} {path}");
+            // Tombstones are on: an expired key's 410 is documented.
+            let gone = responses["410"]["content"]["application/problem+json"]["examples"]
+                .get("idempotency_key_expired")
+                .is_some();
+            assert_eq!(gone, is_guarded || by_body, "{method} {path}");
+            if by_body {
+                // The key is a field of the body, documented in its schema, required.
+                let schema = &operation["requestBody"]["content"]["application/json"]["schema"];
+                let key = &schema["allOf"][1];
+                assert_eq!(key["required"][0], "request_id", "{schema:#}");
+                assert_eq!(
+                    key["properties"]["request_id"]["type"], "string",
+                    "{schema:#}"
+                );
+                continue;
+            }
             if !is_guarded {
                 continue;
             }
@@ -139,5 +159,5 @@ async fn every_documented_route_answers_as_documented() {
             exercised += 1;
         }
     }
-    assert_eq!(exercised, 5, "every documented operation");
+    assert_eq!(exercised, 7, "every documented operation");
 }
