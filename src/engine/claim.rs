@@ -358,24 +358,46 @@ impl<St: IdempotencyStore> Engine<St> {
 /// is set, so that every instance logs an operation under the same hashes, and otherwise with a
 /// key drawn once per process: a log reader cannot hash a guessed user id and look for it.
 pub(crate) fn span(settings: &Settings, key: &RecordKey) -> tracing::Span {
-    let log_key: &[u8] = match settings.derived_key_secret.as_deref() {
-        Some(secret) => secret.bytes(),
-        None => process_log_key(),
-    };
-    if settings.log_scope {
+    let log_key = log_key(settings);
+    let span = if settings.log_scope {
         tracing::info_span!(
             "idempotency",
-            key_hash = %LogHash(log_key, &key.key),
+            key_hash = tracing::field::Empty,
             subject = ?key.subject,
             endpoint = ?key.endpoint,
         )
     } else {
         tracing::info_span!(
             "idempotency",
-            key_hash = %LogHash(log_key, &key.key),
+            key_hash = tracing::field::Empty,
             subject_hash = %LogHash(log_key, &key.subject),
             endpoint_hash = %LogHash(log_key, &key.endpoint),
         )
+    };
+    // A key read from the body is not known yet (no key is empty): `span_key` records it.
+    if !key.key.is_empty() {
+        span.record(
+            "key_hash",
+            tracing::field::display(LogHash(log_key, &key.key)),
+        );
+    }
+    span
+}
+
+/// Records `key` in the current span, made by [`span`] before the key was known (a key read from
+/// the request's body).
+pub(crate) fn span_key(settings: &Settings, key: &str) {
+    tracing::Span::current().record(
+        "key_hash",
+        tracing::field::display(LogHash(log_key(settings), key)),
+    );
+}
+
+/// The key of the logged hashes: the deployment secret, or a key of this process's.
+fn log_key(settings: &Settings) -> &[u8] {
+    match settings.derived_key_secret.as_deref() {
+        Some(secret) => secret.bytes(),
+        None => process_log_key(),
     }
 }
 

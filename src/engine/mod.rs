@@ -35,7 +35,7 @@ mod transactional;
 mod wait;
 mod waiters;
 
-pub(crate) use self::claim::{Claim, Unavailable, span};
+pub(crate) use self::claim::{Claim, Unavailable, span, span_key};
 pub use self::context::IdempotencyContext;
 pub(crate) use self::core::Engine;
 pub(crate) use self::drain::Admitted;

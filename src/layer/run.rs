@@ -16,7 +16,7 @@ use super::key::{Found, KeySource, Refused};
 use super::problem::ErrorKind;
 use super::replay;
 use super::settings::{LayerSettings, ReplayCheckFn};
-use crate::engine::{Claim, Engine, Outcome, Stage, Unavailable, span};
+use crate::engine::{Claim, Engine, Outcome, Stage, Unavailable, span, span_key};
 use crate::store::{IdempotencyStore, RecordKey, StoredResponse};
 use crate::util::metrics::Label;
 use futures_util::FutureExt;
@@ -60,7 +60,10 @@ where
         };
         if let KeySource::Body(_) = http.key_source {
             match key_in_body(&engine, &http, &label, &parts, &bytes) {
-                Ok(Some(found)) => key.key = found,
+                Ok(Some(found)) => {
+                    span_key(engine.settings(), &found);
+                    key.key = found;
+                }
                 Ok(None) => {
                     drop(in_flight);
                     let request = Request::from_parts(parts, Body::from(bytes));
