@@ -85,6 +85,15 @@ impl<St: IdempotencyStore> Engine<St> {
         waiting: Option<&Stage>,
     ) -> Claim<St> {
         let settings = self.settings();
+        // The tombstones' scopes are the engine's own: a request that could name one (a custom
+        // endpoint, a run-once scope) would plant a tombstone on a key never used.
+        if super::tombstone::is_tombstone(&key) {
+            self.report(&label, Outcome::Rejected);
+            tracing::error!("a scope in the tombstones' reserved endpoint was refused");
+            return Claim::Unavailable(Unavailable::Store(StoreError::refused_claim(
+                "the scope's endpoint starts as a tombstone's, which only the engine may write",
+            )));
+        }
         // The lease's token carries the keeper's presence (see `keeper`).
         let (lease, generation) = (self.keeper.token(self), Generation::generate());
         let request = ClaimRequest {
@@ -131,22 +140,18 @@ impl<St: IdempotencyStore> Engine<St> {
                 // One rule for every store: a record an earlier run held keeps its generation.
                 let retaken = generation != Some(request.generation);
                 let request = ClaimRequest { lease, ..request };
-                let Some(held_since) = self.fresh(&request, sent).await else {
-                    self.abandon(request.key, request.lease);
-                    self.report(&label, Outcome::StoreUnavailable);
-                    tracing::warn!(
-                        "the claim was answered too late to be trusted and could not be proven \
-                         held; released, nothing ran"
-                    );
-                    return Claim::Unavailable(Unavailable::TooLate);
-                };
                 // A key whose record expired within the tombstones' time is not run again. Every
                 // grant is looked at: a request that got "expired" released its claim, and the
-                // same request sent again takes that record back as a retake.
+                // same request sent again takes that record back as a retake. Looked at before
+                // the grant is proven fresh, so that the time the look-up took counts.
                 if settings.tombstones.is_some() {
-                    let grave = self.grave(&request.key).await;
+                    let grave =
+                        tokio::time::timeout(self.renewal_bound(), self.grave(&request.key)).await;
+                    let grave = grave.unwrap_or_else(|_| {
+                        Err(StoreError::msg("the tombstone's look-up timed out"))
+                    });
                     if !matches!(grave, Ok(super::tombstone::Grave::Empty)) {
-                        let _ = self.store_release(&request.key, request.lease).await;
+                        self.release_unused(request.key, request.lease).await;
                         return match grave {
                             Err(e) => {
                                 self.report(&label, Outcome::StoreUnavailable);
@@ -165,6 +170,15 @@ impl<St: IdempotencyStore> Engine<St> {
                         };
                     }
                 }
+                let Some(held_since) = self.fresh(&request, sent).await else {
+                    self.abandon(request.key, request.lease);
+                    self.report(&label, Outcome::StoreUnavailable);
+                    tracing::warn!(
+                        "the claim was answered too late to be trusted and could not be proven \
+                         held; released, nothing ran"
+                    );
+                    return Claim::Unavailable(Unavailable::TooLate);
+                };
                 if retaken {
                     self.report(&label, Outcome::Retaken);
                     tracing::info!("retook a claim whose holder stopped renewing it");
@@ -223,6 +237,15 @@ impl<St: IdempotencyStore> Engine<St> {
                 }
                 Claim::Unavailable(Unavailable::Store(e))
             }
+        }
+    }
+
+    /// Releases a grant that is not used (its key expired): at once, within a renewal's bound,
+    /// else in the background until the release takes it.
+    async fn release_unused(&self, key: RecordKey, lease: crate::store::LeaseToken) {
+        let release = tokio::time::timeout(self.renewal_bound(), self.store_release(&key, lease));
+        if !matches!(release.await, Ok(Ok(_))) {
+            self.abandon(key, lease);
         }
     }
 
@@ -382,15 +405,6 @@ pub(crate) fn span(settings: &Settings, key: &RecordKey) -> tracing::Span {
         );
     }
     span
-}
-
-/// Records `key` in the current span, made by [`span`] before the key was known (a key read from
-/// the request's body).
-pub(crate) fn span_key(settings: &Settings, key: &str) {
-    tracing::Span::current().record(
-        "key_hash",
-        tracing::field::display(LogHash(log_key(settings), key)),
-    );
 }
 
 /// The key of the logged hashes: the deployment secret, or a key of this process's.

@@ -35,7 +35,7 @@ mod transactional;
 mod wait;
 mod waiters;
 
-pub(crate) use self::claim::{Claim, Unavailable, span, span_key};
+pub(crate) use self::claim::{Claim, Unavailable, span};
 pub use self::context::IdempotencyContext;
 pub(crate) use self::core::Engine;
 pub(crate) use self::drain::Admitted;
@@ -46,6 +46,7 @@ pub(crate) use self::keeper::stop_for_test as stop_keepers_runtime;
 pub(crate) use self::lease::tests;
 pub(crate) use self::lease::{Completed, Lease, Ran};
 pub use self::outcome::{Outcome, OutcomeCounters};
+pub(crate) use self::recheck::REPLAY_CHECK_BOUND;
 pub use self::recheck::ReplayInfo;
 pub use self::settings::ConfigError;
 #[cfg(test)]

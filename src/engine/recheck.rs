@@ -1,7 +1,13 @@
 //! What a replay check sees of the record whose answer is about to be replayed: both doors (the
 //! layer's `replay_check`, `RunOnce`'s) give it, and may refuse the replay on it.
 
+use std::time::Duration;
+
 use crate::store::{RecordKey, StoredResponse};
+
+/// The longest a replay check may take: past it the replay is refused (the layer's `503`, retryable;
+/// `RunOnce`'s `ReplayRefused`), so that a check that hangs holds no request for ever.
+pub(crate) const REPLAY_CHECK_BOUND: Duration = Duration::from_secs(10);
 
 /// The record a replay would send: its scope and its recorded answer. Given to the checks that
 /// run before a replay is sent (`IdempotencyLayerBuilder::replay_check`,

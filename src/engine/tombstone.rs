@@ -14,8 +14,9 @@ use crate::store::{
     RecordState, StoredResponse,
 };
 
-/// What starts the endpoint of a tombstone's scope: a NUL, which no HTTP method or path holds.
-pub(crate) const TOMBSTONE_PREFIX: &str = "\0tombstone\0";
+/// What starts the endpoint of a tombstone's scope: a space, which starts no HTTP method (the
+/// layer's endpoints start with theirs). The engine refuses any other claim of such a scope.
+pub(crate) const TOMBSTONE_PREFIX: &str = " tombstone ";
 
 /// The status a tombstone's record keeps (it is never replayed).
 const TOMBSTONE_STATUS: u16 = 410;
@@ -63,11 +64,19 @@ impl<St: IdempotencyStore> Engine<St> {
         let Some(after) = self.settings().tombstones else {
             return;
         };
-        let tomb = tombstone_of(key);
         let (store, settings) = (self.store().clone(), self.settings());
         let lifetime = settings.retention.saturating_add(after);
-        let ttl = settings.in_progress_ttl;
-        if write(&store, &tomb, ttl, lifetime).await.is_ok() {
+        // One claim for every attempt: a resend by its own lease is granted again (or answered
+        // finished), so an attempt whose claim landed but whose answer was lost is not locked out
+        // by its own record.
+        let request = ClaimRequest::new(
+            tombstone_of(key),
+            fingerprint(),
+            settings.in_progress_ttl,
+            lifetime,
+        );
+        let inline = tokio::time::timeout(self.renewal_bound(), write(&store, &request)).await;
+        if matches!(inline, Ok(Ok(()))) {
             return;
         }
         self.drain().spawn(async move {
@@ -75,7 +84,7 @@ impl<St: IdempotencyStore> Engine<St> {
             for attempt in 2..=ATTEMPTS {
                 tokio::time::sleep(pause).await;
                 pause *= 4;
-                match write(&store, &tomb, ttl, lifetime).await {
+                match write(&store, &request).await {
                     Ok(()) => return,
                     Err(e) if attempt == ATTEMPTS => {
                         tracing::error!(
@@ -83,6 +92,8 @@ impl<St: IdempotencyStore> Engine<St> {
                             "the key's tombstone could not be written; once its record expires \
                              the key runs again"
                         );
+                        // A claim of it that landed is not left in progress for a TTL.
+                        let _ = store.release(&request.key, request.lease).await;
                     }
                     Err(_) => {}
                 }
@@ -103,27 +114,23 @@ impl<St: IdempotencyStore> Engine<St> {
 /// recorded, and must reach its client.
 async fn write<St: IdempotencyStore>(
     store: &St,
-    tomb: &RecordKey,
-    ttl: Duration,
-    lifetime: Duration,
+    request: &ClaimRequest,
 ) -> Result<(), crate::store::StoreError> {
     use futures_util::FutureExt;
-    std::panic::AssertUnwindSafe(write_once(store, tomb, ttl, lifetime))
+    std::panic::AssertUnwindSafe(write_once(store, request))
         .catch_unwind()
         .await
         .unwrap_or_else(|_| Err(crate::store::StoreError::msg("the store panicked")))
 }
 
-/// Claims the tombstone's scope and completes it with an empty answer, to live `lifetime`. A
-/// tombstone that lives already is left as it is.
+/// Claims the tombstone's scope and completes it with an empty answer, to live the claim's
+/// retention. A tombstone that lives already (this claim's own, written by an earlier attempt) is
+/// left as it is.
 async fn write_once<St: IdempotencyStore>(
     store: &St,
-    tomb: &RecordKey,
-    ttl: Duration,
-    lifetime: Duration,
+    request: &ClaimRequest,
 ) -> Result<(), crate::store::StoreError> {
-    let request = ClaimRequest::new(tomb.clone(), fingerprint(), ttl, lifetime);
-    match store.claim(&request).await? {
+    match store.claim(request).await? {
         ClaimOutcome::Claimed { lease, .. } => {
             let empty = Arc::new(StoredResponse::new(
                 Finished::Completed,
@@ -131,8 +138,9 @@ async fn write_once<St: IdempotencyStore>(
                 Vec::new(),
                 Some(bytes::Bytes::new()),
             ));
+            let key = &request.key;
             match store
-                .complete(tomb, lease, &request.fingerprint, empty, lifetime)
+                .complete(key, lease, &request.fingerprint, empty, request.retention)
                 .await?
             {
                 Fenced::Done => Ok(()),
@@ -141,7 +149,6 @@ async fn write_once<St: IdempotencyStore>(
                 )),
             }
         }
-        // Written already (an earlier record of the key, deleted and made again within it).
         ClaimOutcome::Finished(_) => Ok(()),
         ClaimOutcome::InProgress | ClaimOutcome::KeyReuse => Err(crate::store::StoreError::msg(
             "the tombstone's scope is held by another write",

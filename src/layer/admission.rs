@@ -35,22 +35,29 @@ pub(super) enum Admission {
     Refused(Response<Body>),
 }
 
-/// Reads the key, the subject and the endpoint, and checks the bounds.
+/// Reads the key (unless it was `found` in the body already), the subject and the endpoint, and
+/// checks the bounds.
 pub(super) fn admit<St: IdempotencyStore>(
     engine: &Engine<St>,
     http: &LayerSettings,
     parts: &Parts,
+    found: Option<String>,
 ) -> Admission {
     let refuse = |kind, detail: &str| {
         engine.report(&label::of(parts), Outcome::Rejected);
         Admission::Refused(http.problem(kind, detail, None))
     };
-    let key = match http.key_source.in_parts(parts) {
+    let found = match found {
+        Some(key) => Ok(Found::Key(key)),
+        None => http.key_source.in_parts(parts),
+    };
+    let key = match found {
         Ok(Found::Key(key)) => match checked(http, key) {
-            Ok(key) => Some(key),
+            Ok(key) => key,
             Err(detail) => return refuse(ErrorKind::InvalidIdempotencyKey, &detail),
         },
-        Ok(Found::InBody) => None,
+        // The body was read already, and held none.
+        Ok(Found::InBody) => return Admission::Unguarded,
         Ok(Found::Absent) if http.require_key => {
             let detail = format!(
                 "this endpoint requires a key in {}",
@@ -139,8 +146,7 @@ pub(super) fn admit<St: IdempotencyStore>(
     };
     Admission::Guarded {
         scope: RecordKey {
-            // A key in the body is filled in once the body is read.
-            key: key.unwrap_or_default(),
+            key,
             subject,
             endpoint,
         },

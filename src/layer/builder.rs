@@ -202,9 +202,11 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
     }
 
     /// Reads the key from a string field of the JSON body, named by a JSON pointer (RFC 6901):
-    /// `/request_id`, as AIP-155 puts it. The body is read (up to [`body_limit`](Self::body_limit))
-    /// for every request of a guarded method, since only it says whether the request has a key; a
-    /// body that is not JSON, or has no such field (or `null`), has none. A field that is not a
+    /// `/request_id`, as AIP-155 puts it. A JSON body (`application/json` or `+json`) of a
+    /// guarded method is read first (up to [`body_limit`](Self::body_limit), within
+    /// [`body_timeout`](Self::body_timeout)), since only it says whether the request has a key:
+    /// over the limit it is `413` even without one. A body without the field (or with `null`) has
+    /// no key, and one that is not JSON is not read (unless the draft's header is sent). A field that is not a
     /// string is `400 invalid_idempotency_key`. The draft's `Idempotency-Key` header, if sent
     /// too, must name the same key, as with [`key_header`](Self::key_header). The OpenAPI
     /// description documents the field in the request body, not a header.
@@ -244,7 +246,8 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
     /// `check` reads what it needs from the parts (say, the subject, or a database pool from the
     /// extensions) and returns a `'static` future. A check that panics, or whose future panics,
     /// refuses the replay with `500`: it exists to keep an answer from a caller, and a check that
-    /// did not finish has not said it may be sent.
+    /// did not finish has not said it may be sent. One that takes more than 10 seconds refuses it
+    /// with `503 idempotency_store_unavailable`, retryable.
     pub fn replay_check<F, Fut>(mut self, check: F) -> Self
     where
         F: Fn(&Parts, &crate::ReplayInfo<'_>) -> Fut + Send + Sync + 'static,

@@ -82,7 +82,9 @@ impl KeySource {
             KeySource::Header(name) => {
                 !headers.contains_key(name) && !headers.contains_key(&IDEMPOTENCY_KEY)
             }
-            KeySource::Parts(_) | KeySource::Body(_) => false,
+            // A body that is not JSON holds no field: without the draft's header, no key.
+            KeySource::Body(_) => !headers.contains_key(&IDEMPOTENCY_KEY) && !is_json(headers),
+            KeySource::Parts(_) => false,
         }
     }
 
@@ -115,8 +117,12 @@ impl KeySource {
             return Ok(Found::Absent);
         };
         let draft = from_headers(headers).map_err(|e| Refused(e.detail().to_owned()))?;
-        let field = match serde_json::from_slice::<serde_json::Value>(body) {
-            Ok(document) => match document.pointer(pointer) {
+        let document = match is_json(headers) {
+            true => serde_json::from_slice::<serde_json::Value>(body).ok(),
+            false => None,
+        };
+        let field = match document {
+            Some(document) => match document.pointer(pointer) {
                 None | Some(serde_json::Value::Null) => None,
                 Some(serde_json::Value::String(key)) => {
                     Some(parse(key.as_bytes()).map_err(|e| {
@@ -133,7 +139,7 @@ impl KeySource {
                 }
             },
             // Not JSON: no field to read.
-            Err(_) => None,
+            None => None,
         };
         agreed(field, draft, self).map(found_or_absent)
     }
@@ -153,6 +159,16 @@ impl KeySource {
 
 fn found_or_absent(key: Option<String>) -> Found {
     key.map_or(Found::Absent, Found::Key)
+}
+
+/// Whether the request says its body is JSON: `application/json`, or a `+json` type.
+fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .map(|v| v.trim().to_ascii_lowercase())
+        .is_some_and(|v| v == "application/json" || v.ends_with("+json"))
 }
 
 /// The key from the source, or from the draft's header; both, only when they are the same.

@@ -199,9 +199,11 @@ impl http_body::Body for ReadAhead {
             || http_body::SizeHint::with_exact(0),
             http_body::Body::size_hint,
         );
+        // What follows is told by its own hint, which a body may not keep exact as it is read:
+        // only a lower bound is claimed for it.
         let mut hint = http_body::SizeHint::new();
-        if let Some(upper) = rest.upper() {
-            hint.set_upper(upper.saturating_add(ahead));
+        if self.rest.is_none() {
+            hint.set_upper(ahead);
         }
         hint.set_lower(rest.lower().saturating_add(ahead));
         hint

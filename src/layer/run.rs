@@ -16,7 +16,7 @@ use super::key::{Found, KeySource, Refused};
 use super::problem::ErrorKind;
 use super::replay;
 use super::settings::{LayerSettings, ReplayCheckFn};
-use crate::engine::{Claim, Engine, Outcome, Stage, Unavailable, span, span_key};
+use crate::engine::{Claim, Engine, Outcome, Stage, Unavailable, span};
 use crate::store::{IdempotencyStore, RecordKey, StoredResponse};
 use crate::util::metrics::Label;
 use futures_util::FutureExt;
@@ -40,13 +40,35 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let (parts, body) = request.into_parts();
-    let (mut key, label, in_flight) = match admit(&engine, &http, &parts) {
+    // A key in the body is read before anything else: only it says whether the request is
+    // guarded, and a request without one runs as if the layer were not there.
+    let (body, found) = match http.key_source {
+        KeySource::Body(_) => {
+            let label = super::label::of(&parts);
+            let bytes = match read_body(&engine, &http, &label, &parts, body).await {
+                Ok(bytes) => bytes,
+                Err(refused) => return Ok(refused),
+            };
+            match key_in_body(&engine, &http, &label, &parts, &bytes) {
+                Ok(Some(found)) => (Input::Read(bytes), Some(found)),
+                Ok(None) => {
+                    let request = Request::from_parts(parts, Body::from(bytes));
+                    return pass_through(inner, request).await;
+                }
+                Err(refused) => return Ok(*refused),
+            }
+        }
+        _ => (Input::Unread(body), None),
+    };
+    let (key, label, in_flight) = match admit(&engine, &http, &parts, found) {
         Admission::Guarded {
             scope,
             label,
             in_flight,
         } => (scope, label, in_flight),
-        Admission::Unguarded => return pass_through(inner, Request::from_parts(parts, body)).await,
+        Admission::Unguarded => {
+            return pass_through(inner, Request::from_parts(parts, body.into_body())).await;
+        }
         Admission::Refused(response) => return Ok(response),
     };
     let span = span(engine.settings(), &key);
@@ -54,24 +76,13 @@ where
         // The subject's place in flight, held until this request ends (detached or not), and
         // past it by the lease of a claim whose response still streams into its record.
         let mut in_flight = Some(in_flight);
-        let bytes = match read_body(&engine, &http, &label, &parts, body).await {
-            Ok(bytes) => bytes,
-            Err(refused) => return Ok(refused),
+        let bytes = match body {
+            Input::Read(bytes) => bytes,
+            Input::Unread(body) => match read_body(&engine, &http, &label, &parts, body).await {
+                Ok(bytes) => bytes,
+                Err(refused) => return Ok(refused),
+            },
         };
-        if let KeySource::Body(_) = http.key_source {
-            match key_in_body(&engine, &http, &label, &parts, &bytes) {
-                Ok(Some(found)) => {
-                    span_key(engine.settings(), &found);
-                    key.key = found;
-                }
-                Ok(None) => {
-                    drop(in_flight);
-                    let request = Request::from_parts(parts, Body::from(bytes));
-                    return pass_through(inner, request).await;
-                }
-                Err(refused) => return Ok(*refused),
-            }
-        }
         // From here on the request runs to its end if its client leaves.
         stage.body_read();
         let fingerprint = http.fingerprint.of(&parts, &bytes);
@@ -195,6 +206,21 @@ async fn read_body<St: IdempotencyStore>(
     Err(refused)
 }
 
+/// The request's body, before or after it was read.
+enum Input {
+    Unread(Body),
+    Read(bytes::Bytes),
+}
+
+impl Input {
+    fn into_body(self) -> Body {
+        match self {
+            Input::Unread(body) => body,
+            Input::Read(bytes) => Body::from(bytes),
+        }
+    }
+}
+
 /// The key in the body's field (or the `Idempotency-Key` header), `None` when there is none and
 /// none is required; or the answer refusing the request.
 fn key_in_body<St: IdempotencyStore>(
@@ -235,7 +261,22 @@ async fn refused(
     let info = crate::ReplayInfo::new(scope, stored);
     let checked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(parts, &info)));
     let answer = match checked {
-        Ok(future) => std::panic::AssertUnwindSafe(future).catch_unwind().await,
+        Ok(future) => {
+            let checking = std::panic::AssertUnwindSafe(future).catch_unwind();
+            match tokio::time::timeout(crate::engine::REPLAY_CHECK_BOUND, checking).await {
+                Ok(answer) => answer,
+                Err(_) => {
+                    tracing::warn!(
+                        "the replay check did not answer in time; the replay is refused"
+                    );
+                    return Some(http.retryable(
+                        ErrorKind::StoreUnavailable,
+                        "the answer of this Idempotency-Key could not be checked in time; retry \
+                         later",
+                    ));
+                }
+            }
+        }
         Err(panic) => Err(panic),
     };
     match answer {

@@ -110,7 +110,13 @@ async fn recheck(
     let info = ReplayInfo::new(scope, stored);
     let checked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check(&info)));
     let answer = match checked {
-        Ok(future) => std::panic::AssertUnwindSafe(future).catch_unwind().await,
+        Ok(future) => {
+            let checking = std::panic::AssertUnwindSafe(future).catch_unwind();
+            match tokio::time::timeout(crate::engine::REPLAY_CHECK_BOUND, checking).await {
+                Ok(answer) => answer,
+                Err(_) => return Some("the replay check did not answer in time".to_owned()),
+            }
+        }
         Err(panic) => Err(panic),
     };
     answer.unwrap_or_else(|_| {

@@ -388,6 +388,20 @@ async fn the_key_comes_from_where_the_layer_is_told() {
     send(&router, body(r#"{"amount":1}"#)).await;
     send(&router, body(r#"{"amount":1}"#)).await;
     assert_eq!(runs.load(Ordering::SeqCst), 3);
+    // Only a key makes a request the layer's: without one, an anonymous caller (no subject, which
+    // a guarded request needs) runs, and a body that is not JSON is not read at all, however
+    // large.
+    let anonymous = send(&router, post("/say").json(r#"{"amount":1}"#)).await;
+    assert_eq!(anonymous.status, StatusCode::OK, "{anonymous:?}");
+    let upload = post("/say")
+        .user("alice")
+        .header("content-type", "application/octet-stream")
+        .body(axum::body::Body::from(vec![b'x'; 2 * 1024 * 1024]));
+    let upload = send(&router, upload).await;
+    assert_eq!(upload.status, StatusCode::OK, "{upload:?}");
+    let keyed_anonymous = send(&router, post("/say").json(r#"{"request_id":"r9"}"#)).await;
+    assert_eq!(keyed_anonymous.problem(), "missing_subject");
+    assert_eq!(runs.load(Ordering::SeqCst), 5);
     // Required: a body without the field is 400, naming the field.
     let (router, _) = app(layer()
         .key_from_body("/request_id")
@@ -542,5 +556,14 @@ async fn run_once_checks_its_replays_and_tells_an_expired_scope() {
             Err(OnceError::Expired) => {}
             other => panic!("{other:?}"),
         }
+    }
+    // A scope that names a tombstone's is refused: nothing may plant one.
+    let planted = axum_idempotency::tombstone_of(&once_scope("m2"));
+    match once
+        .run(planted, fp, |_| async { Ok::<_, String>(0u32) })
+        .await
+    {
+        Err(OnceError::Store(_)) => {}
+        other => panic!("{other:?}"),
     }
 }
