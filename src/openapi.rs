@@ -158,7 +158,7 @@ impl IdempotencyOpenApi {
     }
 
     fn operation(&self, operation: &mut Operation) {
-        if let KeySource::Body(pointer) = &self.settings.key_source {
+        if let KeySource::Body(pointer, _) = &self.settings.key_source {
             self.key_in_body(operation, pointer);
         } else {
             self.key_in_headers(operation);

@@ -68,6 +68,8 @@ pub(crate) async fn forget<S: IdempotencyStore>(
     // Deleting says "make the key new": its tombstone goes too (first, so that a failure leaves
     // the record to delete again), or the next request with the key would be told it expired.
     let tombstone = match store.delete(&tombstone_of(&scope)).await {
+        // Being written: the checkout's answer was just recorded; try again in a moment.
+        Ok(Deleted::InProgress) => return problem(StatusCode::CONFLICT, "in_progress", true),
         Ok(deleted) => deleted,
         Err(_) => return store_unavailable(),
     };

@@ -36,6 +36,9 @@ pub(crate) enum Claim<St: IdempotencyStore> {
     KeyReuse,
     /// The key's record expired within the tombstones' time: nothing runs.
     Expired,
+    /// The scope is one the engine keeps for itself (a tombstone's): a fault of the application's
+    /// endpoint or scope, not of the request; nothing runs.
+    Reserved,
     /// The store failed, and the settings say to run the work unguarded (`fail_open`).
     Unguarded,
     /// The store failed (or answered the claim too late to be trusted): nothing runs.
@@ -89,10 +92,11 @@ impl<St: IdempotencyStore> Engine<St> {
         // endpoint, a run-once scope) would plant a tombstone on a key never used.
         if super::tombstone::is_tombstone(&key) {
             self.report(&label, Outcome::Rejected);
-            tracing::error!("a scope in the tombstones' reserved endpoint was refused");
-            return Claim::Unavailable(Unavailable::Store(StoreError::refused_claim(
-                "the scope's endpoint starts as a tombstone's, which only the engine may write",
-            )));
+            tracing::error!(
+                "a scope whose endpoint starts as a tombstone's was refused: the application's \
+                 endpoint (or run-once scope) must not start with \" tombstone \""
+            );
+            return Claim::Reserved;
         }
         // The lease's token carries the keeper's presence (see `keeper`).
         let (lease, generation) = (self.keeper.token(self), Generation::generate());
@@ -382,29 +386,21 @@ impl<St: IdempotencyStore> Engine<St> {
 /// key drawn once per process: a log reader cannot hash a guessed user id and look for it.
 pub(crate) fn span(settings: &Settings, key: &RecordKey) -> tracing::Span {
     let log_key = log_key(settings);
-    let span = if settings.log_scope {
+    if settings.log_scope {
         tracing::info_span!(
             "idempotency",
-            key_hash = tracing::field::Empty,
+            key_hash = %LogHash(log_key, &key.key),
             subject = ?key.subject,
             endpoint = ?key.endpoint,
         )
     } else {
         tracing::info_span!(
             "idempotency",
-            key_hash = tracing::field::Empty,
+            key_hash = %LogHash(log_key, &key.key),
             subject_hash = %LogHash(log_key, &key.subject),
             endpoint_hash = %LogHash(log_key, &key.endpoint),
         )
-    };
-    // A key read from the body is not known yet (no key is empty): `span_key` records it.
-    if !key.key.is_empty() {
-        span.record(
-            "key_hash",
-            tracing::field::display(LogHash(log_key, &key.key)),
-        );
     }
-    span
 }
 
 /// The key of the logged hashes: the deployment secret, or a key of this process's.

@@ -275,7 +275,11 @@ impl<St: IdempotencyStore> Lease<St> {
         let first = self.attempt(stored.clone()).await;
         if let Some(completed) = self.settled(first, stored.status) {
             if completed == Completed::Recorded {
-                self.held.engine.entomb(&self.held.key).await;
+                // The lease (its registration with the keeper, its share) goes first: the record
+                // is finished.
+                let held = self.held.clone();
+                drop(self);
+                held.engine.entomb(&held.key).await;
             }
             return completed;
         }
@@ -326,11 +330,13 @@ impl<St: IdempotencyStore> Lease<St> {
                 renewals_seen = renewals;
             }
             if let Some(completed) = self.settled(attempt, stored.status) {
-                if completed == Completed::Recorded {
-                    held.engine.entomb(&held.key).await;
-                }
                 // The caller may have stopped waiting: then nobody is told.
                 let _ = settled.send(completed);
+                if completed == Completed::Recorded {
+                    let held = self.held.clone();
+                    drop(self);
+                    held.engine.entomb(&held.key).await;
+                }
                 return;
             }
         }

@@ -64,40 +64,53 @@ impl<St: IdempotencyStore> Engine<St> {
         let Some(after) = self.settings().tombstones else {
             return;
         };
-        let (store, settings) = (self.store().clone(), self.settings());
+        let settings = self.settings();
         let lifetime = settings.retention.saturating_add(after);
         // One claim for every attempt: a resend by its own lease is granted again (or answered
         // finished), so an attempt whose claim landed but whose answer was lost is not locked out
-        // by its own record.
+        // by its own record. In progress it lives as any claim does; finished, `lifetime`.
         let request = ClaimRequest::new(
             tombstone_of(key),
             fingerprint(),
             settings.in_progress_ttl,
-            lifetime,
+            settings.in_progress_retention(),
         );
-        let inline = tokio::time::timeout(self.renewal_bound(), write(&store, &request)).await;
-        if matches!(inline, Ok(Ok(()))) {
+        let inline = super::timing::recorded_within(settings.in_progress_ttl);
+        let first = tokio::time::timeout(inline, write(self.store(), &request, lifetime)).await;
+        if matches!(first, Ok(Ok(()))) {
             return;
         }
+        let (engine, record) = (self.clone(), key.clone());
         self.drain().spawn(async move {
+            let bound = engine.renewal_bound();
+            let store = engine.store();
             let mut pause = Duration::from_millis(100);
             for attempt in 2..=ATTEMPTS {
                 tokio::time::sleep(pause).await;
                 pause *= 4;
-                match write(&store, &request).await {
-                    Ok(()) => return,
-                    Err(e) if attempt == ATTEMPTS => {
+                // A record deleted meanwhile (the application made its key new) gets none.
+                if let Ok(Ok(None)) = tokio::time::timeout(bound, store.lookup(&record)).await {
+                    break;
+                }
+                let written = tokio::time::timeout(bound, write(store, &request, lifetime)).await;
+                match written {
+                    Ok(Ok(())) => return,
+                    _ if attempt < ATTEMPTS => {}
+                    failed => {
+                        let error = match failed {
+                            Ok(Err(e)) => e.to_string(),
+                            _ => "timed out".to_owned(),
+                        };
                         tracing::error!(
-                            error = %e,
+                            %error,
                             "the key's tombstone could not be written; once its record expires \
                              the key runs again"
                         );
-                        // A claim of it that landed is not left in progress for a TTL.
-                        let _ = store.release(&request.key, request.lease).await;
                     }
-                    Err(_) => {}
                 }
             }
+            // A claim of it that landed is not left in progress for a TTL.
+            let _ = tokio::time::timeout(bound, store.release(&request.key, request.lease)).await;
         });
     }
 
@@ -115,20 +128,22 @@ impl<St: IdempotencyStore> Engine<St> {
 async fn write<St: IdempotencyStore>(
     store: &St,
     request: &ClaimRequest,
+    lifetime: Duration,
 ) -> Result<(), crate::store::StoreError> {
     use futures_util::FutureExt;
-    std::panic::AssertUnwindSafe(write_once(store, request))
+    std::panic::AssertUnwindSafe(write_once(store, request, lifetime))
         .catch_unwind()
         .await
         .unwrap_or_else(|_| Err(crate::store::StoreError::msg("the store panicked")))
 }
 
-/// Claims the tombstone's scope and completes it with an empty answer, to live the claim's
-/// retention. A tombstone that lives already (this claim's own, written by an earlier attempt) is
-/// left as it is.
+/// Claims the tombstone's scope and completes it with an empty answer, to live `lifetime`. A
+/// tombstone that lives already (this claim's own, written by an earlier attempt) is left as it
+/// is.
 async fn write_once<St: IdempotencyStore>(
     store: &St,
     request: &ClaimRequest,
+    lifetime: Duration,
 ) -> Result<(), crate::store::StoreError> {
     match store.claim(request).await? {
         ClaimOutcome::Claimed { lease, .. } => {
@@ -140,7 +155,7 @@ async fn write_once<St: IdempotencyStore>(
             ));
             let key = &request.key;
             match store
-                .complete(key, lease, &request.fingerprint, empty, request.retention)
+                .complete(key, lease, &request.fingerprint, empty, lifetime)
                 .await?
             {
                 Fenced::Done => Ok(()),

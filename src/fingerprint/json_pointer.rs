@@ -17,6 +17,11 @@ impl fmt::Debug for Pointer {
 }
 
 impl Pointer {
+    /// Its reference tokens, unescaped.
+    pub(crate) fn tokens(&self) -> &[String] {
+        &self.0
+    }
+
     /// Parses `/a/b~1c`; refuses the empty pointer (the whole document) and bad escapes.
     pub(crate) fn parse(text: &str) -> Result<Pointer, String> {
         let Some(rest) = text.strip_prefix('/') else {

@@ -56,8 +56,11 @@ pub(super) fn admit<St: IdempotencyStore>(
             Ok(key) => key,
             Err(detail) => return refuse(ErrorKind::InvalidIdempotencyKey, &detail),
         },
-        // The body was read already, and held none.
-        Ok(Found::InBody) => return Admission::Unguarded,
+        // Never reached: a key in the body is read before admission. Were it reached, the
+        // request would have a key nobody read; it is refused rather than run unguarded.
+        Ok(Found::InBody) => {
+            return Admission::Refused(super::handler::internal_error(http));
+        }
         Ok(Found::Absent) if http.require_key => {
             let detail = format!(
                 "this endpoint requires a key in {}",

@@ -202,11 +202,13 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
     }
 
     /// Reads the key from a string field of the JSON body, named by a JSON pointer (RFC 6901):
-    /// `/request_id`, as AIP-155 puts it. A JSON body (`application/json` or `+json`) of a
-    /// guarded method is read first (up to [`body_limit`](Self::body_limit), within
-    /// [`body_timeout`](Self::body_timeout)), since only it says whether the request has a key:
-    /// over the limit it is `413` even without one. A body without the field (or with `null`) has
-    /// no key, and one that is not JSON is not read (unless the draft's header is sent). A field that is not a
+    /// `/request_id`, as AIP-155 puts it. The body of a guarded method is read first (up to
+    /// [`body_limit`](Self::body_limit), within [`body_timeout`](Self::body_timeout), as many at
+    /// once as [`max_running`](Self::max_running), the others waiting), since only it says whether
+    /// the request has a key: over the limit it is `413` even without one. A body without the field
+    /// (or with `null`), or that is not JSON, has no key; one whose `Content-Type` says it is not
+    /// JSON (a form, multipart, raw bytes, media, a PDF, an archive) is not read at all, unless the
+    /// draft's header is sent. A field that is not a
     /// string is `400 invalid_idempotency_key`. The draft's `Idempotency-Key` header, if sent
     /// too, must name the same key, as with [`key_header`](Self::key_header). The OpenAPI
     /// description documents the field in the request body, not a header.
@@ -551,6 +553,11 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
     /// Checks the settings and builds the layer.
     pub fn build(mut self) -> Result<IdempotencyLayer<Store>, ConfigError> {
         self.http.tombstones = self.engine.tombstones.is_some();
+        let reads = self
+            .engine
+            .max_running
+            .min(tokio::sync::Semaphore::MAX_PERMITS);
+        self.http.body_reads = Arc::new(tokio::sync::Semaphore::new(reads));
         let http = self.http.finished(Unchecked {
             problem_type_base: self.problem_type_base,
             extra_headers: self.extra_headers,

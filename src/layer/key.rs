@@ -7,6 +7,8 @@ use std::sync::Arc;
 use http::request::Parts;
 use http::{HeaderMap, HeaderName};
 
+use crate::fingerprint::json_pointer::Pointer;
+
 use crate::header::IDEMPOTENCY_KEY;
 
 /// The application's own key extractor: the key from the request's parts, `None` when it has none.
@@ -21,8 +23,9 @@ pub(crate) enum KeySource {
     Header(HeaderName),
     /// The application's extractor.
     Parts(Arc<KeyFn>),
-    /// A string field of the JSON body, by JSON pointer (RFC 6901), as AIP-155's `request_id`.
-    Body(String),
+    /// A string field of the JSON body, by JSON pointer (RFC 6901), as AIP-155's `request_id`:
+    /// the pointer as written, and parsed.
+    Body(String, Pointer),
 }
 
 impl Default for KeySource {
@@ -51,10 +54,10 @@ impl KeySpec {
                     )
                 }),
             KeySpec::Parts(f) => Ok(KeySource::Parts(f)),
-            KeySpec::Body(pointer) => {
-                crate::fingerprint::json_pointer::Pointer::parse(&pointer)
+            KeySpec::Body(text) => {
+                let pointer = Pointer::parse(&text)
                     .map_err(|e| crate::ConfigError::new("key_from_body", e))?;
-                Ok(KeySource::Body(pointer))
+                Ok(KeySource::Body(text, pointer))
             }
         }
     }
@@ -82,8 +85,11 @@ impl KeySource {
             KeySource::Header(name) => {
                 !headers.contains_key(name) && !headers.contains_key(&IDEMPOTENCY_KEY)
             }
-            // A body that is not JSON holds no field: without the draft's header, no key.
-            KeySource::Body(_) => !headers.contains_key(&IDEMPOTENCY_KEY) && !is_json(headers),
+            // A body declared as something JSON is not holds no field: without the draft's
+            // header, no key. (One sent without a type, or as text, is read: clients send JSON so.)
+            KeySource::Body(..) => {
+                !headers.contains_key(&IDEMPOTENCY_KEY) && declared_not_json(headers)
+            }
             KeySource::Parts(_) => false,
         }
     }
@@ -105,7 +111,7 @@ impl KeySource {
                     None => None,
                 },
                 // The draft's header (valid, if sent) is checked against the field once it is read.
-                KeySource::Body(_) => return Ok(Found::InBody),
+                KeySource::Body(..) => return Ok(Found::InBody),
             };
         agreed(found, draft, self).map(found_or_absent)
     }
@@ -113,33 +119,26 @@ impl KeySource {
     /// The key, from the body of a request whose source is a body field: the field's string, or
     /// the draft's header's when the body has none.
     pub(crate) fn in_body(&self, headers: &HeaderMap, body: &[u8]) -> Result<Found, Refused> {
-        let KeySource::Body(pointer) = self else {
+        let KeySource::Body(text, pointer) = self else {
             return Ok(Found::Absent);
         };
         let draft = from_headers(headers).map_err(|e| Refused(e.detail().to_owned()))?;
-        let document = match is_json(headers) {
-            true => serde_json::from_slice::<serde_json::Value>(body).ok(),
-            false => None,
-        };
-        let field = match document {
-            Some(document) => match document.pointer(pointer) {
-                None | Some(serde_json::Value::Null) => None,
-                Some(serde_json::Value::String(key)) => {
-                    Some(parse(key.as_bytes()).map_err(|e| {
-                        Refused(format!(
-                            "the body's {pointer} field: {}",
-                            e.detail_of_value()
-                        ))
-                    })?)
-                }
-                Some(_) => {
-                    return Err(Refused(format!(
-                        "the body's {pointer} field must be a string, the request's key"
-                    )));
-                }
-            },
-            // Not JSON: no field to read.
-            None => None,
+        // The field is looked for as the body is parsed, without building the document.
+        let mut parser = serde_json::Deserializer::from_slice(body);
+        let walked = serde::de::DeserializeSeed::deserialize(Walk(pointer.tokens()), &mut parser)
+            // Nothing but whitespace may follow the document.
+            .and_then(|field| parser.end().map(|()| field));
+        let field = match walked {
+            Ok(Some(Field::Text(key))) => Some(parse(key.as_bytes()).map_err(|e| {
+                Refused(format!("the body's {text} field: {}", e.detail_of_value()))
+            })?),
+            Ok(Some(Field::Other)) => {
+                return Err(Refused(format!(
+                    "the body's {text} field must be a string, the request's key"
+                )));
+            }
+            // No such field, `null`, or a body that is not JSON: no field to read.
+            Ok(None) | Err(_) => None,
         };
         agreed(field, draft, self).map(found_or_absent)
     }
@@ -152,7 +151,7 @@ impl KeySource {
             }
             KeySource::Header(name) => format!("the {name} header"),
             KeySource::Parts(_) => "the request's key".to_owned(),
-            KeySource::Body(pointer) => format!("the body's {pointer} field"),
+            KeySource::Body(text, _) => format!("the body's {text} field"),
         }
     }
 }
@@ -161,14 +160,130 @@ fn found_or_absent(key: Option<String>) -> Found {
     key.map_or(Found::Absent, Found::Key)
 }
 
-/// Whether the request says its body is JSON: `application/json`, or a `+json` type.
-fn is_json(headers: &HeaderMap) -> bool {
-    headers
+/// Whether the request declares a body that is not JSON: a form, a multipart upload, raw bytes,
+/// an image, audio, video, a font or a PDF. Without a type, or as text, it may be JSON.
+fn declared_not_json(headers: &HeaderMap) -> bool {
+    let Some(media) = headers
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.split(';').next())
         .map(|v| v.trim().to_ascii_lowercase())
-        .is_some_and(|v| v == "application/json" || v.ends_with("+json"))
+    else {
+        return false;
+    };
+    ["multipart/", "image/", "audio/", "video/", "font/"]
+        .iter()
+        .any(|top| media.starts_with(top))
+        || [
+            "application/x-www-form-urlencoded",
+            "application/octet-stream",
+            "application/pdf",
+            "application/zip",
+            "application/gzip",
+        ]
+        .contains(&media.as_str())
+}
+
+/// What is at the pointer.
+enum Field {
+    /// A string: the key.
+    Text(String),
+    /// Anything else but `null`.
+    Other,
+}
+
+/// Walks a JSON document down `tokens` as it is parsed, skipping everything else: the field at
+/// the end, `None` when there is none (or it is `null`). The last of repeated members counts, as
+/// the fingerprint's parser takes it.
+struct Walk<'a>(&'a [String]);
+
+impl<'de> serde::de::DeserializeSeed<'de> for Walk<'_> {
+    type Value = Option<Field>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Walk<'_> {
+    type Value = Option<Field>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(self.0.is_empty().then(|| Field::Text(v.to_owned())))
+    }
+
+    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Self::Value, E> {
+        Ok(self.0.is_empty().then_some(Field::Text(v)))
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(self.0.is_empty().then_some(Field::Other))
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(self.0.is_empty().then_some(Field::Other))
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(self.0.is_empty().then_some(Field::Other))
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(self.0.is_empty().then_some(Field::Other))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut found = None;
+        while let Some(name) = map.next_key::<String>()? {
+            match self.0.split_first() {
+                Some((first, rest)) if *first == name => found = map.next_value_seed(Walk(rest))?,
+                _ => {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(match self.0.is_empty() {
+            true => Some(Field::Other),
+            false => found,
+        })
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        // An element is named by its index, written in decimal without leading zeros.
+        let index = self.0.first().and_then(|first| {
+            let canonical = first == "0" || !first.starts_with('0');
+            canonical.then(|| first.parse::<usize>().ok()).flatten()
+        });
+        let mut found = None;
+        let mut at = 0;
+        loop {
+            let next = match index {
+                Some(i) if i == at => seq.next_element_seed(Walk(&self.0[1..]))?,
+                _ => seq.next_element::<serde::de::IgnoredAny>()?.map(|_| None),
+            };
+            match next {
+                Some(field) => {
+                    if index == Some(at) {
+                        found = field;
+                    }
+                    at += 1;
+                }
+                None => break,
+            }
+        }
+        Ok(match self.0.is_empty() {
+            true => Some(Field::Other),
+            false => found,
+        })
+    }
 }
 
 /// The key from the source, or from the draft's header; both, only when they are the same.
@@ -347,6 +462,102 @@ mod tests {
         assert_eq!(parse(b"\""), Err(KeyError::BadQuoting));
         assert_eq!(parse(br#""a\b""#), Err(KeyError::BadQuoting));
         assert_eq!(parse(br#""a"b""#), Err(KeyError::BadQuoting));
+    }
+
+    fn body_key(pointer: &str, body: &str) -> Result<Option<String>, Refused> {
+        let source = KeySpec::Body(pointer.to_owned())
+            .checked()
+            .expect("pointer");
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        source
+            .in_body(&headers, body.as_bytes())
+            .map(|found| match found {
+                Found::Key(key) => Some(key),
+                Found::Absent | Found::InBody => None,
+            })
+    }
+
+    #[test]
+    fn a_body_field_is_found_as_the_document_is_parsed() {
+        let key = |pointer: &str, body: &str| body_key(pointer, body).expect("not refused");
+        assert_eq!(
+            key("/request_id", r#"{"request_id":"r1"}"#).as_deref(),
+            Some("r1")
+        );
+        // Nested, among other members and arrays, escaped, after whitespace.
+        let body = r#" {"a":[1,{"x":2}],"meta":{"z":null,"request_id":"r\u0032"},"b":"c"} "#;
+        assert_eq!(key("/meta/request_id", body).as_deref(), Some("r2"));
+        assert_eq!(
+            key("/list/1", r#"{"list":["a","b","c"]}"#).as_deref(),
+            Some("b")
+        );
+        assert_eq!(
+            key("/a~1b/c~0d", r#"{"a/b":{"c~d":"k"}}"#).as_deref(),
+            Some("k")
+        );
+        // The last of repeated members.
+        assert_eq!(
+            key("/id", r#"{"id":"one","id":"two"}"#).as_deref(),
+            Some("two")
+        );
+        // None: absent, null, an index that is none, a body that is not JSON, or followed by more.
+        assert_eq!(key("/request_id", r#"{"other":"r1"}"#), None);
+        assert_eq!(key("/request_id", r#"{"request_id":null}"#), None);
+        assert_eq!(key("/list/01", r#"{"list":["a","b"]}"#), None);
+        assert_eq!(key("/list/9", r#"{"list":["a","b"]}"#), None);
+        assert_eq!(key("/request_id", "request_id=r1"), None);
+        assert_eq!(key("/request_id", r#"{"request_id":"r1"} trailing"#), None);
+        assert_eq!(key("/request_id", &"[".repeat(10_000)), None);
+        // A field that is not a string, or not a valid key, is refused.
+        for body in [
+            r#"{"request_id":7}"#,
+            r#"{"request_id":{"x":"y"}}"#,
+            r#"{"request_id":["r1"]}"#,
+            r#"{"request_id":true}"#,
+            r#"{"request_id":""}"#,
+            r#"{"request_id":"caf\u00e9"}"#,
+        ] {
+            assert!(body_key("/request_id", body).is_err(), "{body}");
+        }
+    }
+
+    #[test]
+    fn only_a_body_declared_as_not_json_is_left_unread() {
+        let source = KeySpec::Body("/request_id".into())
+            .checked()
+            .expect("pointer");
+        let with = |value: Option<&'static str>| {
+            let mut headers = HeaderMap::new();
+            if let Some(value) = value {
+                headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static(value));
+            }
+            headers
+        };
+        for unread in [
+            "multipart/form-data; boundary=x",
+            "application/x-www-form-urlencoded",
+            "application/octet-stream",
+            "image/png",
+            "Application/PDF",
+        ] {
+            assert!(source.surely_absent(&with(Some(unread))), "{unread}");
+        }
+        for read in [
+            None,
+            Some("application/json"),
+            Some("text/plain"),
+            Some("application/problem+json"),
+        ] {
+            assert!(!source.surely_absent(&with(read)), "{read:?}");
+        }
+        // The draft's header makes the request keyed whatever its body.
+        let mut keyed = with(Some("image/png"));
+        keyed.insert(IDEMPOTENCY_KEY, HeaderValue::from_static("k"));
+        assert!(!source.surely_absent(&keyed));
     }
 
     #[test]

@@ -43,13 +43,21 @@ where
     // A key in the body is read before anything else: only it says whether the request is
     // guarded, and a request without one runs as if the layer were not there.
     let (body, found) = match http.key_source {
-        KeySource::Body(_) => {
+        KeySource::Body(..) => {
             let label = super::label::of(&parts);
+            // A place among the bodies read before admission, waited for: the request is not
+            // refused (it may hold no key), and the bodies buffered at once stay bounded.
+            let Ok(reading) = http.body_reads.acquire().await else {
+                return Ok(super::handler::internal_error(&http));
+            };
             let bytes = match read_body(&engine, &http, &label, &parts, body).await {
                 Ok(bytes) => bytes,
                 Err(refused) => return Ok(refused),
             };
-            match key_in_body(&engine, &http, &label, &parts, &bytes) {
+            let found = key_in_body(&engine, &http, &label, &parts, &bytes);
+            // Given back before anything runs: the handler of a request without a key holds none.
+            drop(reading);
+            match found {
                 Ok(Some(found)) => (Input::Read(bytes), Some(found)),
                 Ok(None) => {
                     let request = Request::from_parts(parts, Body::from(bytes));
@@ -124,6 +132,7 @@ where
                 "this Idempotency-Key was used for a request with a different body or query",
                 None,
             )),
+            Claim::Reserved => Ok(super::handler::internal_error(&http)),
             Claim::Expired => Ok(http.problem(
                 ErrorKind::KeyExpired,
                 "this Idempotency-Key named an operation whose record has expired; it is not run \

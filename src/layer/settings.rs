@@ -72,6 +72,10 @@ pub(crate) struct LayerSettings {
     pub(crate) key_source: super::key::KeySource,
     /// Whether the engine keeps tombstones (so `410 idempotency_key_expired` may be answered).
     pub(crate) tombstones: bool,
+    /// Places for bodies read before admission (a key in the body): as many as the requests the
+    /// instance runs (`max_running`); a request waits for one, so that the bodies buffered at once
+    /// are bounded even for requests that turn out to hold no key.
+    pub(crate) body_reads: Arc<tokio::sync::Semaphore>,
     pub(crate) methods: Vec<Method>,
     pub(crate) stored_headers: Vec<HeaderName>,
     pub(crate) policy: Arc<PolicyFn>,
@@ -201,6 +205,7 @@ impl Default for LayerSettings {
             require_key: false,
             key_source: super::key::KeySource::default(),
             tombstones: false,
+            body_reads: Arc::new(tokio::sync::Semaphore::new(1024)),
             methods: vec![Method::POST, Method::PATCH],
             stored_headers: DEFAULT_STORED_HEADERS.to_vec(),
             policy: Arc::new(default_policy),

@@ -250,6 +250,10 @@ impl<St: IdempotencyStore> RunOnce<St> {
                 Claim::InProgress => Err(OnceError::InProgress),
                 Claim::KeyReuse => Err(OnceError::KeyReuse),
                 Claim::Expired => Err(OnceError::Expired),
+                Claim::Reserved => Err(OnceError::Store(StoreError::refused_claim(
+                    "the scope's endpoint starts as a tombstone's (\" tombstone \"), which only \
+                     the engine writes",
+                ))),
                 Claim::Unavailable(Unavailable::Store(e)) => Err(OnceError::Store(e)),
                 Claim::Unavailable(Unavailable::TooLate) | Claim::Unguarded => Err(
                     OnceError::Store(StoreError::msg(Unavailable::TooLate.to_string())),

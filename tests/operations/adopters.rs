@@ -399,9 +399,18 @@ async fn the_key_comes_from_where_the_layer_is_told() {
         .body(axum::body::Body::from(vec![b'x'; 2 * 1024 * 1024]));
     let upload = send(&router, upload).await;
     assert_eq!(upload.status, StatusCode::OK, "{upload:?}");
+    // JSON sent as text (a browser's `fetch` with a string body) is read: it is keyed.
+    let as_text = || {
+        post("/say")
+            .user("alice")
+            .header("content-type", "text/plain;charset=UTF-8")
+            .body(axum::body::Body::from(r#"{"request_id":"t1"}"#))
+    };
+    assert!(!send(&router, as_text()).await.replayed());
+    assert!(send(&router, as_text()).await.replayed());
     let keyed_anonymous = send(&router, post("/say").json(r#"{"request_id":"r9"}"#)).await;
     assert_eq!(keyed_anonymous.problem(), "missing_subject");
-    assert_eq!(runs.load(Ordering::SeqCst), 5);
+    assert_eq!(runs.load(Ordering::SeqCst), 6);
     // Required: a body without the field is 400, naming the field.
     let (router, _) = app(layer()
         .key_from_body("/request_id")
@@ -566,4 +575,12 @@ async fn run_once_checks_its_replays_and_tells_an_expired_scope() {
         Err(OnceError::Store(_)) => {}
         other => panic!("{other:?}"),
     }
+    // And through the layer: a custom endpoint that names one is the application's fault, 500.
+    let (router, runs) = app(layer()
+        .endpoint(|_| " tombstone POST /say".to_owned())
+        .build()
+        .expect("layer"));
+    let refused = send(&router, post("/say").key("k").user("alice")).await;
+    assert_eq!(refused.problem(), "internal_error");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
 }
