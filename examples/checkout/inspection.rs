@@ -65,21 +65,22 @@ pub(crate) async fn forget<S: IdempotencyStore>(
     let Some(scope) = checkout_scope(&subject, &key) else {
         return invalid_key();
     };
-    // Deleting says "make the key new": its tombstone goes too (first, so that a failure leaves
-    // the record to delete again), or the next request with the key would be told it expired.
-    let tombstone = match store.delete(&tombstone_of(&scope)).await {
-        // Being written: the checkout's answer was just recorded; try again in a moment.
+    // Deleting says "make the key new": the record, then its tombstone, or the next request with
+    // the key would be told it expired. A tombstone still being written is deleted by its writer,
+    // which finds the record gone.
+    let record = match store.delete(&scope).await {
         Ok(Deleted::InProgress) => return problem(StatusCode::CONFLICT, "in_progress", true),
         Ok(deleted) => deleted,
         Err(_) => return store_unavailable(),
     };
-    match store.delete(&scope).await {
-        Ok(Deleted::Deleted) => StatusCode::NO_CONTENT.into_response(),
-        Ok(Deleted::NotFound) if tombstone == Deleted::Deleted => {
-            StatusCode::NO_CONTENT.into_response()
-        }
-        Ok(Deleted::InProgress) => problem(StatusCode::CONFLICT, "in_progress", true),
-        Ok(_) => error(StatusCode::NOT_FOUND, "not_found"),
-        Err(_) => store_unavailable(),
+    let tombstone = match store.delete(&tombstone_of(&scope)).await {
+        Ok(deleted) => deleted,
+        // The record is gone already: the DELETE sent again deletes the tombstone.
+        Err(_) => return store_unavailable(),
+    };
+    if record == Deleted::Deleted || tombstone == Deleted::Deleted {
+        StatusCode::NO_CONTENT.into_response()
+    } else {
+        error(StatusCode::NOT_FOUND, "not_found")
     }
 }

@@ -330,13 +330,15 @@ impl<St: IdempotencyStore> Lease<St> {
                 renewals_seen = renewals;
             }
             if let Some(completed) = self.settled(attempt, stored.status) {
-                // The caller may have stopped waiting: then nobody is told.
-                let _ = settled.send(completed);
+                // The tombstone first, as on the first attempt: nobody gets the answer before it
+                // is written (a caller whose wait runs out meanwhile is told to retry).
                 if completed == Completed::Recorded {
                     let held = self.held.clone();
                     drop(self);
                     held.engine.entomb(&held.key).await;
                 }
+                // The caller may have stopped waiting: then nobody is told.
+                let _ = settled.send(completed);
                 return;
             }
         }

@@ -69,15 +69,17 @@ impl<St: IdempotencyStore> Engine<St> {
         // One claim for every attempt: a resend by its own lease is granted again (or answered
         // finished), so an attempt whose claim landed but whose answer was lost is not locked out
         // by its own record. In progress it lives as any claim does; finished, `lifetime`.
+        // No work runs under its claim: in progress, it lives two TTLs at most.
         let request = ClaimRequest::new(
             tombstone_of(key),
             fingerprint(),
             settings.in_progress_ttl,
-            settings.in_progress_retention(),
+            settings.in_progress_ttl,
         );
         let inline = super::timing::recorded_within(settings.in_progress_ttl);
         let first = tokio::time::timeout(inline, write(self.store(), &request, lifetime)).await;
         if matches!(first, Ok(Ok(()))) {
+            self.unless_deleted(key, &request.key).await;
             return;
         }
         let (engine, record) = (self.clone(), key.clone());
@@ -94,7 +96,10 @@ impl<St: IdempotencyStore> Engine<St> {
                 }
                 let written = tokio::time::timeout(bound, write(store, &request, lifetime)).await;
                 match written {
-                    Ok(Ok(())) => return,
+                    Ok(Ok(())) => {
+                        engine.unless_deleted(&record, &request.key).await;
+                        return;
+                    }
                     _ if attempt < ATTEMPTS => {}
                     failed => {
                         let error = match failed {
@@ -112,6 +117,16 @@ impl<St: IdempotencyStore> Engine<St> {
             // A claim of it that landed is not left in progress for a TTL.
             let _ = tokio::time::timeout(bound, store.release(&request.key, request.lease)).await;
         });
+    }
+
+    /// Deletes the tombstone `tomb` just written for `key` if `key`'s record is gone: an
+    /// application deleted it (to make the key new) while the tombstone was being written, and
+    /// found none to delete with it. A look-up that fails keeps the tombstone.
+    async fn unless_deleted(&self, key: &RecordKey, tomb: &RecordKey) {
+        let bound = self.renewal_bound();
+        if let Ok(Ok(None)) = tokio::time::timeout(bound, self.store_lookup(key)).await {
+            let _ = tokio::time::timeout(bound, self.store().delete(tomb)).await;
+        }
     }
 
     /// Looks for a living tombstone of `key`.

@@ -203,9 +203,11 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
 
     /// Reads the key from a string field of the JSON body, named by a JSON pointer (RFC 6901):
     /// `/request_id`, as AIP-155 puts it. The body of a guarded method is read first (up to
-    /// [`body_limit`](Self::body_limit), within [`body_timeout`](Self::body_timeout), as many at
-    /// once as [`max_running`](Self::max_running), the others waiting), since only it says whether
-    /// the request has a key: over the limit it is `413` even without one. A body without the field
+    /// [`body_limit`](Self::body_limit), within [`body_timeout`](Self::body_timeout); as many at
+    /// once, per layer, as [`max_running`](Self::max_running), the others waiting their turn
+    /// within `body_timeout`, then `503`), since only it says whether the request has a key: over
+    /// the limit it is `413`, too slow `408`, even without one. An encoded body
+    /// (`Content-Encoding`) cannot be read: without the draft's header it is `400`. A body without the field
     /// (or with `null`), or that is not JSON, has no key; one whose `Content-Type` says it is not
     /// JSON (a form, multipart, raw bytes, media, a PDF, an archive) is not read at all, unless the
     /// draft's header is sent. A field that is not a
@@ -367,8 +369,9 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
     /// `503 idempotency_overloaded` with `Retry-After`, before their bodies are read or anything
     /// claimed. Bounds what a client that resets requests in a loop can make the server run. A
     /// subject that holds `h` of these places takes one more only while `h` stay free after it, so
-    /// `n` subjects that all want more hold about `max_running / (n + 1)` each. At least 1.
-    /// Default: 1024.
+    /// `n` subjects that all want more hold about `max_running / (n + 1)` each. With
+    /// [`key_from_body`](Self::key_from_body), it also bounds the bodies read at once for their
+    /// keys. At least 1. Default: 1024.
     pub fn max_running(mut self, tasks: usize) -> Self {
         self.engine.max_running = tasks;
         self

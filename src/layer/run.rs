@@ -47,9 +47,19 @@ where
             let label = super::label::of(&parts);
             // A place among the bodies read before admission, waited for: the request is not
             // refused (it may hold no key), and the bodies buffered at once stay bounded.
-            let Ok(reading) = http.body_reads.acquire().await else {
-                return Ok(super::handler::internal_error(&http));
-            };
+            // The wait counts against the body's own deadline.
+            let reading =
+                match tokio::time::timeout(http.body_timeout, http.body_reads.acquire()).await {
+                    Ok(Ok(reading)) => reading,
+                    Ok(Err(_)) => return Ok(super::handler::internal_error(&http)),
+                    Err(_) => {
+                        engine.report(&label, Outcome::Overloaded);
+                        return Ok(http.retryable(
+                            ErrorKind::Overloaded,
+                            "too many request bodies are being read for their keys; retry later",
+                        ));
+                    }
+                };
             let bytes = match read_body(&engine, &http, &label, &parts, body).await {
                 Ok(bytes) => bytes,
                 Err(refused) => return Ok(refused),

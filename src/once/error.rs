@@ -26,7 +26,8 @@ pub enum OnceError<E> {
     /// happened, so the scope is settled as timed out: every later call within the retention gets
     /// this too, and the closure never runs again for it.
     TimedOut,
-    /// The store failed (or answered the claim too late to be trusted). Nothing ran; a claim the
+    /// The store failed (or answered the claim too late to be trusted), or the scope is one the
+    /// engine keeps for itself (its endpoint starts with `" tombstone "`). Nothing ran; a claim the
     /// store may have made is released in the background.
     Store(StoreError),
     /// The closure ran (it returned, or was cancelled at the maximum hold), but the store did not
