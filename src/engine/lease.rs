@@ -274,7 +274,7 @@ impl<St: IdempotencyStore> Lease<St> {
         self.done = true;
         let first = self.attempt(stored.clone()).await;
         if let Some(completed) = self.settled(first, stored.status) {
-            if completed == Completed::Recorded {
+            if completed == Completed::Recorded && self.held.engine.keeps_tombstones() {
                 // The lease (its registration with the keeper, its share) goes first: the record
                 // is finished.
                 let held = self.held.clone();
@@ -332,7 +332,7 @@ impl<St: IdempotencyStore> Lease<St> {
             if let Some(completed) = self.settled(attempt, stored.status) {
                 // The tombstone first, as on the first attempt: nobody gets the answer before it
                 // is written (a caller whose wait runs out meanwhile is told to retry).
-                if completed == Completed::Recorded {
+                if completed == Completed::Recorded && self.held.engine.keeps_tombstones() {
                     let held = self.held.clone();
                     drop(self);
                     held.engine.entomb(&held.key).await;

@@ -55,6 +55,11 @@ pub(crate) enum Grave {
 }
 
 impl<St: IdempotencyStore> Engine<St> {
+    /// Whether tombstones are kept (the settings say how long).
+    pub(crate) fn keeps_tombstones(&self) -> bool {
+        self.settings().tombstones.is_some()
+    }
+
     /// Writes the tombstone of `key`, whose record was just recorded, to live the retention and
     /// the tombstones' time from now: once before this returns, so that the answer reaches its
     /// client after its tombstone is written (an application that deletes the record once it has

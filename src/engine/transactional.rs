@@ -86,11 +86,13 @@ pub(crate) async fn commit_with_record<St: TransactionalStore>(
         }
     }
     engine.recorded(&lease.key().subject, stored.body.len());
-    let key = lease.key().clone();
+    let key = engine.keeps_tombstones().then(|| lease.key().clone());
     lease.settled_outside(Settled::Recorded {
         status: stored.status,
     });
-    engine.entomb(&key).await;
+    if let Some(key) = key {
+        engine.entomb(&key).await;
+    }
     InTransaction::Committed
 }
 

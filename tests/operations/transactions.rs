@@ -649,3 +649,49 @@ async fn a_transactional_handler_idle_three_ttls_completes_and_replays() {
     assert_eq!(retry.body, slow.body);
     assert_eq!(s.runs(), 1);
 }
+
+/// With tombstones, an answer committed with its effects leaves one too (written once the commit
+/// landed, before the answer is sent): past the record's retention the key is `410`, and the
+/// handler, whose effect committed, does not run again. A rolled-back answer (released) leaves
+/// none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_committed_answer_leaves_a_tombstone() {
+    let s = Setup::new().await;
+    let layer = IdempotencyLayer::builder(s.store.clone())
+        .in_progress_ttl(Duration::from_secs(30))
+        .retention(Duration::from_millis(600))
+        .tombstones(Duration::from_secs(30))
+        .transactions(true)
+        .build()
+        .expect("layer");
+    let router = s.router_on(layer);
+    let first = send(&router, "t", &[]).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let tomb = axum_idempotency::tombstone_of(&axum_idempotency::store::RecordKey {
+        key: "t".into(),
+        subject: "alice".into(),
+        endpoint: "POST /charge".into(),
+    });
+    use axum_idempotency::store::IdempotencyStore;
+    assert!(
+        s.store.lookup(&tomb).await.expect("lookup").is_some(),
+        "the tombstone is written before the answer is sent"
+    );
+    let released = send(&router, "r", &["x-status=503"]).await;
+    assert_eq!(released.status, StatusCode::SERVICE_UNAVAILABLE);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let gone = send(&router, "t", &[]).await;
+    assert_eq!(gone.status, StatusCode::GONE);
+    let again = send(&router, "r", &[]).await;
+    assert_eq!(
+        again.status,
+        StatusCode::CREATED,
+        "a released key has no tombstone"
+    );
+    assert_eq!(s.runs(), 3);
+    assert_eq!(
+        s.effects().await,
+        2,
+        "the rolled-back effect is not there; two committed"
+    );
+}
