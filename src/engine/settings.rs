@@ -413,8 +413,9 @@ macro_rules! engine_setters {
         /// `" tombstone "` before it ([`tombstone_of`](crate::tombstone_of)), written through the
         /// store's own operations, so every store keeps them. Such scopes are the engine's: a claim
         /// of one (a custom endpoint, a run-once scope) is refused (the layer's `500`,
-        /// `OnceError::Store`). It costs a look-up on every claim that runs, and a write (a claim and a
-        /// completion) after every recorded answer, before the answer is sent; it counts as one of
+        /// `OnceError::Store`). It costs a look-up on every claim that runs, and a write (a claim, a
+        /// completion and a look-up of the record) after every recorded answer, before the answer
+        /// is sent; it counts as one of
         /// its subject's records. A tombstone that could not be written (the store failed once
         /// inline and three times in the background) is logged, and that key runs again once its
         /// record expires. Deleting a record through
