@@ -5,6 +5,9 @@
 //! PostgreSQL the soak starts for itself (`common::servers`), never a server it did not start. At the end, per key: one charge for every key that got a 2xx,
 //! none charged twice, every replay equal to the first 2xx body.
 //!
+//! The two runs under kills and a restart send every claim, completion and release through the
+//! batch statements (SPEC 26), each batch held until it has three rows.
+//!
 //! Bounded: each mode runs `SOAK_SECS` seconds (default 25), then the clients get 30 s to settle
 //! their last keys. Loopback only. The long run is
 //! `SOAK_SECS=300 cargo test --all-features --test soak -- --nocapture`.
@@ -94,8 +97,12 @@ struct KeyLog {
 
 type Addrs = Arc<Mutex<Vec<SocketAddr>>>;
 
-fn env(transactional: bool) -> Vec<(&'static str, String)> {
+/// The instances' settings. `batches_held`: every claim, completion and release goes through the
+/// batch statements, each batch held until it has that many rows (SPEC 26; 0: batches as they
+/// come).
+fn env(transactional: bool, batches_held: usize) -> Vec<(&'static str, String)> {
     vec![
+        ("TEST_BATCHES_HELD", batches_held.to_string()),
         ("IDEMPOTENCY_IN_PROGRESS_TTL_SECS", TTL_SECS.to_string()),
         ("CHECKOUT_DELAY_MS", "120".to_owned()),
         ("CHECKOUT_HOLD_MS", "80".to_owned()),
@@ -245,7 +252,8 @@ async fn soak(secs: u64, transactional: bool, chaos: Chaos) -> Report {
         .expect("schema");
     admin.close().await;
 
-    let env = env(transactional);
+    // The runs under kills and a restart go through the batch statements only.
+    let env = env(transactional, if chaos == Chaos::Mixed { 3 } else { 0 });
     // In the partition mode, the first instance reaches PostgreSQL through a proxy that can hold
     // every packet.
     let upstream: SocketAddr = database_url()

@@ -17,6 +17,10 @@ pub(crate) struct Settings {
     /// How long a checkout's tombstone outlives its record (0: none): a retry within it is told
     /// `410 idempotency_key_expired` rather than charged again.
     pub tombstones: Duration,
+    /// A test setting of the soak (0: off): the Postgres store holds each batch of claims,
+    /// completions and releases until it has this many rows, so that every statement goes through
+    /// the batch statements. Only with the crate's `test-suite` feature.
+    pub batches_held: usize,
 }
 
 impl Settings {
@@ -35,6 +39,7 @@ impl Settings {
             wait: Duration::from_millis(secs("IDEMPOTENCY_WAIT_MS", 0)?),
             request_timeout: Duration::from_secs(secs("REQUEST_TIMEOUT_SECS", 30)?),
             tombstones: Duration::from_secs(secs("IDEMPOTENCY_TOMBSTONE_SECS", 7 * 24 * 3600)?),
+            batches_held: usize::try_from(secs("TEST_BATCHES_HELD", 0)?)?,
         })
     }
 }

@@ -49,6 +49,11 @@ pub(crate) async fn router_from_env(settings: Settings) -> Result<Router, Box<dy
             let store = PostgresStore::new(records)
                 .with_transaction_pool(transactions)
                 .with_timeout(store_timeout(&settings));
+            #[cfg(feature = "test-suite")]
+            let store = match settings.batches_held {
+                0 => store,
+                rows => store.with_batches_held(rows),
+            };
             store.migrate().await?;
             axum_idempotency::store::spawn_purge(store.clone(), Duration::from_secs(3600));
             tracing::info!("idempotency records and charges in PostgreSQL");

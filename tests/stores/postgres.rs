@@ -1218,3 +1218,298 @@ async fn a_restart_of_the_server_does_not_count_against_a_holder() {
     )
     .await;
 }
+
+/// The suite again with every claim, completion and release sent through the batch statements
+/// (SPEC 26), each batch held until it has four rows or 5 ms passed: the statements that carry
+/// many keep every promise the single ones keep.
+mod batched {
+    use super::*;
+
+    store_suite!(async { store().await.with_batches_held(4) });
+
+    /// A row locked by another transaction delays no other row of its batch: a duplicate of a
+    /// record whose handler's transaction holds it is answered from the row as last committed (in
+    /// progress) beside seven fresh keys, and a completion whose row is locked is skipped by the
+    /// batch, goes alone and waits (then fails, for the engine to retry) while the seven others of
+    /// its batch are done. No batch statement failed (a wait past the lock timeout would have).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_locked_row_delays_no_other_row_of_its_batch() {
+        use axum_idempotency::store::{Fenced, StoredResponse, TransactionalStore};
+        use std::sync::Arc;
+
+        let pool = pool(34).await;
+        let schema = fresh_schema(&pool).await;
+        let table = format!("{schema}.idempotency_records");
+        let store = PostgresStore::with_table(pool.clone(), &table)
+            .expect("valid table name")
+            .with_timeout(common::SUITE_STORE_TIMEOUT)
+            .with_batches_held(8);
+        store.migrate().await.expect("migrate");
+        let response = || {
+            Arc::new(StoredResponse::new(
+                Finished::Completed,
+                201,
+                Vec::new(),
+                Some(b"{}".to_vec().into()),
+            ))
+        };
+
+        let first = claim_request("held", b"{}");
+        let ClaimOutcome::Claimed { lease, .. } = store.claim(&first).await.expect("claim") else {
+            panic!("the first claim wins");
+        };
+        let mut tx = store.begin(Duration::from_secs(30)).await.expect("begin");
+        let done = store
+            .complete_in(
+                &mut tx,
+                &first.key,
+                lease,
+                &first.fingerprint,
+                response(),
+                first.retention,
+            )
+            .await
+            .expect("complete in the transaction");
+        assert!(done.is_done());
+        let mut requests = vec![ClaimRequest {
+            lease: LeaseToken::generate(),
+            ..first.clone()
+        }];
+        requests.extend((0..7).map(|k| claim_request(&format!("fresh {k}"), b"{}")));
+        let claims: Vec<_> = requests
+            .into_iter()
+            .map(|request| {
+                let store = store.clone();
+                tokio::spawn(async move { store.claim(&request).await })
+            })
+            .collect();
+        let mut answers = Vec::new();
+        for claim in claims {
+            answers.push(claim.await.expect("task").expect("claim"));
+        }
+        assert_eq!(
+            answers[0],
+            ClaimOutcome::InProgress,
+            "the held record is in progress"
+        );
+        for answer in &answers[1..] {
+            assert!(matches!(answer, ClaimOutcome::Claimed { .. }), "{answer:?}");
+        }
+        drop(tx);
+
+        let requests: Vec<ClaimRequest> = (0..8)
+            .map(|k| claim_request(&format!("done {k}"), b"{}"))
+            .collect();
+        for request in &requests {
+            let granted = store.claim(request).await.expect("claim");
+            assert!(matches!(granted, ClaimOutcome::Claimed { .. }));
+        }
+        let mut locker = pool.begin().await.expect("begin");
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT 1 FROM {table} WHERE idempotency_key = 'done 0' FOR UPDATE"
+        )))
+        .execute(&mut *locker)
+        .await
+        .expect("lock the row");
+        let completions: Vec<_> = requests
+            .iter()
+            .map(|request| {
+                let (store, request, response) = (store.clone(), request.clone(), response());
+                tokio::spawn(async move {
+                    store
+                        .complete(
+                            &request.key,
+                            request.lease,
+                            &request.fingerprint,
+                            response,
+                            request.retention,
+                        )
+                        .await
+                })
+            })
+            .collect();
+        let mut done = Vec::new();
+        for completion in completions {
+            done.push(completion.await.expect("task"));
+        }
+        assert!(
+            done[0].is_err(),
+            "the locked row waited alone: {:?}",
+            done[0]
+        );
+        for answer in &done[1..] {
+            assert_eq!(answer.as_ref().expect("done"), &Fenced::Done);
+        }
+        locker.rollback().await.expect("rollback");
+        let again = store
+            .complete(
+                &requests[0].key,
+                requests[0].lease,
+                &requests[0].fingerprint,
+                response(),
+                requests[0].retention,
+            )
+            .await
+            .expect("complete once the lock is gone");
+        assert_eq!(again, Fenced::Done);
+        let (sent, failed) = store.batch_counts();
+        assert!(sent > 0);
+        assert_eq!(failed, 0, "{failed} of {sent} batch statements failed");
+    }
+
+    /// Rounds of claims that race on real connections: every key claimed by three requests at
+    /// once (two with its body, one with another), then the winners' completions (each with an
+    /// answer of its own, headers and all) and releases at once, then every key claimed again.
+    /// Each request gets its own answer: one grant per key, `409` for the same body, `422` for
+    /// another, each key's own recorded answer, a released key granted again. With batches as
+    /// they come (what queues behind a statement in flight) and held until they have eight rows;
+    /// no batch statement failed over to the single ones.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn racing_requests_in_batches_each_get_their_own_answer() {
+        use axum::http::{HeaderName, HeaderValue};
+        use axum_idempotency::store::{Fenced, StoredResponse};
+        use std::collections::HashMap;
+        use std::sync::Arc;
+
+        for held in [None, Some(8)] {
+            let store = match held {
+                Some(rows) => store().await.with_batches_held(rows),
+                None => store().await,
+            };
+            for round in 0..8 {
+                let key = |k: usize| format!("r{round}-k{k}");
+                let mut claims = Vec::new();
+                for k in 0..24 {
+                    for copy in 0..3 {
+                        let (store, key) = (store.clone(), key(k));
+                        let body = if copy == 2 {
+                            format!("other {k}")
+                        } else {
+                            format!("body {k}")
+                        };
+                        claims.push(tokio::spawn(async move {
+                            let request = claim_request(&key, body.as_bytes());
+                            let outcome = store.claim(&request).await.expect("claim");
+                            (k, request, outcome)
+                        }));
+                    }
+                }
+                let mut winners: HashMap<usize, ClaimRequest> = HashMap::new();
+                let mut answers = Vec::new();
+                for claim in claims {
+                    let (k, request, outcome) = claim.await.expect("claim task");
+                    if let ClaimOutcome::Claimed { lease, .. } = outcome {
+                        assert_eq!(lease, request.lease, "a grant under the claim's own lease");
+                        let earlier = winners.insert(k, request.clone());
+                        assert!(earlier.is_none(), "key {k} granted twice in round {round}");
+                    }
+                    answers.push((k, request, outcome));
+                }
+                assert_eq!(winners.len(), 24, "every key granted once");
+                for (k, request, outcome) in &answers {
+                    let winner = &winners[k];
+                    match outcome {
+                        ClaimOutcome::Claimed { .. } => assert_eq!(request.lease, winner.lease),
+                        ClaimOutcome::InProgress => {
+                            assert_eq!(
+                                request.fingerprint, winner.fingerprint,
+                                "409 for the same body"
+                            )
+                        }
+                        ClaimOutcome::KeyReuse => {
+                            assert_ne!(request.fingerprint, winner.fingerprint, "422 for another")
+                        }
+                        other => panic!("key {k}: {other:?} while it was held"),
+                    }
+                }
+                // Completions (each its own answer) and releases, all at once.
+                let finishes: Vec<_> = winners
+                    .iter()
+                    .map(|(k, request)| {
+                        let (store, request, k) = (store.clone(), request.clone(), *k);
+                        tokio::spawn(async move {
+                            if k % 4 == 3 {
+                                return store.release(&request.key, request.lease).await;
+                            }
+                            let headers = (0..k % 3)
+                                .map(|h| {
+                                    (
+                                        HeaderName::from_static("x-part"),
+                                        HeaderValue::from_str(&format!("{k}.{h}")).expect("value"),
+                                    )
+                                })
+                                .collect();
+                            let response = StoredResponse::new(
+                                if k % 4 == 2 {
+                                    Finished::Failed
+                                } else {
+                                    Finished::Completed
+                                },
+                                200 + k as u16,
+                                headers,
+                                (k % 5 != 4).then(|| format!("answer {k}").into()),
+                            );
+                            store
+                                .complete(
+                                    &request.key,
+                                    request.lease,
+                                    &request.fingerprint,
+                                    Arc::new(response),
+                                    Duration::from_secs(3600),
+                                )
+                                .await
+                        })
+                    })
+                    .collect();
+                for finish in finishes {
+                    assert_eq!(finish.await.expect("task").expect("finish"), Fenced::Done);
+                }
+                // Every key again, at once: its own answer, or a new grant once released.
+                let again: Vec<_> = winners
+                    .iter()
+                    .map(|(k, winner)| {
+                        let (store, k) = (store.clone(), *k);
+                        let request = ClaimRequest {
+                            lease: LeaseToken::generate(),
+                            ..winner.clone()
+                        };
+                        tokio::spawn(async move { (k, store.claim(&request).await) })
+                    })
+                    .collect();
+                for task in again {
+                    let (k, outcome) = task.await.expect("task");
+                    match outcome.expect("claim again") {
+                        ClaimOutcome::Claimed { .. } => {
+                            assert_eq!(k % 4, 3, "key {k} granted again")
+                        }
+                        ClaimOutcome::Finished(response) => {
+                            assert_ne!(k % 4, 3, "a released key {k} replayed");
+                            assert_eq!(response.status, 200 + k as u16, "key {k}'s own status");
+                            let parts: Vec<String> = response
+                                .headers
+                                .iter()
+                                .filter(|(name, _)| name.as_str() == "x-part")
+                                .map(|(_, value)| value.to_str().expect("ascii").to_owned())
+                                .collect();
+                            let expected: Vec<String> =
+                                (0..k % 3).map(|h| format!("{k}.{h}")).collect();
+                            assert_eq!(parts, expected, "key {k}'s own headers");
+                            if k % 5 == 4 {
+                                assert!(response.body_omitted, "key {k}: its body left out");
+                            } else {
+                                assert_eq!(response.body, format!("answer {k}").as_bytes());
+                            }
+                        }
+                        other => panic!("key {k} answered {other:?} after its finish"),
+                    }
+                }
+            }
+            let (sent, failed) = store.batch_counts();
+            assert!(sent > 0, "no batch statement was sent ({held:?})");
+            assert_eq!(
+                failed, 0,
+                "{failed} of {sent} batch statements failed ({held:?})"
+            );
+        }
+    }
+}

@@ -11,6 +11,7 @@ use sqlx::PgPool;
 use sqlx::pool::PoolConnection;
 use tokio::time::Instant;
 
+mod batched;
 mod claim;
 mod connection;
 mod inspect;
@@ -88,6 +89,8 @@ pub struct PostgresStore {
     parking: Arc<shared::Parking<sqlx::Postgres>>,
     /// On a keeper session (`keeper_session`): the presences it shows. Shared by clones.
     presences: Option<Arc<presence::Presences>>,
+    /// Claims, completions and releases sent together (see `batched.rs`). Shared by clones.
+    batches: Arc<batched::Batches>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -113,6 +116,7 @@ impl PostgresStore {
             scope_columns: true,
             parking: Arc::default(),
             presences: None,
+            batches: Arc::default(),
         }
     }
 
@@ -131,6 +135,7 @@ impl PostgresStore {
             scope_columns: true,
             parking: Arc::default(),
             presences: None,
+            batches: Arc::default(),
         })
     }
 
@@ -145,6 +150,36 @@ impl PostgresStore {
         self.timeout = timeout.max(MIN_OPERATION_TIMEOUT);
         self.lock_timeout = lock_timeout_for(self.timeout);
         self
+    }
+
+    /// A test setting: hold each batch of claims, completions and releases until it has `rows`
+    /// rows (or 5 ms passed), and send every one, even of one row, through the batch statements, so
+    /// that tests run those statements everywhere. Not for production: every operation waits.
+    #[cfg(any(test, feature = "test-suite"))]
+    #[doc(hidden)]
+    pub fn with_batches_held(mut self, rows: usize) -> Self {
+        self.batches = Arc::new(batched::Batches::new(Some(
+            crate::store::sql::batch::Forced {
+                rows: rows.max(1),
+                hold: Duration::from_millis(5),
+            },
+        )));
+        self
+    }
+
+    /// Batch statements sent and failed (then sent again row by row), claims, completions and
+    /// releases together: for tests.
+    #[cfg(any(test, feature = "test-suite"))]
+    #[doc(hidden)]
+    pub fn batch_counts(&self) -> (u64, u64) {
+        let counts = [
+            self.batches.claims.counts(),
+            self.batches.completions.counts(),
+            self.batches.releases.counts(),
+        ];
+        counts
+            .iter()
+            .fold((0, 0), |(sent, failed), (s, f)| (sent + s, failed + f))
     }
 
     async fn timed<T>(
@@ -302,7 +337,7 @@ impl PostgresStore {
 impl IdempotencyStore for PostgresStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let scope = request.key.digest();
-        match self.claim_row(request, &scope).await? {
+        match self.claim_together(request, &scope).await? {
             Some(row) => self.decide(request, &scope, &row).await,
             None => Ok(ClaimOutcome::InProgress),
         }
@@ -317,11 +352,9 @@ impl IdempotencyStore for PostgresStore {
         retention: Duration,
     ) -> Result<Fenced, StoreError> {
         let scope = key.digest();
-        let (held,): (bool,) = on_connection!(self, "complete", conn => {
-            self.completion(&self.sql().complete, &scope, lease, &response, retention)
-                .fetch_one(&mut *conn)
-        })?
-        .map_err(db("complete"))?;
+        let held = self
+            .complete_together(&scope, lease, response, retention)
+            .await?;
         if held {
             return Ok(Fenced::Done);
         }
@@ -376,6 +409,7 @@ impl IdempotencyStore for PostgresStore {
             transactions: None,
             parking: Arc::default(),
             presences: Some(Arc::new(presence::Presences::new(options, self.timeout))),
+            batches: Arc::default(),
             ..self.clone()
         })
     }
@@ -467,13 +501,7 @@ impl IdempotencyStore for PostgresStore {
 
     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
         let scope = key.digest();
-        let done = on_connection!(self, "release", conn => {
-            self.leased(&self.sql().release, &scope, lease)
-                .bind(&*self.lock_timeout)
-                .execute(&mut *conn)
-        })?
-        .map_err(db("release"))?;
-        Ok(Fenced::from_held(done.rows_affected() == 1))
+        self.release_row(&scope, lease).await.map(Fenced::from_held)
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {

@@ -44,6 +44,10 @@ pub(super) struct Statements {
     pub(super) complete_in: String,
     pub(super) finished_by: String,
     pub(super) release: String,
+    /// Claims, completions and releases of many records in one statement (see `batched.rs`).
+    pub(super) claim_many: String,
+    pub(super) complete_many: String,
+    pub(super) release_many: String,
     pub(super) purge: String,
     pub(super) check_shape: String,
     /// Whether a row of the scope `$1` exists, as last committed: a plain read, which waits on no
@@ -248,6 +252,126 @@ impl Statements {
                 "{} UPDATE {t} SET lease_token = {RELEASED}, updated_at = '-infinity' \
                  WHERE scope = $1 AND lease_token = $2 AND lease_token <> {RELEASED} \
                    AND status = 'in_progress' AND {LOCK_BOUND}",
+                lock_bound_cte(3)
+            ),
+            // Many claims in one statement (SPEC 26), one answer row per claim with the columns of
+            // `claim_direct` and its input's place (`ord`, from 1). Arrays, one element per claim:
+            // $1 scope, $2 key, $3 subject, $4 endpoint, $5 fingerprint, $6 lease, $7 lifetime
+            // (µs), $8 in-progress TTL (µs), $9 generation; $10 lock timeout.
+            // Only a scope with no row in the statement's snapshot is inserted, so the statement
+            // never waits on the lock of a row that is there (a handler's transaction holding
+            // the record it completed): such a row is answered from the snapshot, as last
+            // committed, where the single claim would have waited, then answered it in progress
+            // too. The insert can still meet a row inserted since the snapshot was taken: it
+            // waits for that claim's commit, inserts nothing, and the snapshot has no row to
+            // read, so that claim gets no answer row and goes again alone (`claim_row`).
+            // Inserted in scope order, so that two batches inserting the same scopes wait on each
+            // other in one order, never in a cycle.
+            claim_many: format!(
+                "{}, asked AS MATERIALIZED ( \
+                   SELECT * FROM unnest($1::bytea[], $2::text[], $3::text[], $4::text[], \
+                                        $5::bytea[], $6::int8[], $7::float8[], $8::float8[], \
+                                        $9::bytea[]) WITH ORDINALITY \
+                     AS a(scope, idempotency_key, subject, endpoint, fingerprint, lease_token, \
+                          lifetime_us, ttl_us, generation, ord)), \
+                 ins AS ( \
+                   INSERT INTO {t} (scope, idempotency_key, subject, endpoint, fingerprint, status, \
+                                    lease_token, expires_at, generation, in_progress_ttl_us) \
+                   SELECT a.scope, a.idempotency_key, a.subject, a.endpoint, a.fingerprint, \
+                          'in_progress', a.lease_token, \
+                          now() + a.lifetime_us * interval '1 microsecond', a.generation, a.ttl_us \
+                   FROM asked a \
+                   WHERE NOT EXISTS (SELECT 1 FROM {t} r WHERE r.scope = a.scope) AND {LOCK_BOUND} \
+                   ORDER BY a.scope \
+                   ON CONFLICT DO NOTHING \
+                   RETURNING scope) \
+                 SELECT a.ord, true AS inserted, NULL::text AS status, NULL::bigint AS lease_token, \
+                        NULL::bool AS same_fp, NULL::bool AS stale, NULL::bool AS expired, \
+                        NULL::smallint AS response_status, NULL::text[] AS header_names, \
+                        NULL::bytea[] AS header_values, NULL::bytea AS response_body, \
+                        NULL::float8 AS expires_in, a.generation \
+                 FROM asked a WHERE EXISTS (SELECT 1 FROM ins WHERE ins.scope = a.scope) \
+                 UNION ALL \
+                 SELECT a.ord, false, r.status, r.lease_token, r.fingerprint = a.fingerprint, \
+                        r.updated_at <= now() - GREATEST(a.ttl_us, coalesce(r.in_progress_ttl_us, 0)) \
+                                                * interval '1 microsecond', \
+                        r.expires_at <= now(), r.response_status, r.header_names, r.header_values, \
+                        CASE WHEN r.fingerprint = a.fingerprint THEN r.response_body END, \
+                        extract(epoch FROM r.expires_at - now())::float8, r.generation \
+                 FROM asked a JOIN {t} r ON r.scope = a.scope \
+                 WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.scope = a.scope)",
+                lock_bound_cte(10)
+            ),
+            // Many completions in one statement, each as `complete` finishes one. Arrays, one
+            // element per completion: $1 scope, $2 lease, $3 status, $4 response status, $5 where
+            // its headers start in $7 and $8 (from 0), $6 how many it has, $9 body, $10 retention
+            // (µs); $7 every completion's header names, $8 their values, one after another; $11
+            // lock timeout. The rows are locked in scope order, and a row another transaction
+            // holds is skipped rather than waited for: it answers `locked` and goes again alone,
+            // so one such row delays no other completion of the batch. Per input (`ord`, from
+            // 1): whether the lease finished the record (now, or before: an earlier attempt whose
+            // answer was lost), and whether its row was skipped for a lock.
+            complete_many: format!(
+                "{}, asked AS MATERIALIZED ( \
+                   SELECT * FROM unnest($1::bytea[], $2::int8[], $3::text[], $4::int2[], \
+                                        $5::int4[], $6::int4[], $9::bytea[], $10::float8[]) \
+                     WITH ORDINALITY AS a(scope, lease_token, status, response_status, \
+                                          first_header, headers, response_body, retention_us, \
+                                          ord)), \
+                 taken AS ( \
+                   SELECT r.scope FROM {t} r JOIN asked a \
+                     ON r.scope = a.scope AND r.lease_token = a.lease_token \
+                   WHERE r.lease_token <> {RELEASED} AND r.status = 'in_progress' AND {LOCK_BOUND} \
+                   ORDER BY r.scope \
+                   FOR UPDATE OF r SKIP LOCKED), \
+                 done AS ( \
+                   UPDATE {t} r SET status = a.status, response_status = a.response_status, \
+                     header_names = ARRAY(SELECT ($7::text[])[i] FROM generate_series( \
+                       a.first_header + 1, a.first_header + a.headers) AS i ORDER BY i), \
+                     header_values = ARRAY(SELECT ($8::bytea[])[i] FROM generate_series( \
+                       a.first_header + 1, a.first_header + a.headers) AS i ORDER BY i), \
+                     response_body = a.response_body, updated_at = clock_timestamp(), \
+                     expires_at = clock_timestamp() + a.retention_us * interval '1 microsecond' \
+                   FROM asked a \
+                   WHERE r.scope = a.scope AND r.scope IN (SELECT scope FROM taken) \
+                   RETURNING r.scope) \
+                 SELECT a.ord, \
+                   EXISTS (SELECT 1 FROM done WHERE done.scope = a.scope) \
+                     OR EXISTS (SELECT 1 FROM {t} r WHERE r.scope = a.scope \
+                                AND r.lease_token = a.lease_token AND r.status <> 'in_progress') \
+                     AS held, \
+                   NOT EXISTS (SELECT 1 FROM done WHERE done.scope = a.scope) \
+                     AND EXISTS (SELECT 1 FROM {t} r WHERE r.scope = a.scope \
+                                 AND r.lease_token = a.lease_token \
+                                 AND r.lease_token <> {RELEASED} AND r.status = 'in_progress') \
+                     AS locked \
+                 FROM asked a",
+                lock_bound_cte(11)
+            ),
+            // Many releases in one statement, each as `release` releases one; a row another
+            // transaction holds is skipped (`locked`) and goes again alone. $1 scopes, $2 leases,
+            // $3 lock timeout. Per input (`ord`, from 1): released, locked.
+            release_many: format!(
+                "{}, asked AS MATERIALIZED ( \
+                   SELECT * FROM unnest($1::bytea[], $2::int8[]) WITH ORDINALITY \
+                     AS a(scope, lease_token, ord)), \
+                 taken AS ( \
+                   SELECT r.scope FROM {t} r JOIN asked a \
+                     ON r.scope = a.scope AND r.lease_token = a.lease_token \
+                   WHERE r.lease_token <> {RELEASED} AND r.status = 'in_progress' AND {LOCK_BOUND} \
+                   ORDER BY r.scope \
+                   FOR UPDATE OF r SKIP LOCKED), \
+                 done AS ( \
+                   UPDATE {t} r SET lease_token = {RELEASED}, updated_at = '-infinity' \
+                   FROM taken WHERE r.scope = taken.scope \
+                   RETURNING r.scope) \
+                 SELECT a.ord, EXISTS (SELECT 1 FROM done WHERE done.scope = a.scope) AS released, \
+                   NOT EXISTS (SELECT 1 FROM done WHERE done.scope = a.scope) \
+                     AND EXISTS (SELECT 1 FROM {t} r WHERE r.scope = a.scope \
+                                 AND r.lease_token = a.lease_token \
+                                 AND r.lease_token <> {RELEASED} AND r.status = 'in_progress') \
+                     AS locked \
+                 FROM asked a",
                 lock_bound_cte(3)
             ),
             // $1 lock timeout.

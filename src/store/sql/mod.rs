@@ -10,6 +10,8 @@ use sqlx::{Connection, Database, Pool};
 
 use crate::store::StoreError;
 
+#[cfg(feature = "postgres")]
+pub(crate) mod batch;
 mod in_flight;
 mod name;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
