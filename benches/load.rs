@@ -16,6 +16,8 @@ mod cpu;
 #[path = "load/mysql.rs"]
 mod mysql;
 mod support;
+#[path = "load/together.rs"]
+mod together;
 #[path = "load/wait.rs"]
 mod wait;
 
@@ -727,6 +729,7 @@ async fn main() {
         "duplicate",
         "growth",
         "wait",
+        "together",
     ];
     let chosen: Vec<String> = std::env::args()
         .filter(|a| parts.contains(&a.as_str()))
@@ -752,6 +755,7 @@ async fn main() {
         "duplicate",
         "growth",
         "wait",
+        "together",
     ]
     .iter()
     .any(|p| run(p))
@@ -788,6 +792,9 @@ async fn main() {
     }
     if run("wait") {
         wait::waiting_duplicates(&schema).await;
+    }
+    if run("together") {
+        together::statements_together(&schema).await;
     }
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "DROP SCHEMA IF EXISTS {schema} CASCADE"

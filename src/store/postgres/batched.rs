@@ -3,6 +3,7 @@
 //! statement it always had. Retakes, renewals (the keeper already sends them together) and
 //! completions in a handler's transaction are not batched.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,16 +11,19 @@ use futures_util::future::join_all;
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
-use super::{PostgresStore, db, micros, on_connection};
+use super::{PostgresStore, db, micros, on_connection, pg_millis};
 use crate::store::sql::batch::{Batcher, Forced, Rows};
 use crate::store::{ClaimRequest, LeaseToken, StoreError, StoredResponse};
 
-/// The store's batchers, shared by its clones.
+/// The store's batchers, shared by its clones with the same settings.
 #[derive(Debug)]
 pub(super) struct Batches {
     pub(super) claims: Arc<Batcher<Claims>>,
     pub(super) completions: Arc<Batcher<Completions>>,
     pub(super) releases: Arc<Batcher<Releases>>,
+    /// Held (a test setting) or off (a benchmark's baseline), if not as they come.
+    forced: Option<Forced>,
+    off: bool,
 }
 
 impl Batches {
@@ -28,6 +32,29 @@ impl Batches {
             claims: Arc::new(Batcher::new(forced)),
             completions: Arc::new(Batcher::new(forced)),
             releases: Arc::new(Batcher::new(forced)),
+            forced,
+            off: false,
+        }
+    }
+
+    /// Every claim, completion and release alone, as before batching.
+    pub(super) fn off() -> Self {
+        Batches {
+            claims: Arc::new(Batcher::off()),
+            completions: Arc::new(Batcher::off()),
+            releases: Arc::new(Batcher::off()),
+            forced: None,
+            off: true,
+        }
+    }
+
+    /// New batchers of the same kind: for a store whose settings changed (a batch goes through
+    /// the store that started it, so clones with other settings must not share one).
+    pub(super) fn like(&self) -> Self {
+        if self.off {
+            Batches::off()
+        } else {
+            Batches::new(self.forced)
         }
     }
 }
@@ -62,103 +89,146 @@ impl Rows for Claims {
     }
 
     async fn many(store: &PostgresStore, items: &[&Claim]) -> Option<Vec<Self::Answer>> {
-        let column = |f: &dyn Fn(&Claim) -> String| items.iter().map(|c| f(c)).collect::<Vec<_>>();
-        let scopes: Vec<&[u8]> = items.iter().map(|c| &c.scope[..]).collect();
-        let keys = column(&|c| {
-            if store.scope_columns {
-                c.request.key.key.clone()
-            } else {
-                String::new()
-            }
-        });
-        let subjects = column(&|c| store.scope_column(&c.request.key.subject).into_owned());
-        let endpoints = column(&|c| store.scope_column(&c.request.key.endpoint).into_owned());
-        let fingerprints: Vec<&[u8]> = items
-            .iter()
-            .map(|c| &c.request.fingerprint.as_bytes()[..])
-            .collect();
-        let leases: Vec<i64> = items.iter().map(|c| c.request.lease.0).collect();
-        let lifetimes: Vec<f64> = items
-            .iter()
-            .map(|c| micros(c.request.in_progress_ttl + c.request.retention))
-            .collect();
-        let ttls: Vec<f64> = items
-            .iter()
-            .map(|c| micros(c.request.in_progress_ttl))
-            .collect();
-        let generations: Vec<&[u8]> = items.iter().map(|c| &c.request.generation.0[..]).collect();
-        let rows = on_connection!(store, "claim", conn => {
-            sqlx::query(sqlx::AssertSqlSafe(store.sql().claim_many.as_str()))
-                .bind(&scopes)
-                .bind(&keys)
-                .bind(&subjects)
-                .bind(&endpoints)
-                .bind(&fingerprints)
-                .bind(&leases)
-                .bind(&lifetimes)
-                .bind(&ttls)
-                .bind(&generations)
-                .bind(&*store.lock_timeout)
-                .fetch_all(&mut *conn)
-        })
-        .and_then(|rows| rows.map_err(db("claim")));
-        let rows = match rows {
-            Ok(rows) => rows,
-            Err(e) => {
-                tracing::debug!(error = %e, rows = items.len(), "a batch of claims failed; each goes alone");
-                return None;
-            }
-        };
-        let mut answers: Vec<Option<PgRow>> = (0..items.len()).map(|_| None).collect();
-        for row in rows {
-            let place = row
-                .try_get::<i64, _>("ord")
-                .ok()
-                .and_then(|ord| usize::try_from(ord).ok())
-                .and_then(|ord| ord.checked_sub(1))
-                .filter(|place| *place < items.len());
-            match place {
-                Some(place) if answers[place].is_none() => answers[place] = Some(row),
-                // Two answers for one claim, or one for none: not this statement's shape.
-                _ => return None,
-            }
-        }
-        // A claim without an answer met a row inserted since the statement's snapshot: alone,
-        // its own statement sees that row.
-        let alone = join_all(
-            answers
-                .iter()
-                .zip(items)
-                .filter(|(answer, _)| answer.is_none())
-                .map(|(_, item)| Self::one(store, item)),
-        )
-        .await;
-        let mut alone = alone.into_iter();
-        Some(
-            answers
-                .into_iter()
-                .map(|answer| match answer {
-                    Some(row) => Ok(Some(row)),
-                    None => alone.next().unwrap_or(Ok(None)),
-                })
-                .collect(),
-        )
+        let items: Vec<(&ClaimRequest, &[u8; 32])> =
+            items.iter().map(|c| (&c.request, &c.scope)).collect();
+        claim_rows(store, &items).await
     }
 
     /// A claim whose request left while it was in flight: released by its lease (which matches
-    /// nothing unless the claim was granted).
+    /// nothing unless the claim was granted), tried again for an in-progress TTL if the store
+    /// fails, as the engine's abandon path does.
     async fn orphaned(store: PostgresStore, item: Claim, answer: Self::Answer) {
         if matches!(answer, Ok(None)) {
             return;
         }
-        if let Err(e) = store.release_row(&item.scope, item.request.lease).await {
-            tracing::warn!(
-                error = %e,
-                "a claim granted to a request that left could not be released; the record is \
-                 retaken once its in-progress TTL has passed"
-            );
+        let ttl = item.request.in_progress_ttl;
+        let since = tokio::time::Instant::now();
+        loop {
+            match store.release_row(&item.scope, item.request.lease).await {
+                Ok(_) => return,
+                Err(e) if since.elapsed() >= ttl => {
+                    tracing::warn!(
+                        error = %e,
+                        "a claim granted to a request that left could not be released; the \
+                         record is retaken once its in-progress TTL has passed"
+                    );
+                    return;
+                }
+                Err(_) => tokio::time::sleep((ttl / 10).max(Duration::from_millis(100))).await,
+            }
         }
     }
+}
+
+/// Claims of `items` (distinct scopes) in one statement, each answered as `claim_row` answers it;
+/// `None` when the statement failed. Rows that are there are read as last committed, never
+/// waited for (see `Statements::claim_many`); the statement may wait only on claims of the same
+/// new scopes in flight elsewhere, each wait bounded by its share of the lock timeout, so that
+/// all of them together stay within the one a single claim has.
+async fn claim_rows(
+    store: &PostgresStore,
+    items: &[(&ClaimRequest, &[u8; 32])],
+) -> Option<Vec<Result<Option<PgRow>, StoreError>>> {
+    let scopes: Vec<&[u8]> = items.iter().map(|(_, scope)| &scope[..]).collect();
+    let keys: Vec<&str> = items
+        .iter()
+        .map(|(r, _)| {
+            if store.scope_columns {
+                &r.key.key[..]
+            } else {
+                ""
+            }
+        })
+        .collect();
+    let subjects: Vec<Cow<'_, str>> = items
+        .iter()
+        .map(|(r, _)| store.scope_column(&r.key.subject))
+        .collect();
+    let endpoints: Vec<Cow<'_, str>> = items
+        .iter()
+        .map(|(r, _)| store.scope_column(&r.key.endpoint))
+        .collect();
+    let subjects: Vec<&str> = subjects.iter().map(|s| &s[..]).collect();
+    let endpoints: Vec<&str> = endpoints.iter().map(|s| &s[..]).collect();
+    let fingerprints: Vec<&[u8]> = items
+        .iter()
+        .map(|(r, _)| &r.fingerprint.as_bytes()[..])
+        .collect();
+    let leases: Vec<i64> = items.iter().map(|(r, _)| r.lease.0).collect();
+    let lifetimes: Vec<f64> = items
+        .iter()
+        .map(|(r, _)| micros(r.in_progress_ttl + r.retention))
+        .collect();
+    let ttls: Vec<f64> = items
+        .iter()
+        .map(|(r, _)| micros(r.in_progress_ttl))
+        .collect();
+    let generations: Vec<&[u8]> = items.iter().map(|(r, _)| &r.generation.0[..]).collect();
+    let share = lock_timeout_share(store.timeout, items.len());
+    let rows = on_connection!(store, "claim", conn => {
+        sqlx::query(sqlx::AssertSqlSafe(store.sql().claim_many.as_str()))
+            .bind(&scopes)
+            .bind(&keys)
+            .bind(&subjects)
+            .bind(&endpoints)
+            .bind(&fingerprints)
+            .bind(&leases)
+            .bind(&lifetimes)
+            .bind(&ttls)
+            .bind(&generations)
+            .bind(&share)
+            .fetch_all(&mut *conn)
+    })
+    .and_then(|rows| rows.map_err(db("claim")));
+    let rows = match rows {
+        Ok(rows) => rows,
+        Err(e) => {
+            tracing::debug!(error = %e, rows = items.len(), "claims together failed; each goes alone");
+            return None;
+        }
+    };
+    let mut answers: Vec<Option<PgRow>> = (0..items.len()).map(|_| None).collect();
+    for row in rows {
+        let place = row
+            .try_get::<i64, _>("ord")
+            .ok()
+            .and_then(|ord| usize::try_from(ord).ok())
+            .and_then(|ord| ord.checked_sub(1))
+            .filter(|place| *place < items.len());
+        match place {
+            Some(place) if answers[place].is_none() => answers[place] = Some(row),
+            // Two answers for one claim, or one for none: not this statement's shape.
+            _ => return None,
+        }
+    }
+    // A claim without an answer met a row inserted since the statement's snapshot: alone, its
+    // own statement sees that row.
+    let alone = join_all(
+        answers
+            .iter()
+            .zip(items)
+            .filter(|(answer, _)| answer.is_none())
+            .map(|(_, (request, scope))| store.claim_row(request, scope)),
+    )
+    .await;
+    let mut alone = alone.into_iter();
+    Some(
+        answers
+            .into_iter()
+            .map(|answer| match answer {
+                Some(row) => Ok(Some(row)),
+                None => alone.next().unwrap_or(Ok(None)),
+            })
+            .collect(),
+    )
+}
+
+/// The lock timeout of each wait of a statement of `rows` claims: the single claim's, shared out
+/// (at least a millisecond).
+fn lock_timeout_share(timeout: Duration, rows: usize) -> String {
+    let whole = timeout * 4 / 5;
+    let share = whole / u32::try_from(rows.max(1)).unwrap_or(u32::MAX);
+    format!("{}ms", pg_millis(share))
 }
 
 /// A completion, as the batch needs it.
@@ -388,17 +458,26 @@ impl PostgresStore {
         Ok(held)
     }
 
-    /// A claim's row, alone or together with others (see `claim_row`).
+    /// A claim's row, alone or together with others (see `claim_row`). Alone, it goes through
+    /// the statement of many with one row, which reads a row that is there as last committed
+    /// rather than wait on its lock (a handler's transaction committing it): a claim that waited
+    /// would hold its place in flight, and every claim queued behind it would wait too.
     pub(super) async fn claim_together(
         &self,
         request: &ClaimRequest,
         scope: &[u8; 32],
     ) -> Result<Option<PgRow>, StoreError> {
+        let alone = async {
+            match claim_rows(self, &[(request, scope)]).await {
+                Some(mut answers) => answers.pop().unwrap_or(Ok(None)),
+                None => self.claim_row(request, scope).await,
+            }
+        };
         self.batches
             .claims
             .send(
                 self,
-                self.claim_row(request, scope),
+                alone,
                 || Claim {
                     request: request.clone(),
                     scope: *scope,

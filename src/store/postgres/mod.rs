@@ -149,6 +149,7 @@ impl PostgresStore {
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout.max(MIN_OPERATION_TIMEOUT);
         self.lock_timeout = lock_timeout_for(self.timeout);
+        self.batches = Arc::new(self.batches.like());
         self
     }
 
@@ -164,6 +165,14 @@ impl PostgresStore {
                 hold: Duration::from_millis(5),
             },
         )));
+        self
+    }
+
+    /// Every claim, completion and release sent alone, each its own statement and commit, as
+    /// before statements went together: the baseline of the benchmark that measures them.
+    #[doc(hidden)]
+    pub fn without_batches(mut self) -> Self {
+        self.batches = Arc::new(batched::Batches::off());
         self
     }
 
@@ -243,6 +252,7 @@ impl PostgresStore {
         self.transactions = Some(pool);
         // Kept connections are bounded by what this store shares: its own set from here on.
         self.parking = Arc::default();
+        self.batches = Arc::new(self.batches.like());
         self
     }
 
@@ -253,6 +263,7 @@ impl PostgresStore {
     /// written before keep their columns; it changes nothing else.
     pub fn without_scope_columns(mut self) -> Self {
         self.scope_columns = false;
+        self.batches = Arc::new(self.batches.like());
         self
     }
 

@@ -1,12 +1,12 @@
 //! Statements together (SPEC 26): one batcher per store and kind of statement (claim, completion,
-//! release) sends what arrives while a statement of its kind is in flight in the next statement.
+//! release) sends what arrives while statements of its kind are in flight in the next one.
 //!
-//! - **No timer, no added latency.** A request that finds no statement of its kind in flight sends
-//!   at once, alone, through today's statement ([`Rows::one`]), in its own future. Requests that
-//!   arrive meanwhile queue; when the statement in flight returns, everything queued (up to
-//!   [`MAX_ROWS`]) goes in one statement ([`Rows::many`]), sent by a task of its own, and so on
-//!   until the queue is empty. Under load a batch grows with the arrival rate times the round
-//!   trip (group commit); alone, nothing changes.
+//! - **No timer, no added latency.** A request that finds fewer than [`IN_FLIGHT`] statements of
+//!   its kind in flight sends at once, alone, in its own future (the statement its caller gives).
+//!   Requests that arrive while they are all in flight queue; when one returns, everything
+//!   queued (up to [`MAX_ROWS`]) goes in one statement ([`Rows::many`]), sent by a task of its
+//!   own in that place, and so on until the queue is empty. Under load a batch grows with the
+//!   arrival rate times the round trip (group commit); alone, nothing waits.
 //! - **One answer per request, its own.** A batch's answers come back in input order, one per row;
 //!   a statement that failed (any row's error fails all) is sent again row by row through
 //!   [`Rows::one`], so no request is answered with another's error.
@@ -14,13 +14,13 @@
 //!   next one.
 //! - **Leaving.** A request dropped while queued leaves the queue (it is never sent). One whose
 //!   row was in flight when it left has its answer handed to [`Rows::orphaned`], which undoes what
-//!   the row did (a claim inserted for nobody is released by its lease).
+//!   the row did (a claim granted to nobody is released by its lease).
 //! - **Bounded waits.** A queued request waits at most its bound from the moment it queued, then
 //!   gives up (as a statement that timed out: the caller treats it as no answer).
 //!
 //! A test setting ([`Forced`]) holds each batch until it has some rows (or a few milliseconds
-//! passed) and sends every batch, even of one row, through [`Rows::many`], so that the conformance
-//! kit and the soak run the batch statements everywhere.
+//! passed) and sends every request through [`Rows::many`], so that the conformance kit and the
+//! soak run the batch statements everywhere.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -34,6 +34,12 @@ use crate::util::lock::lock;
 
 /// The most rows one statement carries.
 pub(crate) const MAX_ROWS: usize = 64;
+
+/// Statements of one kind in flight at once, each alone or a batch. Two: on two cores, against a
+/// PostgreSQL on the same machine, one in flight at a time lost the parallelism the server has
+/// (64 clients: 1.38-1.41x `pgbench`'s rate against 1.67-1.74x with two), and four made batches
+/// too small to gain (1.13-1.21x); see BENCHMARKS.md.
+pub(crate) const IN_FLIGHT: usize = 2;
 
 /// One kind of statement, alone or for many. Implemented by a marker type; the store the
 /// statements go through is [`Rows::Store`].
@@ -80,8 +86,8 @@ struct Queued<R: Rows> {
 }
 
 struct State<R: Rows> {
-    /// A statement of this kind is in flight (alone, in a request's future, or by the runner).
-    busy: bool,
+    /// Statements of this kind in flight: alone, each in its request's future, or by a runner.
+    in_flight: usize,
     queue: VecDeque<Queued<R>>,
 }
 
@@ -89,6 +95,8 @@ struct State<R: Rows> {
 pub(crate) struct Batcher<R: Rows> {
     state: Mutex<State<R>>,
     forced: Option<Forced>,
+    /// Every request alone, as before batching (a benchmark's baseline).
+    off: bool,
     /// Batch statements sent, and those that failed (then sent again row by row): for tests.
     sent: AtomicU64,
     failed: AtomicU64,
@@ -106,12 +114,21 @@ impl<R: Rows> Batcher<R> {
     pub(crate) fn new(forced: Option<Forced>) -> Self {
         Batcher {
             state: Mutex::new(State {
-                busy: false,
+                in_flight: 0,
                 queue: VecDeque::new(),
             }),
             forced,
+            off: false,
             sent: AtomicU64::new(0),
             failed: AtomicU64::new(0),
+        }
+    }
+
+    /// A batcher that sends every request alone, as before batching: a benchmark's baseline.
+    pub(crate) fn off() -> Self {
+        Batcher {
+            off: true,
+            ..Batcher::new(None)
         }
     }
 
@@ -137,10 +154,13 @@ impl<R: Rows> Batcher<R> {
     where
         A: Future<Output = R::Answer>,
     {
+        if self.off {
+            return Some(alone.await);
+        }
         let queued = {
             let mut state = lock(&self.state);
-            if !state.busy && self.forced.is_none() {
-                state.busy = true;
+            if state.in_flight < IN_FLIGHT && self.forced.is_none() {
+                state.in_flight += 1;
                 None
             } else {
                 let (answer, receiver) = oneshot::channel();
@@ -148,9 +168,11 @@ impl<R: Rows> Batcher<R> {
                     item: item(),
                     answer,
                 });
-                // Forced batches: nothing is sent alone; the runner starts with the first row.
-                let start = !state.busy;
-                state.busy = true;
+                // Forced batches: nothing is sent alone; one runner starts with the first row.
+                let start = state.in_flight == 0;
+                if start {
+                    state.in_flight = 1;
+                }
                 Some((receiver, start))
             }
         };
@@ -182,68 +204,38 @@ impl<R: Rows> Batcher<R> {
         }
     }
 
-    /// Starts the runner, which sends what is queued until the queue is empty. Without a runtime
-    /// (a request's future dropped outside one), the queued requests are answered `None`.
+    /// Starts a runner in the place in flight the caller holds: it sends what is queued until the
+    /// queue is empty. Its guard is made first and moves into the task, so that a task dropped
+    /// before it ever ran (its runtime shutting down) still gives its place back. Without a
+    /// runtime, the place is given back at once.
     fn start(self: &Arc<Self>, store: R::Store) {
+        let guard = Running {
+            batcher: self.clone(),
+            finished: false,
+        };
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                let batcher = self.clone();
-                drop(runtime.spawn(async move { batcher.run(store).await }));
+                drop(runtime.spawn(async move { run(guard, store).await }));
             }
-            Err(_) => {
-                let mut state = lock(&self.state);
-                state.busy = false;
-                let dropped = std::mem::take(&mut state.queue);
-                drop(state);
-                drop(dropped);
-            }
+            Err(_) => drop(guard),
         }
     }
 
-    /// The statement in flight returned: the runner takes over what queued meanwhile, if anything.
+    /// A statement sent alone returned: a runner takes over its place in flight and what queued
+    /// meanwhile, if anything.
     fn next(self: &Arc<Self>, store: &R::Store) {
         let mut state = lock(&self.state);
         state.queue.retain(|queued| !queued.answer.is_closed());
         if state.queue.is_empty() {
-            state.busy = false;
+            state.in_flight -= 1;
             return;
         }
         drop(state);
         self.start(store.clone());
     }
 
-    async fn run(self: Arc<Self>, store: R::Store) {
-        let mut guard = Running {
-            batcher: &self,
-            finished: false,
-        };
-        loop {
-            if let Some(forced) = self.forced {
-                let until = tokio::time::Instant::now() + forced.hold;
-                while lock(&self.state).queue.len() < forced.rows
-                    && tokio::time::Instant::now() < until
-                {
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-            }
-            let batch = {
-                let mut state = lock(&self.state);
-                let batch = take(&mut state.queue);
-                if batch.is_empty() {
-                    state.busy = false;
-                    guard.finished = true;
-                    return;
-                }
-                batch
-            };
-            self.send_batch(&store, batch).await;
-        }
-    }
-
     async fn send_batch(&self, store: &R::Store, batch: Vec<Queued<R>>) {
-        let answers = if batch.len() == 1 && self.forced.is_none() {
-            vec![R::one(store, &batch[0].item).await]
-        } else {
+        let answers = {
             let items: Vec<&R::Item> = batch.iter().map(|queued| &queued.item).collect();
             self.sent.fetch_add(1, Ordering::Relaxed);
             match R::many(store, &items).await {
@@ -266,6 +258,32 @@ impl<R: Rows> Batcher<R> {
     #[cfg(test)]
     fn queued(&self) -> usize {
         lock(&self.state).queue.len()
+    }
+}
+
+/// The runner: sends what is queued, a batch at a time, until the queue is empty.
+async fn run<R: Rows>(mut guard: Running<R>, store: R::Store) {
+    let batcher = guard.batcher.clone();
+    loop {
+        if let Some(forced) = batcher.forced {
+            let until = tokio::time::Instant::now() + forced.hold;
+            while lock(&batcher.state).queue.len() < forced.rows
+                && tokio::time::Instant::now() < until
+            {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        let batch = {
+            let mut state = lock(&batcher.state);
+            let batch = take(&mut state.queue);
+            if batch.is_empty() {
+                state.in_flight -= 1;
+                guard.finished = true;
+                return;
+            }
+            batch
+        };
+        batcher.send_batch(&store, batch).await;
     }
 }
 
@@ -331,22 +349,23 @@ impl<R: Rows> Drop for Waiting<'_, R> {
     }
 }
 
-/// The runner's task: if it ends before its queue is empty (a panic, its runtime shut down), the
-/// requests still queued are answered `None` rather than left waiting, and the next request sends
-/// alone again.
-struct Running<'a, R: Rows> {
-    batcher: &'a Batcher<R>,
+/// A runner's place in flight: if its task ends before its queue is empty (a panic, its runtime
+/// shut down, before or after it first ran), the place is given back, and, when it was the last
+/// one, the requests still queued are answered `None` rather than left waiting.
+struct Running<R: Rows> {
+    batcher: Arc<Batcher<R>>,
     finished: bool,
 }
 
-impl<R: Rows> Drop for Running<'_, R> {
+impl<R: Rows> Drop for Running<R> {
     fn drop(&mut self) {
         if self.finished {
             return;
         }
         let mut state = lock(&self.batcher.state);
-        state.busy = false;
-        let dropped = std::mem::take(&mut state.queue);
+        state.in_flight -= 1;
+        // The last place in flight: nothing else would take what is queued.
+        let dropped = (state.in_flight == 0).then(|| std::mem::take(&mut state.queue));
         drop(state);
         drop(dropped);
     }

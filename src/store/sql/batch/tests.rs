@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 
-use super::{Batcher, Forced, MAX_ROWS, Rows};
+use super::{Batcher, Forced, IN_FLIGHT, MAX_ROWS, Rows};
 use crate::util::lock::lock;
 
 /// One request: its number (its identity), the scope its row names, and what befalls it.
@@ -182,7 +182,7 @@ fn check(requests: Vec<Request>, forced: Option<Forced>) -> Result<(), TestCaseE
         }
         // Orphans are handed over by tasks of their own: let them land, and the runner end.
         for _ in 0..200 {
-            if batcher.queued() == 0 && !lock(&batcher.state).busy {
+            if batcher.queued() == 0 && lock(&batcher.state).in_flight == 0 {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -194,10 +194,10 @@ fn check(requests: Vec<Request>, forced: Option<Forced>) -> Result<(), TestCaseE
             0,
             "a batch held a scope twice or too many rows"
         );
-        prop_assert!(!lock(&batcher.state).busy, "the batcher went idle");
+        prop_assert!(lock(&batcher.state).in_flight == 0, "the batcher went idle");
         prop_assert_eq!(batcher.queued(), 0);
-        // One statement of the kind in flight at a time (the batcher's one promise of order).
-        prop_assert!(seen.most_in_flight <= MAX_ROWS);
+        // Bounded: each place in flight sends one statement, or its batch's rows one by one.
+        prop_assert!(seen.most_in_flight <= MAX_ROWS * IN_FLIGHT);
         let mut produced = seen.produced.clone();
         produced.sort_unstable();
         let before = produced.len();
@@ -368,24 +368,26 @@ async fn a_request_that_leaves_the_queue_is_never_sent() {
         leaves_after: None,
         starts_after: Duration::ZERO,
     };
-    // The first request holds the statement in flight for 50 ms.
-    let first = {
-        let (fake, batcher) = (fake.clone(), batcher.clone());
-        tokio::spawn(async move {
-            let request = slow(0);
-            batcher
-                .send(
-                    &fake,
-                    async {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        Ok(0)
-                    },
-                    || request.clone(),
-                    Duration::from_secs(5),
-                )
-                .await
+    // Requests alone hold every place in flight for 50 ms.
+    let first: Vec<_> = (0..IN_FLIGHT as u64)
+        .map(|id| {
+            let (fake, batcher) = (fake.clone(), batcher.clone());
+            tokio::spawn(async move {
+                let request = slow(100 + id);
+                batcher
+                    .send(
+                        &fake,
+                        async {
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            Ok(100 + id)
+                        },
+                        || request.clone(),
+                        Duration::from_secs(5),
+                    )
+                    .await
+            })
         })
-    };
+        .collect();
     tokio::time::sleep(Duration::from_millis(5)).await;
     let request = slow(1);
     let answer = batcher
@@ -397,7 +399,9 @@ async fn a_request_that_leaves_the_queue_is_never_sent() {
         )
         .await;
     assert_eq!(answer, None, "queued past its bound: no answer");
-    assert_eq!(first.await.expect("task"), Some(Ok(0)));
+    for (id, first) in first.into_iter().enumerate() {
+        assert_eq!(first.await.expect("task"), Some(Ok(100 + id as u64)));
+    }
     tokio::time::sleep(Duration::from_millis(20)).await;
     let seen = lock(&fake.seen);
     assert!(
@@ -405,5 +409,66 @@ async fn a_request_that_leaves_the_queue_is_never_sent() {
         "the row that left was sent: {:?}",
         seen.produced
     );
-    assert!(!lock(&batcher.state).busy);
+    assert!(lock(&batcher.state).in_flight == 0);
+}
+
+/// A runtime shut down while requests are in flight and queued (their tasks dropped, a runner
+/// spawned as it shuts down never running) gives every place back: the batcher, shared with
+/// another runtime, still sends.
+#[test]
+fn a_runtime_shut_down_mid_flight_leaves_the_batcher_usable() {
+    let fake = Fake::new();
+    let batcher = Arc::new(Batcher::<Kind>::new(None));
+    let request = |id: u64| Request {
+        id,
+        scope: [id as u8; 32],
+        fails_alone: false,
+        fails_batch: false,
+        leaves_after: None,
+        starts_after: Duration::ZERO,
+    };
+    let first = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_time()
+        .build()
+        .expect("runtime");
+    first.block_on(async {
+        for id in 0..(IN_FLIGHT as u64 + 3) {
+            let (fake, batcher) = (fake.clone(), batcher.clone());
+            drop(tokio::spawn(async move {
+                let request = request(id);
+                batcher
+                    .send(
+                        &fake,
+                        async {
+                            tokio::time::sleep(Duration::from_secs(3600)).await;
+                            Ok(id)
+                        },
+                        || request.clone(),
+                        Duration::from_secs(3600),
+                    )
+                    .await
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(lock(&batcher.state).in_flight, IN_FLIGHT);
+    });
+    drop(first);
+    assert_eq!(lock(&batcher.state).in_flight, 0, "every place given back");
+    let second = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("runtime");
+    let answer = second.block_on(async {
+        let request = request(50);
+        batcher
+            .send(
+                &fake,
+                Kind::one(&fake, &request),
+                || request.clone(),
+                Duration::from_secs(5),
+            )
+            .await
+    });
+    assert_eq!(answer, Some(Ok(50)));
 }
