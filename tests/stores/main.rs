@@ -20,3 +20,5 @@ mod redis_cluster;
 mod redis_store;
 mod sql_backends;
 mod sqlite;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+mod together;

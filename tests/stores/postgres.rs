@@ -1357,153 +1357,78 @@ mod batched {
         assert_eq!(failed, 0, "{failed} of {sent} batch statements failed");
     }
 
-    /// Rounds of claims that race on real connections: every key claimed by three requests at
-    /// once (two with its body, one with another), then the winners' completions (each with an
-    /// answer of its own, headers and all) and releases at once, then every key claimed again.
-    /// Each request gets its own answer: one grant per key, `409` for the same body, `422` for
-    /// another, each key's own recorded answer, a released key granted again. With batches as
-    /// they come (what queues behind a statement in flight) and held until they have eight rows;
-    /// no batch statement failed over to the single ones.
+    /// A table another program locks (`LOCK TABLE ... IN EXCLUSIVE MODE`, as a migration or a
+    /// `VACUUM FULL` does) while claims of fresh keys are made alone and in batches: each is
+    /// refused within the store's bound (never granted, never run unguarded), and none is written
+    /// once the lock goes, because no statement outlived its client on the server.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn claims_under_a_table_lock_are_refused_in_time_and_never_land_later() {
+        let pool = pool(34).await;
+        let schema = fresh_schema(&pool).await;
+        let table = format!("{schema}.idempotency_records");
+        for held in [None, Some(8)] {
+            let store = PostgresStore::with_table(pool.clone(), &table)
+                .expect("valid table name")
+                .with_timeout(common::SUITE_STORE_TIMEOUT);
+            let store = match held {
+                Some(rows) => store.with_batches_held(rows),
+                None => store,
+            };
+            store.migrate().await.expect("migrate");
+            let mut locker = pool.begin().await.expect("begin");
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "LOCK TABLE {table} IN EXCLUSIVE MODE"
+            )))
+            .execute(&mut *locker)
+            .await
+            .expect("lock the table");
+            let requests: Vec<ClaimRequest> = (0..8)
+                .map(|k| claim_request(&format!("locked {held:?} {k}"), b"{}"))
+                .collect();
+            let claims: Vec<_> = requests
+                .iter()
+                .map(|request| {
+                    let (store, request) = (store.clone(), request.clone());
+                    tokio::spawn(async move { store.claim(&request).await })
+                })
+                .collect();
+            for claim in claims {
+                let answer = claim.await.expect("task");
+                assert!(
+                    answer.is_err(),
+                    "a claim under the table lock was answered {answer:?}"
+                );
+            }
+            // Past the bound, with the lock still held: a statement still waiting on the server
+            // would now take it.
+            tokio::time::sleep(common::SUITE_STORE_TIMEOUT * 2).await;
+            locker.rollback().await.expect("unlock");
+            tokio::time::sleep(common::SUITE_STORE_TIMEOUT).await;
+            let (rows,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT count(*) FROM {table} WHERE idempotency_key LIKE 'locked {held:?} %'"
+            )))
+            .fetch_one(&pool)
+            .await
+            .expect("count");
+            assert_eq!(
+                rows, 0,
+                "a claim landed after its client gave up ({held:?})"
+            );
+        }
+    }
+
+    /// Racing requests, with batches as they come (what queues behind the statements in flight)
+    /// and held until they have eight rows: each gets its own answer (see
+    /// `racing_requests_each_get_their_own_answer`), and no batch statement failed over to the
+    /// single ones.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn racing_requests_in_batches_each_get_their_own_answer() {
-        use axum::http::{HeaderName, HeaderValue};
-        use axum_idempotency::store::{Fenced, StoredResponse};
-        use std::collections::HashMap;
-        use std::sync::Arc;
-
         for held in [None, Some(8)] {
             let store = match held {
                 Some(rows) => store().await.with_batches_held(rows),
                 None => store().await,
             };
-            for round in 0..8 {
-                let key = |k: usize| format!("r{round}-k{k}");
-                let mut claims = Vec::new();
-                for k in 0..24 {
-                    for copy in 0..3 {
-                        let (store, key) = (store.clone(), key(k));
-                        let body = if copy == 2 {
-                            format!("other {k}")
-                        } else {
-                            format!("body {k}")
-                        };
-                        claims.push(tokio::spawn(async move {
-                            let request = claim_request(&key, body.as_bytes());
-                            let outcome = store.claim(&request).await.expect("claim");
-                            (k, request, outcome)
-                        }));
-                    }
-                }
-                let mut winners: HashMap<usize, ClaimRequest> = HashMap::new();
-                let mut answers = Vec::new();
-                for claim in claims {
-                    let (k, request, outcome) = claim.await.expect("claim task");
-                    if let ClaimOutcome::Claimed { lease, .. } = outcome {
-                        assert_eq!(lease, request.lease, "a grant under the claim's own lease");
-                        let earlier = winners.insert(k, request.clone());
-                        assert!(earlier.is_none(), "key {k} granted twice in round {round}");
-                    }
-                    answers.push((k, request, outcome));
-                }
-                assert_eq!(winners.len(), 24, "every key granted once");
-                for (k, request, outcome) in &answers {
-                    let winner = &winners[k];
-                    match outcome {
-                        ClaimOutcome::Claimed { .. } => assert_eq!(request.lease, winner.lease),
-                        ClaimOutcome::InProgress => {
-                            assert_eq!(
-                                request.fingerprint, winner.fingerprint,
-                                "409 for the same body"
-                            )
-                        }
-                        ClaimOutcome::KeyReuse => {
-                            assert_ne!(request.fingerprint, winner.fingerprint, "422 for another")
-                        }
-                        other => panic!("key {k}: {other:?} while it was held"),
-                    }
-                }
-                // Completions (each its own answer) and releases, all at once.
-                let finishes: Vec<_> = winners
-                    .iter()
-                    .map(|(k, request)| {
-                        let (store, request, k) = (store.clone(), request.clone(), *k);
-                        tokio::spawn(async move {
-                            if k % 4 == 3 {
-                                return store.release(&request.key, request.lease).await;
-                            }
-                            let headers = (0..k % 3)
-                                .map(|h| {
-                                    (
-                                        HeaderName::from_static("x-part"),
-                                        HeaderValue::from_str(&format!("{k}.{h}")).expect("value"),
-                                    )
-                                })
-                                .collect();
-                            let response = StoredResponse::new(
-                                if k % 4 == 2 {
-                                    Finished::Failed
-                                } else {
-                                    Finished::Completed
-                                },
-                                200 + k as u16,
-                                headers,
-                                (k % 5 != 4).then(|| format!("answer {k}").into()),
-                            );
-                            store
-                                .complete(
-                                    &request.key,
-                                    request.lease,
-                                    &request.fingerprint,
-                                    Arc::new(response),
-                                    Duration::from_secs(3600),
-                                )
-                                .await
-                        })
-                    })
-                    .collect();
-                for finish in finishes {
-                    assert_eq!(finish.await.expect("task").expect("finish"), Fenced::Done);
-                }
-                // Every key again, at once: its own answer, or a new grant once released.
-                let again: Vec<_> = winners
-                    .iter()
-                    .map(|(k, winner)| {
-                        let (store, k) = (store.clone(), *k);
-                        let request = ClaimRequest {
-                            lease: LeaseToken::generate(),
-                            ..winner.clone()
-                        };
-                        tokio::spawn(async move { (k, store.claim(&request).await) })
-                    })
-                    .collect();
-                for task in again {
-                    let (k, outcome) = task.await.expect("task");
-                    match outcome.expect("claim again") {
-                        ClaimOutcome::Claimed { .. } => {
-                            assert_eq!(k % 4, 3, "key {k} granted again")
-                        }
-                        ClaimOutcome::Finished(response) => {
-                            assert_ne!(k % 4, 3, "a released key {k} replayed");
-                            assert_eq!(response.status, 200 + k as u16, "key {k}'s own status");
-                            let parts: Vec<String> = response
-                                .headers
-                                .iter()
-                                .filter(|(name, _)| name.as_str() == "x-part")
-                                .map(|(_, value)| value.to_str().expect("ascii").to_owned())
-                                .collect();
-                            let expected: Vec<String> =
-                                (0..k % 3).map(|h| format!("{k}.{h}")).collect();
-                            assert_eq!(parts, expected, "key {k}'s own headers");
-                            if k % 5 == 4 {
-                                assert!(response.body_omitted, "key {k}: its body left out");
-                            } else {
-                                assert_eq!(response.body, format!("answer {k}").as_bytes());
-                            }
-                        }
-                        other => panic!("key {k} answered {other:?} after its finish"),
-                    }
-                }
-            }
+            crate::together::racing_requests_each_get_their_own_answer(store.clone()).await;
             let (sent, failed) = store.batch_counts();
             assert!(sent > 0, "no batch statement was sent ({held:?})");
             assert_eq!(

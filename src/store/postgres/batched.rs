@@ -13,6 +13,9 @@ use sqlx::postgres::PgRow;
 
 use super::{PostgresStore, db, micros, on_connection, pg_millis};
 use crate::store::sql::batch::{Batcher, Forced, Rows};
+use crate::util::lock::lock;
+
+use super::claim::{FUNCTION_PROBE, LOCK_NOT_AVAILABLE};
 use crate::store::{ClaimRequest, LeaseToken, StoreError, StoredResponse};
 
 /// The store's batchers, shared by its clones with the same settings.
@@ -88,29 +91,31 @@ impl Rows for Claims {
         store.claim_row(&item.request, &item.scope).await
     }
 
-    async fn many(store: &PostgresStore, items: &[&Claim]) -> Option<Vec<Self::Answer>> {
+    async fn many(store: &PostgresStore, items: &[&Claim]) -> Option<Vec<Option<Self::Answer>>> {
         let items: Vec<(&ClaimRequest, &[u8; 32])> =
             items.iter().map(|c| (&c.request, &c.scope)).collect();
         claim_rows(store, &items).await
     }
 
     /// A claim whose request left while it was in flight: released by its lease (which matches
-    /// nothing unless the claim was granted), tried again for an in-progress TTL if the store
-    /// fails, as the engine's abandon path does.
+    /// nothing unless the claim was granted), tried again while the store fails for as long as
+    /// the engine's abandon path tries (the in-progress TTL and the in-progress record's life past
+    /// it, which is at least the maximum hold): until then, a record whose holder's presence is
+    /// shown is not retaken.
     async fn orphaned(store: PostgresStore, item: Claim, answer: Self::Answer) {
         if matches!(answer, Ok(None)) {
             return;
         }
         let ttl = item.request.in_progress_ttl;
-        let since = tokio::time::Instant::now();
+        let until = tokio::time::Instant::now() + ttl + item.request.retention;
         loop {
             match store.release_row(&item.scope, item.request.lease).await {
                 Ok(_) => return,
-                Err(e) if since.elapsed() >= ttl => {
+                Err(e) if tokio::time::Instant::now() >= until => {
                     tracing::warn!(
                         error = %e,
                         "a claim granted to a request that left could not be released; the \
-                         record is retaken once its in-progress TTL has passed"
+                         record is retaken once nothing of its holder's presence is left"
                     );
                     return;
                 }
@@ -120,15 +125,22 @@ impl Rows for Claims {
     }
 }
 
-/// Claims of `items` (distinct scopes) in one statement, each answered as `claim_row` answers it;
-/// `None` when the statement failed. Rows that are there are read as last committed, never
-/// waited for (see `Statements::claim_many`); the statement may wait only on claims of the same
-/// new scopes in flight elsewhere, each wait bounded by its share of the lock timeout, so that
-/// all of them together stay within the one a single claim has.
+/// Claims of `items` (distinct scopes) in one statement (the function of migrations/0008), each
+/// answered as `claim_row` answers it, or `None` for a claim that must go alone (it met a row
+/// inserted since the statement's snapshot: alone, its own statement sees it); `None` for all
+/// when the statement failed, or the function is missing. Rows that are there are read as last
+/// committed, never waited for; the statement may wait only on claims of the same new scopes in
+/// flight elsewhere (and on a table another program locked), each wait bounded by its share of
+/// the lock timeout, so that all of them together stay within the one a single claim has.
 async fn claim_rows(
     store: &PostgresStore,
     items: &[(&ClaimRequest, &[u8; 32])],
-) -> Option<Vec<Result<Option<PgRow>, StoreError>>> {
+) -> Option<Vec<Option<ClaimAnswer>>> {
+    let probing = match *lock(&store.sql().many_missing) {
+        None => false,
+        Some(since) if since.elapsed() >= FUNCTION_PROBE => true,
+        Some(_) => return None,
+    };
     let scopes: Vec<&[u8]> = items.iter().map(|(_, scope)| &scope[..]).collect();
     let keys: Vec<&str> = items
         .iter()
@@ -178,16 +190,48 @@ async fn claim_rows(
             .bind(&generations)
             .bind(&share)
             .fetch_all(&mut *conn)
-    })
-    .and_then(|rows| rows.map_err(db("claim")));
+    });
     let rows = match rows {
-        Ok(rows) => rows,
-        Err(e) => {
+        Ok(Ok(rows)) => {
+            if probing {
+                *lock(&store.sql().many_missing) = None;
+            }
+            rows
+        }
+        Ok(Err(sqlx::Error::Database(e))) if e.code().as_deref() == Some("42883") => {
+            tracing::warn!(
+                table = %store.sql().table,
+                "the function that claims many keys is missing (run PostgresStore::migrate): \
+                 every claim is a statement of its own until it is there"
+            );
+            *lock(&store.sql().many_missing) = Some(std::time::Instant::now());
+            return None;
+        }
+        // A wait on a lock past the statement's lock timeout (a row or the table another
+        // transaction holds): nothing was written. Each claim is answered as a single claim that
+        // waited is, from a plain read (in progress, or refused), not by waiting again.
+        Ok(Err(sqlx::Error::Database(e))) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+            let answers = join_all(items.iter().map(|(_, scope)| store.locked(scope))).await;
+            return Some(answers.into_iter().map(Some).collect());
+        }
+        Ok(Err(e)) => {
             tracing::debug!(error = %e, rows = items.len(), "claims together failed; each goes alone");
             return None;
         }
+        // No answer within the operation timeout (or no connection): the claims may have been
+        // written. Every claim answers so, for its caller to abandon by its lease; none is sent
+        // again for a caller that has likely given up.
+        Err(e) => {
+            let message = e.to_string();
+            return Some(
+                items
+                    .iter()
+                    .map(|_| Some(Err(StoreError::msg(message.clone()))))
+                    .collect(),
+            );
+        }
     };
-    let mut answers: Vec<Option<PgRow>> = (0..items.len()).map(|_| None).collect();
+    let mut answers: Vec<Option<ClaimAnswer>> = (0..items.len()).map(|_| None).collect();
     for row in rows {
         let place = row
             .try_get::<i64, _>("ord")
@@ -196,32 +240,16 @@ async fn claim_rows(
             .and_then(|ord| ord.checked_sub(1))
             .filter(|place| *place < items.len());
         match place {
-            Some(place) if answers[place].is_none() => answers[place] = Some(row),
+            Some(place) if answers[place].is_none() => answers[place] = Some(Ok(Some(row))),
             // Two answers for one claim, or one for none: not this statement's shape.
             _ => return None,
         }
     }
-    // A claim without an answer met a row inserted since the statement's snapshot: alone, its
-    // own statement sees that row.
-    let alone = join_all(
-        answers
-            .iter()
-            .zip(items)
-            .filter(|(answer, _)| answer.is_none())
-            .map(|(_, (request, scope))| store.claim_row(request, scope)),
-    )
-    .await;
-    let mut alone = alone.into_iter();
-    Some(
-        answers
-            .into_iter()
-            .map(|answer| match answer {
-                Some(row) => Ok(Some(row)),
-                None => alone.next().unwrap_or(Ok(None)),
-            })
-            .collect(),
-    )
+    Some(answers)
 }
+
+/// A claim's answer, as `claim_row` gives it.
+type ClaimAnswer = Result<Option<PgRow>, StoreError>;
 
 /// The lock timeout of each wait of a statement of `rows` claims: the single claim's, shared out
 /// (at least a millisecond).
@@ -259,7 +287,10 @@ impl Rows for Completions {
             .await
     }
 
-    async fn many(store: &PostgresStore, items: &[&Completion]) -> Option<Vec<Self::Answer>> {
+    async fn many(
+        store: &PostgresStore,
+        items: &[&Completion],
+    ) -> Option<Vec<Option<Self::Answer>>> {
         let scopes: Vec<&[u8]> = items.iter().map(|c| &c.scope[..]).collect();
         let leases: Vec<i64> = items.iter().map(|c| c.lease.0).collect();
         let statuses: Vec<&str> = items.iter().map(|c| c.response.outcome.as_str()).collect();
@@ -309,20 +340,12 @@ impl Rows for Completions {
             }
         };
         let answers = by_place(items.len(), rows)?;
+        // A row another transaction held goes alone.
         Some(
-            join_all(
-                answers
-                    .into_iter()
-                    .zip(items)
-                    .map(|((held, locked), item)| async move {
-                        if locked {
-                            Self::one(store, item).await
-                        } else {
-                            Ok(held)
-                        }
-                    }),
-            )
-            .await,
+            answers
+                .into_iter()
+                .map(|(held, locked)| (!locked).then_some(Ok(held)))
+                .collect(),
         )
     }
 
@@ -353,7 +376,7 @@ impl Rows for Releases {
         store.release_one(&item.scope, item.lease).await
     }
 
-    async fn many(store: &PostgresStore, items: &[&Release]) -> Option<Vec<Self::Answer>> {
+    async fn many(store: &PostgresStore, items: &[&Release]) -> Option<Vec<Option<Self::Answer>>> {
         let scopes: Vec<&[u8]> = items.iter().map(|r| &r.scope[..]).collect();
         let leases: Vec<i64> = items.iter().map(|r| r.lease.0).collect();
         let rows = on_connection!(store, "release", conn => {
@@ -374,20 +397,12 @@ impl Rows for Releases {
             }
         };
         let answers = by_place(items.len(), rows)?;
+        // A row another transaction held goes alone.
         Some(
-            join_all(
-                answers
-                    .into_iter()
-                    .zip(items)
-                    .map(|((released, locked), item)| async move {
-                        if locked {
-                            Self::one(store, item).await
-                        } else {
-                            Ok(released)
-                        }
-                    }),
-            )
-            .await,
+            answers
+                .into_iter()
+                .map(|(released, locked)| (!locked).then_some(Ok(released)))
+                .collect(),
         )
     }
 
@@ -439,7 +454,10 @@ impl PostgresStore {
                 self.timeout,
             )
             .await
-            .unwrap_or_else(|| Err(self.no_answer("release")))
+            .into_result(
+                || self.no_answer("release"),
+                || StoreError::msg("postgres release: queued past the operation timeout; not sent"),
+            )
     }
 
     /// `complete`'s statement, alone: whether the lease finished the record.
@@ -469,7 +487,10 @@ impl PostgresStore {
     ) -> Result<Option<PgRow>, StoreError> {
         let alone = async {
             match claim_rows(self, &[(request, scope)]).await {
-                Some(mut answers) => answers.pop().unwrap_or(Ok(None)),
+                Some(mut answers) => match answers.pop().flatten() {
+                    Some(answer) => answer,
+                    None => self.claim_row(request, scope).await,
+                },
                 None => self.claim_row(request, scope).await,
             }
         };
@@ -485,7 +506,15 @@ impl PostgresStore {
                 self.timeout,
             )
             .await
-            .unwrap_or_else(|| Err(self.no_answer("claim")))
+            .into_result(
+                || self.no_answer("claim"),
+                || {
+                    StoreError::refused_claim(
+                        "postgres claim: queued behind the claims in flight past the operation \
+                         timeout; nothing was sent",
+                    )
+                },
+            )
     }
 
     /// A completion, alone or together with others: whether the lease finished the record.
@@ -510,6 +539,13 @@ impl PostgresStore {
                 self.timeout,
             )
             .await
-            .unwrap_or_else(|| Err(self.no_answer("complete")))
+            .into_result(
+                || self.no_answer("complete"),
+                || {
+                    StoreError::msg(
+                        "postgres complete: queued past the operation timeout; not sent",
+                    )
+                },
+            )
     }
 }

@@ -15,7 +15,7 @@ use crate::store::{ClaimOutcome, ClaimRequest, Finished, Generation, StoredRespo
 use crate::util::lock::lock;
 
 /// How long a store that found the claim function missing waits before looking for it again.
-const FUNCTION_PROBE: Duration = Duration::from_secs(60);
+pub(super) const FUNCTION_PROBE: Duration = Duration::from_secs(60);
 
 impl PostgresStore {
     async fn retake(
@@ -248,7 +248,7 @@ impl PostgresStore {
     /// progress: `None`, a `409` (or the wait, with `wait`), never an error the layer could run
     /// unguarded for. Without a row, the table itself is locked (a migration, `VACUUM FULL`): the
     /// claim is refused (`503`), never run unguarded either.
-    async fn locked(&self, scope: &[u8; 32]) -> Result<Option<PgRow>, StoreError> {
+    pub(super) async fn locked(&self, scope: &[u8; 32]) -> Result<Option<PgRow>, StoreError> {
         let exists = on_connection!(self, "claim", conn => {
             sqlx::query_scalar::<_, bool>(sqlx::AssertSqlSafe(self.sql().exists.as_str()))
                 .bind(&scope[..])
@@ -297,7 +297,7 @@ enum Direct {
 }
 
 /// SQLSTATE `lock_not_available`: a statement waited on a lock past its `lock_timeout`.
-const LOCK_NOT_AVAILABLE: &str = "55P03";
+pub(super) const LOCK_NOT_AVAILABLE: &str = "55P03";
 
 /// True when a claim row shows an existing record that only a retake could claim.
 fn needs_retake(row: &PgRow) -> bool {

@@ -32,6 +32,15 @@ const HOLDER_TTL_MIGRATION: &str =
 /// as the table name.
 const SUSPECTED_MIGRATION: &str =
     include_str!("../../../migrations/0007_idempotency_suspected.sql");
+/// The function that claims many keys in one statement, with `idempotency_records` as the table
+/// name.
+const CLAIM_MANY_MIGRATION: &str =
+    include_str!("../../../migrations/0008_idempotency_claim_many.sql");
+/// That function's name for the default table; for another table, `<table>_claim_many`.
+const DEFAULT_MANY_FUNCTION: &str = "idempotency_records_claim_many";
+/// That function's argument types, as `to_regprocedure` names them.
+const CLAIM_MANY_ARGUMENTS: &str =
+    "(bytea[],text[],text[],text[],bytea[],bigint[],double precision[],double precision[],bytea[])";
 /// The index that lists a subject's records, with `idempotency_records` as the table name.
 const SUBJECT_INDEX_MIGRATION: &str =
     include_str!("../../../migrations/0005_idempotency_subject_index.sql");
@@ -136,7 +145,11 @@ impl PostgresStore {
             let suspected = SUSPECTED_MIGRATION.replace(DEFAULT_TABLE, &pinned.quoted);
             add_column(&mut tx, &pinned, "suspected_on", "0007", suspected).await?;
             apply_subject_index(&mut tx, &pinned).await?;
+            apply_claim_many(&mut tx, &pinned).await?;
             tx.commit().await.map_err(db("migrate: commit"))?;
+            *lock(&pinned.many_missing) = None;
+            *lock(&configured.many_missing) = None;
+            *lock(&self.configured.many_missing) = None;
             *lock(&pinned.function_missing) = None;
             *lock(&configured.function_missing) = None;
             *lock(&self.configured.function_missing) = None;
@@ -292,6 +305,39 @@ async fn apply_holder_ttl(tx: &mut sqlx::PgConnection, sql: &Statements) -> Resu
         .await?;
     }
     Ok(())
+}
+
+/// The function that claims many keys (migrations/0008), on the table as `sql` names it, unless
+/// it is there. A role that may not create it leaves claims one statement each, with a warning.
+async fn apply_claim_many(tx: &mut sqlx::PgConnection, sql: &Statements) -> Result<(), StoreError> {
+    let signature = format!("{}{CLAIM_MANY_ARGUMENTS}", sql.function_many);
+    let (present,): (bool,) = sqlx::query_as("SELECT to_regprocedure($1) IS NOT NULL")
+        .bind(&signature)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db("migrate: look up the function that claims many keys"))?;
+    if present {
+        return Ok(());
+    }
+    let function_sql = CLAIM_MANY_MIGRATION
+        .replace(DEFAULT_MANY_FUNCTION, "\u{0}")
+        .replace(DEFAULT_TABLE, &sql.quoted)
+        .replace('\u{0}', &sql.function_many)
+        .replace(
+            "pg_catalog, public, pg_temp",
+            &format!(
+                "pg_catalog, {}, pg_temp",
+                quote_ident(sql.schema.as_deref().unwrap_or("public"))
+            ),
+        );
+    unless_forbidden(
+        tx,
+        function_sql,
+        "create the function that claims many keys",
+        "migrate: no privilege to create the function that claims many keys (apply \
+         migrations/0008 as a role that may); until then every claim is a statement of its own",
+    )
+    .await
 }
 
 /// Adds the column `name` to the table as `sql` names it with `column_sql` (from

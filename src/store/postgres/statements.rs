@@ -26,6 +26,11 @@ pub(super) struct Statements {
     /// The claim function that keeps generations (migrations/0003), quoted and qualified like the
     /// table.
     pub(super) function_v2: String,
+    /// The function that claims many keys (migrations/0008), quoted and qualified like the table.
+    pub(super) function_many: String,
+    /// Since when that function has been found missing (`migrate()` has not run since this
+    /// version): claims then go one statement each, and look for it again a minute later.
+    pub(super) many_missing: std::sync::Mutex<Option<std::time::Instant>>,
     /// Since when the claim function has been found missing (the table was made by an earlier
     /// version and `migrate()` has not run since): claims then send its two queries one by one,
     /// and look for the function again a minute later (another instance may have migrated).
@@ -75,6 +80,7 @@ impl Statements {
         };
         let quoted = qualify(name);
         let function_v2 = qualify(&format!("{name}_claim_v2"));
+        let function_many = qualify(&format!("{name}_claim_many"));
         let t = &quoted;
         Statements {
             table: display.to_owned(),
@@ -84,6 +90,7 @@ impl Statements {
             subject_index: quote_ident(&format!("{name}_subject_idx")),
             qualified_subject_index: qualify(&format!("{name}_subject_idx")),
             function_missing: std::sync::Mutex::new(None),
+            many_missing: std::sync::Mutex::new(None),
             // $9: the generation of a new record; $10: the lock timeout (see `LOCK_BOUND`).
             claim: format!(
                 "{} SELECT c.* FROM {function_v2}($1, $2, $3, $4, $5, $6, $7, $8, $9) c \
@@ -254,53 +261,18 @@ impl Statements {
                    AND status = 'in_progress' AND {LOCK_BOUND}",
                 lock_bound_cte(3)
             ),
-            // Many claims in one statement (SPEC 26), one answer row per claim with the columns of
-            // `claim_direct` and its input's place (`ord`, from 1). Arrays, one element per claim:
-            // $1 scope, $2 key, $3 subject, $4 endpoint, $5 fingerprint, $6 lease, $7 lifetime
-            // (µs), $8 in-progress TTL (µs), $9 generation; $10 lock timeout.
-            // Only a scope with no row in the statement's snapshot is inserted, so the statement
-            // never waits on the lock of a row that is there (a handler's transaction holding
-            // the record it completed): such a row is answered from the snapshot, as last
-            // committed, where the single claim would have waited, then answered it in progress
-            // too. The insert can still meet a row inserted since the snapshot was taken: it
-            // waits for that claim's commit, inserts nothing, and the snapshot has no row to
-            // read, so that claim gets no answer row and goes again alone (`claim_row`).
-            // Inserted in scope order, so that two batches inserting the same scopes wait on each
-            // other in one order, never in a cycle.
+            // Many claims in one statement (SPEC 26): one call of the function of
+            // migrations/0008, one answer row per claim with the columns of `claim_direct` and its
+            // input's place (`ord`, from 1). Arrays, one element per claim: $1 scope, $2 key, $3
+            // subject, $4 endpoint, $5 fingerprint, $6 lease, $7 lifetime (µs), $8 in-progress TTL
+            // (µs), $9 generation; $10 lock timeout. The function's statement is planned (and the
+            // table locked) as it runs, after the lock timeout is set: a top-level INSERT would
+            // take its lock at planning, before, and wait on a table locked by another program
+            // with no bound on the server.
             claim_many: format!(
-                "{}, asked AS MATERIALIZED ( \
-                   SELECT * FROM unnest($1::bytea[], $2::text[], $3::text[], $4::text[], \
-                                        $5::bytea[], $6::int8[], $7::float8[], $8::float8[], \
-                                        $9::bytea[]) WITH ORDINALITY \
-                     AS a(scope, idempotency_key, subject, endpoint, fingerprint, lease_token, \
-                          lifetime_us, ttl_us, generation, ord)), \
-                 ins AS ( \
-                   INSERT INTO {t} (scope, idempotency_key, subject, endpoint, fingerprint, status, \
-                                    lease_token, expires_at, generation, in_progress_ttl_us) \
-                   SELECT a.scope, a.idempotency_key, a.subject, a.endpoint, a.fingerprint, \
-                          'in_progress', a.lease_token, \
-                          now() + a.lifetime_us * interval '1 microsecond', a.generation, a.ttl_us \
-                   FROM asked a \
-                   WHERE NOT EXISTS (SELECT 1 FROM {t} r WHERE r.scope = a.scope) AND {LOCK_BOUND} \
-                   ORDER BY a.scope \
-                   ON CONFLICT DO NOTHING \
-                   RETURNING scope) \
-                 SELECT a.ord, true AS inserted, NULL::text AS status, NULL::bigint AS lease_token, \
-                        NULL::bool AS same_fp, NULL::bool AS stale, NULL::bool AS expired, \
-                        NULL::smallint AS response_status, NULL::text[] AS header_names, \
-                        NULL::bytea[] AS header_values, NULL::bytea AS response_body, \
-                        NULL::float8 AS expires_in, a.generation \
-                 FROM asked a WHERE EXISTS (SELECT 1 FROM ins WHERE ins.scope = a.scope) \
-                 UNION ALL \
-                 SELECT a.ord, false, r.status, r.lease_token, r.fingerprint = a.fingerprint, \
-                        r.updated_at <= now() - GREATEST(a.ttl_us, coalesce(r.in_progress_ttl_us, 0)) \
-                                                * interval '1 microsecond', \
-                        r.expires_at <= now(), r.response_status, r.header_names, r.header_values, \
-                        CASE WHEN r.fingerprint = a.fingerprint THEN r.response_body END, \
-                        extract(epoch FROM r.expires_at - now())::float8, r.generation \
-                 FROM asked a JOIN {t} r ON r.scope = a.scope \
-                 WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.scope = a.scope)",
-                lock_bound_cte(10)
+                "{} SELECT c.* FROM {function_many}($1, $2, $3, $4, $5, $6, $7, $8, $9) c \
+                 WHERE {LOCK_BOUND}",
+                lock_bound_cte(10),
             ),
             // Many completions in one statement, each as `complete` finishes one. Arrays, one
             // element per completion: $1 scope, $2 lease, $3 status, $4 response status, $5 where
@@ -385,6 +357,7 @@ impl Statements {
             exists: format!("SELECT EXISTS (SELECT 1 FROM {t} WHERE scope = $1)"),
             inspection: Inspection::on(t),
             function_v2,
+            function_many,
             quoted,
         }
     }

@@ -55,11 +55,14 @@ pub(crate) trait Rows: Send + Sync + 'static {
     fn one(store: &Self::Store, item: &Self::Item) -> impl Future<Output = Self::Answer> + Send;
 
     /// One statement for all of `items` (distinct scopes, at most [`MAX_ROWS`]): each row's
-    /// answer, in input order; `None` when the statement failed (then every row goes alone).
+    /// answer, in input order, `None` for a row that must go alone (its answer was not in the
+    /// statement's); `None` when the statement failed (then every row goes alone). Rows that go
+    /// alone are sent by tasks of their own, outside the places in flight, so that one that waits
+    /// (on a row lock) holds up no other request.
     fn many(
         store: &Self::Store,
         items: &[&Self::Item],
-    ) -> impl Future<Output = Option<Vec<Self::Answer>>> + Send;
+    ) -> impl Future<Output = Option<Vec<Option<Self::Answer>>>> + Send;
 
     /// The answer of a row whose request left while it was in flight: undo what the row did.
     fn orphaned(
@@ -79,6 +82,8 @@ pub(crate) struct Forced {
 
 /// A queued request: its row, and where its answer goes.
 struct Queued<R: Rows> {
+    /// Its place in the queue's order, to find it again.
+    id: u64,
     item: R::Item,
     /// The row goes back with its answer, so that a requester that left before reading it
     /// hands both to [`Rows::orphaned`].
@@ -89,12 +94,15 @@ struct State<R: Rows> {
     /// Statements of this kind in flight: alone, each in its request's future, or by a runner.
     in_flight: usize,
     queue: VecDeque<Queued<R>>,
+    next_id: u64,
 }
 
 /// The batcher of one kind of statement, shared by a store and its clones.
 pub(crate) struct Batcher<R: Rows> {
     state: Mutex<State<R>>,
     forced: Option<Forced>,
+    /// Statements of this kind in flight at most.
+    limit: usize,
     /// Every request alone, as before batching (a benchmark's baseline).
     off: bool,
     /// Batch statements sent, and those that failed (then sent again row by row): for tests.
@@ -116,11 +124,21 @@ impl<R: Rows> Batcher<R> {
             state: Mutex::new(State {
                 in_flight: 0,
                 queue: VecDeque::new(),
+                next_id: 0,
             }),
             forced,
+            limit: IN_FLIGHT,
             off: false,
             sent: AtomicU64::new(0),
             failed: AtomicU64::new(0),
+        }
+    }
+
+    /// A batcher with one statement in flight at a time: for a database that takes one writer.
+    pub(crate) fn one_at_a_time(forced: Option<Forced>) -> Self {
+        Batcher {
+            limit: 1,
+            ..Batcher::new(forced)
         }
     }
 
@@ -140,31 +158,32 @@ impl<R: Rows> Batcher<R> {
         )
     }
 
-    /// Sends one request's row: `alone` (today's statement, borrowing the caller's data) when no
-    /// statement of this kind is in flight, else the row `item()` makes, in the next batch.
-    /// `None`: queued for longer than `wait`, or the batcher stopped (its runtime ended); the row
-    /// may have been sent, as after a statement whose answer was lost.
+    /// Sends one request's row: `alone` (the caller's statement, borrowing its data) when fewer
+    /// than the limit of this kind are in flight, else the row `item()` makes, in a batch.
     pub(crate) async fn send<A>(
         self: &Arc<Self>,
         store: &R::Store,
         alone: A,
         item: impl FnOnce() -> R::Item,
         wait: Duration,
-    ) -> Option<R::Answer>
+    ) -> Fate<R::Answer>
     where
         A: Future<Output = R::Answer>,
     {
         if self.off {
-            return Some(alone.await);
+            return Fate::Answer(alone.await);
         }
         let queued = {
             let mut state = lock(&self.state);
-            if state.in_flight < IN_FLIGHT && self.forced.is_none() {
+            if state.in_flight < self.limit && self.forced.is_none() {
                 state.in_flight += 1;
                 None
             } else {
                 let (answer, receiver) = oneshot::channel();
+                let id = state.next_id;
+                state.next_id += 1;
                 state.queue.push_back(Queued {
+                    id,
                     item: item(),
                     answer,
                 });
@@ -173,15 +192,15 @@ impl<R: Rows> Batcher<R> {
                 if start {
                     state.in_flight = 1;
                 }
-                Some((receiver, start))
+                Some((receiver, start, id))
             }
         };
-        let Some((receiver, start)) = queued else {
+        let Some((receiver, start, id)) = queued else {
             let _busy = Busy {
                 batcher: self,
                 store,
             };
-            return Some(alone.await);
+            return Fate::Answer(alone.await);
         };
         if start {
             self.start(store.clone());
@@ -192,14 +211,31 @@ impl<R: Rows> Batcher<R> {
             taken: false,
         };
         let answer = tokio::time::timeout(wait, &mut waiting.receiver).await;
-        waiting.taken = true;
         match answer {
-            Ok(Ok((_, answer))) => Some(answer),
-            Ok(Err(_)) => None,
+            Ok(Ok((_, answer))) => {
+                waiting.taken = true;
+                Fate::Answer(answer)
+            }
+            // The batcher stopped (its runtime ended) with the row queued or in flight.
+            Ok(Err(_)) => {
+                waiting.taken = true;
+                Fate::NoAnswer
+            }
             Err(_) => {
-                // Gave up; an answer that landed meanwhile is its orphan.
-                waiting.taken = false;
-                None
+                // Gave up: still queued, the row leaves and was never sent; taken, it is in
+                // flight, and an answer that lands is its orphan (`Waiting`'s drop or the
+                // runner's failed hand-over).
+                let mut state = lock(&self.state);
+                match state.queue.iter().position(|queued| queued.id == id) {
+                    Some(place) => {
+                        let left = state.queue.remove(place);
+                        drop(state);
+                        drop(left);
+                        waiting.taken = true;
+                        Fate::NotSent
+                    }
+                    None => Fate::NoAnswer,
+                }
             }
         }
     }
@@ -242,14 +278,22 @@ impl<R: Rows> Batcher<R> {
                 Some(answers) if answers.len() == items.len() => answers,
                 _ => {
                     self.failed.fetch_add(1, Ordering::Relaxed);
-                    futures_util::future::join_all(items.iter().map(|item| R::one(store, item)))
-                        .await
+                    items.iter().map(|_| None).collect()
                 }
             }
         };
         for (queued, answer) in batch.into_iter().zip(answers) {
-            if let Err((item, answer)) = queued.answer.send((queued.item, answer)) {
-                drop(tokio::spawn(R::orphaned(store.clone(), item, answer)));
+            match answer {
+                Some(answer) => hand_over(store, queued, answer),
+                // Alone, in a task of its own: its wait holds no place in flight.
+                None if queued.answer.is_closed() => {}
+                None => {
+                    let store = store.clone();
+                    drop(tokio::spawn(async move {
+                        let answer = R::one(&store, &queued.item).await;
+                        hand_over(&store, queued, answer);
+                    }));
+                }
             }
         }
     }
@@ -258,6 +302,41 @@ impl<R: Rows> Batcher<R> {
     #[cfg(test)]
     fn queued(&self) -> usize {
         lock(&self.state).queue.len()
+    }
+}
+
+/// Gives `answer` to the request that queued `queued`, or, if it left, to [`Rows::orphaned`].
+fn hand_over<R: Rows>(store: &R::Store, queued: Queued<R>, answer: R::Answer) {
+    if let Err((item, answer)) = queued.answer.send((queued.item, answer)) {
+        drop(tokio::spawn(R::orphaned(store.clone(), item, answer)));
+    }
+}
+
+/// What became of a request's row.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Fate<A> {
+    /// Its statement's answer.
+    Answer(A),
+    /// It waited in the queue past its bound and left: nothing was sent.
+    NotSent,
+    /// It was in a statement whose answer did not come within its bound (or the batcher
+    /// stopped): the row may have been written, as after a statement whose answer was lost.
+    NoAnswer,
+}
+
+impl<T, E> Fate<Result<T, E>> {
+    /// The answer, or the error a row that got none answers with: `no_answer` when it may have
+    /// been written, `not_sent` when it never left the queue.
+    pub(crate) fn into_result(
+        self,
+        no_answer: impl FnOnce() -> E,
+        not_sent: impl FnOnce() -> E,
+    ) -> Result<T, E> {
+        match self {
+            Fate::Answer(answer) => answer,
+            Fate::NoAnswer => Err(no_answer()),
+            Fate::NotSent => Err(not_sent()),
+        }
     }
 }
 

@@ -10,7 +10,7 @@ use sqlx::{Connection, Database, Pool};
 
 use crate::store::StoreError;
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) mod batch;
 mod in_flight;
 mod name;

@@ -112,27 +112,45 @@ impl SqliteStore {
             .is_some_and(|folder| presence::holder(folder, presence) == Holder::Alive)
     }
 
-    /// Inserts the record of a fresh key; false when a row was there already.
+    /// Inserts the record of a fresh key, alone or together with others (see `batched.rs`);
+    /// false when a row was there already.
     async fn insert(&self, request: &ClaimRequest, scope: &[u8; 32]) -> Result<bool, StoreError> {
-        let key = &request.key;
+        self.insert_together(request, scope).await
+    }
+
+    /// [`insert`](Self::insert) alone, in a statement (and a commit) of its own.
+    pub(super) async fn insert_alone(
+        &self,
+        request: &ClaimRequest,
+        scope: &[u8; 32],
+    ) -> Result<bool, StoreError> {
         let done = on_connection!(self, "claim", write, conn => {
-            let now = self.clock.wall_us();
-            sqlx::query(statement(&self.sql.insert))
-                .bind(&scope[..])
-                .bind(key.key.as_str())
-                .bind(key.subject.as_str())
-                .bind(key.endpoint.as_str())
-                .bind(&request.fingerprint.as_bytes()[..])
-                .bind(request.lease.0)
-                .bind(&request.generation.0[..])
-                .bind(micros(request.in_progress_ttl))
-                .bind(now)
-                .bind(now.saturating_add(micros(request.in_progress_ttl + request.retention)))
-                .bind(self.clock.boot_us())
-                .execute(&mut *conn)
+            self.insert_query(request, scope).execute(&mut *conn)
         })?
         .map_err(claim_error("claim"))?;
         Ok(done.rows_affected() == 1)
+    }
+
+    /// The insert of a fresh key's record, bound, timed now.
+    pub(super) fn insert_query<'q>(
+        &self,
+        request: &'q ClaimRequest,
+        scope: &'q [u8; 32],
+    ) -> sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments> {
+        let key = &request.key;
+        let now = self.clock.wall_us();
+        sqlx::query(statement(&self.sql.insert))
+            .bind(&scope[..])
+            .bind(key.key.as_str())
+            .bind(key.subject.as_str())
+            .bind(key.endpoint.as_str())
+            .bind(&request.fingerprint.as_bytes()[..])
+            .bind(request.lease.0)
+            .bind(&request.generation.0[..])
+            .bind(micros(request.in_progress_ttl))
+            .bind(now)
+            .bind(now.saturating_add(micros(request.in_progress_ttl + request.retention)))
+            .bind(self.clock.boot_us())
     }
 
     /// Takes the record read under `read_lease` (see `Statements::take`): `None` when another
@@ -173,7 +191,7 @@ impl SqliteStore {
 /// lacks a column this version needs (made by an earlier version, and `migrate()` has not run),
 /// and another writer holding the file's lock past the busy timeout (a handler's transaction, a
 /// backup: the statement wrote nothing).
-fn claim_error(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
+pub(super) fn claim_error(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
     move |e| {
         let missing = e
             .as_database_error()

@@ -14,6 +14,7 @@ use sqlx::sqlite::{
 use sqlx::{AssertSqlSafe, query::Query};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+mod batched;
 mod claim;
 mod clock;
 mod inspect;
@@ -113,6 +114,8 @@ pub struct SqliteStore {
     folder: Arc<std::sync::OnceLock<Option<std::path::PathBuf>>>,
     /// On a keeper session (`keeper_session`): the presences it shows.
     presences: Option<Arc<presence::Presences>>,
+    /// Inserts and completions written together (see `batched.rs`). Shared by clones.
+    batches: Arc<batched::Batches>,
 }
 
 impl fmt::Debug for SqliteStore {
@@ -148,6 +151,7 @@ impl SqliteStore {
             clock: clock::Clock::default(),
             folder: Arc::default(),
             presences: None,
+            batches: Arc::default(),
         }
     }
 
@@ -202,7 +206,34 @@ impl SqliteStore {
     /// the handler still runs at most once.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout.max(MIN_OPERATION_TIMEOUT);
+        self.batches = Arc::new(self.batches.like());
         self
+    }
+
+    /// A test setting: hold each batch of inserts and completions until it has `rows` rows (or
+    /// 5 ms passed), and write every one, even of one row, in a transaction of the batch, so that
+    /// tests run that path everywhere. Not for production: every write waits.
+    #[cfg(any(test, feature = "test-suite"))]
+    #[doc(hidden)]
+    pub fn with_batches_held(mut self, rows: usize) -> Self {
+        self.batches = Arc::new(batched::Batches::new(Some(
+            crate::store::sql::batch::Forced {
+                rows: rows.max(1),
+                hold: Duration::from_millis(5),
+            },
+        )));
+        self
+    }
+
+    /// Batch transactions written and failed (then written again row by row): for tests.
+    #[cfg(any(test, feature = "test-suite"))]
+    #[doc(hidden)]
+    pub fn batch_counts(&self) -> (u64, u64) {
+        let (a, b) = (
+            self.batches.inserts.counts(),
+            self.batches.completions.counts(),
+        );
+        (a.0 + b.0, a.1 + b.1)
     }
 
     /// The connection pool.
@@ -312,12 +343,10 @@ impl IdempotencyStore for SqliteStore {
         retention: Duration,
     ) -> Result<Fenced, StoreError> {
         let scope = key.digest();
-        let completion = self.completion(&scope, lease, &response, retention)?;
-        let done = on_connection!(self, "complete", write, conn => {
-            completion.execute(&mut *conn)
-        })?
-        .map_err(db("complete"))?;
-        if done.rows_affected() == 1 {
+        let done = self
+            .complete_together(&scope, lease, response, retention)
+            .await?;
+        if done {
             return Ok(Fenced::Done);
         }
         self.finished_by(&scope, lease).await.map(Fenced::from_held)
@@ -422,6 +451,7 @@ impl IdempotencyStore for SqliteStore {
             pool,
             writer: Arc::new(Semaphore::new(1)),
             presences: folder.map(|folder| Arc::new(presence::Presences::new(folder))),
+            batches: Arc::default(),
             ..self.clone()
         })
     }

@@ -519,3 +519,30 @@ async fn a_step_of_the_wall_clock_moves_no_record_in_progress() {
         "the wall clock an hour behind keeps a dead holder's key: {taken:?}"
     );
 }
+
+/// The suite again with every insert and completion written in a transaction of the batch
+/// (SPEC 26), each batch held until it has four rows or 5 ms passed.
+mod batched {
+    use super::*;
+
+    store_suite!(async { store().await.with_batches_held(4) });
+
+    /// Racing requests, with batches as they come and held until they have eight rows: each
+    /// gets its own answer, and no batch transaction failed over to the single writes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn racing_requests_in_batches_each_get_their_own_answer() {
+        for held in [None, Some(8)] {
+            let store = match held {
+                Some(rows) => store().await.with_batches_held(rows),
+                None => store().await,
+            };
+            crate::together::racing_requests_each_get_their_own_answer(store.clone()).await;
+            let (sent, failed) = store.batch_counts();
+            assert!(sent > 0, "no batch transaction was written ({held:?})");
+            assert_eq!(
+                failed, 0,
+                "{failed} of {sent} batch transactions failed ({held:?})"
+            );
+        }
+    }
+}

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 
-use super::{Batcher, Forced, IN_FLIGHT, MAX_ROWS, Rows};
+use super::{Batcher, Fate, Forced, IN_FLIGHT, MAX_ROWS, Rows};
 use crate::util::lock::lock;
 
 /// One request: its number (its identity), the scope its row names, and what befalls it.
@@ -21,6 +21,9 @@ struct Request {
     fails_alone: bool,
     /// Any batch holding its row fails (as a row's error fails its whole statement).
     fails_batch: bool,
+    /// A batch holding its row answers it "alone" (as a claim that met a row inserted since the
+    /// statement's snapshot).
+    alone_in_batch: bool,
     /// The request leaves after this long, if set.
     leaves_after: Option<Duration>,
     /// How long after the start it is sent.
@@ -103,7 +106,7 @@ impl Rows for Kind {
         }
     }
 
-    async fn many(store: &Fake, items: &[&Request]) -> Option<Vec<Answer>> {
+    async fn many(store: &Fake, items: &[&Request]) -> Option<Vec<Option<Answer>>> {
         {
             let mut seen = lock(&store.seen);
             seen.batches.push(items.len());
@@ -117,8 +120,18 @@ impl Rows for Kind {
             return None;
         }
         let mut seen = lock(&store.seen);
-        seen.produced.extend(items.iter().map(|item| item.id));
-        Some(items.iter().map(|item| Ok(item.id)).collect())
+        seen.produced.extend(
+            items
+                .iter()
+                .filter(|item| !item.alone_in_batch)
+                .map(|item| item.id),
+        );
+        Some(
+            items
+                .iter()
+                .map(|item| (!item.alone_in_batch).then_some(Ok(item.id)))
+                .collect(),
+        )
     }
 
     async fn orphaned(store: Fake, item: Request, answer: Answer) {
@@ -163,12 +176,12 @@ fn check(requests: Vec<Request>, forced: Option<Forced>) -> Result<(), TestCaseE
         for (request, task) in requests.iter().zip(tasks) {
             match task.await.expect("request task") {
                 Some(answer) => {
-                    let answer = answer.ok_or_else(|| {
-                        TestCaseError::fail(format!(
-                            "request {} got no answer within its bound",
+                    let Fate::Answer(answer) = answer else {
+                        return Err(TestCaseError::fail(format!(
+                            "request {} got no answer within its bound: {answer:?}",
                             request.id
-                        ))
-                    })?;
+                        )));
+                    };
                     let own = answer.unwrap_or_else(|id| id);
                     prop_assert_eq!(own, request.id, "a request got another's answer");
                     prop_assert!(
@@ -242,6 +255,7 @@ fn requests() -> impl Strategy<Value = Vec<Request>> {
             0u8..12,
             prop::bool::weighted(0.1),
             prop::bool::weighted(0.08),
+            prop::bool::weighted(0.1),
             prop::option::weighted(0.25, 0u64..4000),
             0u64..6000,
         ),
@@ -252,11 +266,12 @@ fn requests() -> impl Strategy<Value = Vec<Request>> {
             .into_iter()
             .enumerate()
             .map(
-                |(id, (scope, fails_alone, fails_batch, leaves, starts))| Request {
+                |(id, (scope, fails_alone, fails_batch, alone_in_batch, leaves, starts))| Request {
                     id: id as u64,
                     scope: [scope; 32],
                     fails_alone,
                     fails_batch,
+                    alone_in_batch,
                     leaves_after: leaves.map(Duration::from_micros),
                     starts_after: Duration::from_micros(starts),
                 },
@@ -291,6 +306,7 @@ async fn alone_sends_at_once_through_the_single_statement() {
             scope: [id as u8; 32],
             fails_alone: false,
             fails_batch: false,
+            alone_in_batch: false,
             leaves_after: None,
             starts_after: Duration::ZERO,
         };
@@ -302,7 +318,7 @@ async fn alone_sends_at_once_through_the_single_statement() {
                 Duration::from_secs(5),
             )
             .await;
-        assert_eq!(answer, Some(Ok(id)));
+        assert_eq!(answer, Fate::Answer(Ok(id)));
     }
     let seen = lock(&fake.seen);
     assert!(
@@ -328,6 +344,7 @@ async fn what_queues_goes_together() {
                     scope: [id as u8; 32],
                     fails_alone: false,
                     fails_batch: false,
+                    alone_in_batch: false,
                     leaves_after: None,
                     starts_after: Duration::ZERO,
                 };
@@ -343,7 +360,7 @@ async fn what_queues_goes_together() {
         })
         .collect();
     for (id, task) in tasks.into_iter().enumerate() {
-        assert_eq!(task.await.expect("task"), Some(Ok(id as u64)));
+        assert_eq!(task.await.expect("task"), Fate::Answer(Ok(id as u64)));
     }
     let seen = lock(&fake.seen);
     let statements = seen.batches.len() + (40 - seen.batches.iter().sum::<usize>());
@@ -365,6 +382,7 @@ async fn a_request_that_leaves_the_queue_is_never_sent() {
         scope: [id as u8; 32],
         fails_alone: false,
         fails_batch: false,
+        alone_in_batch: false,
         leaves_after: None,
         starts_after: Duration::ZERO,
     };
@@ -398,9 +416,12 @@ async fn a_request_that_leaves_the_queue_is_never_sent() {
             Duration::from_millis(10),
         )
         .await;
-    assert_eq!(answer, None, "queued past its bound: no answer");
+    assert_eq!(answer, Fate::NotSent, "queued past its bound: never sent");
     for (id, first) in first.into_iter().enumerate() {
-        assert_eq!(first.await.expect("task"), Some(Ok(100 + id as u64)));
+        assert_eq!(
+            first.await.expect("task"),
+            Fate::Answer(Ok(100 + id as u64))
+        );
     }
     tokio::time::sleep(Duration::from_millis(20)).await;
     let seen = lock(&fake.seen);
@@ -424,6 +445,7 @@ fn a_runtime_shut_down_mid_flight_leaves_the_batcher_usable() {
         scope: [id as u8; 32],
         fails_alone: false,
         fails_batch: false,
+        alone_in_batch: false,
         leaves_after: None,
         starts_after: Duration::ZERO,
     };
@@ -470,5 +492,5 @@ fn a_runtime_shut_down_mid_flight_leaves_the_batcher_usable() {
             )
             .await
     });
-    assert_eq!(answer, Some(Ok(50)));
+    assert_eq!(answer, Fate::Answer(Ok(50)));
 }
