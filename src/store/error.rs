@@ -41,6 +41,17 @@ impl StoreError {
         }
     }
 
+    /// The same error (message and kind), without its source: for each of the requests that one
+    /// statement failed.
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
+    pub(crate) fn copy(&self) -> Self {
+        StoreError {
+            message: self.to_string(),
+            source: None,
+            kind: self.kind,
+        }
+    }
+
     /// An error with only a message.
     pub fn msg(message: impl Into<String>) -> Self {
         StoreError {

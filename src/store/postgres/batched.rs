@@ -7,7 +7,6 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::future::join_all;
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 
@@ -87,8 +86,10 @@ impl Rows for Claims {
         &item.scope
     }
 
+    /// As a claim alone: the statement of many with one row (a row that is there is read as
+    /// last committed, not waited for), then the single claim if that gave no answer.
     async fn one(store: &PostgresStore, item: &Claim) -> Self::Answer {
-        store.claim_row(&item.request, &item.scope).await
+        store.claim_alone(&item.request, &item.scope).await
     }
 
     async fn many(store: &PostgresStore, items: &[&Claim]) -> Option<Vec<Option<Self::Answer>>> {
@@ -103,8 +104,10 @@ impl Rows for Claims {
     /// it, which is at least the maximum hold): until then, a record whose holder's presence is
     /// shown is not retaken.
     async fn orphaned(store: PostgresStore, item: Claim, answer: Self::Answer) {
-        if matches!(answer, Ok(None)) {
-            return;
+        match &answer {
+            Ok(None) => return,
+            Err(e) if !e.may_have_claimed() => return,
+            _ => {}
         }
         let ttl = item.request.in_progress_ttl;
         let until = tokio::time::Instant::now() + ttl + item.request.retention;
@@ -208,11 +211,15 @@ async fn claim_rows(
             return None;
         }
         // A wait on a lock past the statement's lock timeout (a row or the table another
-        // transaction holds): nothing was written. Each claim is answered as a single claim that
-        // waited is, from a plain read (in progress, or refused), not by waiting again.
+        // transaction holds): nothing was written.
+        // Alone, the claim is answered as a single claim that waited is, from a plain read (in
+        // progress, or refused), not by waiting again; in a batch, one key's lock must not answer
+        // the others, and each goes alone.
         Ok(Err(sqlx::Error::Database(e))) if e.code().as_deref() == Some(LOCK_NOT_AVAILABLE) => {
-            let answers = join_all(items.iter().map(|(_, scope)| store.locked(scope))).await;
-            return Some(answers.into_iter().map(Some).collect());
+            if let [(_, scope)] = items {
+                return Some(vec![Some(store.locked(scope).await)]);
+            }
+            return None;
         }
         Ok(Err(e)) => {
             tracing::debug!(error = %e, rows = items.len(), "claims together failed; each goes alone");
@@ -221,15 +228,7 @@ async fn claim_rows(
         // No answer within the operation timeout (or no connection): the claims may have been
         // written. Every claim answers so, for its caller to abandon by its lease; none is sent
         // again for a caller that has likely given up.
-        Err(e) => {
-            let message = e.to_string();
-            return Some(
-                items
-                    .iter()
-                    .map(|_| Some(Err(StoreError::msg(message.clone()))))
-                    .collect(),
-            );
-        }
+        Err(e) => return Some(items.iter().map(|_| Some(Err(e.copy()))).collect()),
     };
     let mut answers: Vec<Option<ClaimAnswer>> = (0..items.len()).map(|_| None).collect();
     for row in rows {
@@ -476,29 +475,44 @@ impl PostgresStore {
         Ok(held)
     }
 
-    /// A claim's row, alone or together with others (see `claim_row`). Alone, it goes through
-    /// the statement of many with one row, which reads a row that is there as last committed
-    /// rather than wait on its lock (a handler's transaction committing it): a claim that waited
-    /// would hold its place in flight, and every claim queued behind it would wait too.
+    /// A claim alone: the statement of many with one row, which reads a row that is there as
+    /// last committed rather than wait on its lock (a handler's transaction committing it); the
+    /// single claim (`claim_row`) when that gave no answer (a row inserted since its snapshot) or
+    /// the function is missing.
+    pub(super) async fn claim_alone(
+        &self,
+        request: &ClaimRequest,
+        scope: &[u8; 32],
+    ) -> Result<Option<PgRow>, StoreError> {
+        match claim_rows(self, &[(request, scope)]).await {
+            Some(mut answers) => match answers.pop().flatten() {
+                Some(answer) => answer,
+                None => self.claim_row(request, scope).await,
+            },
+            None => self.claim_row(request, scope).await,
+        }
+    }
+
+    /// A claim's row, alone or together with others (see `claim_row`). A claim that waited on a
+    /// row lock would hold its place in flight, and every claim queued behind it would wait too:
+    /// alone, a claim goes as `claim_alone`; while the function of many is missing (a table an
+    /// earlier version migrated, or a role that may not create it), every claim goes alone,
+    /// outside the batcher, as before statements went together.
     pub(super) async fn claim_together(
         &self,
         request: &ClaimRequest,
         scope: &[u8; 32],
     ) -> Result<Option<PgRow>, StoreError> {
-        let alone = async {
-            match claim_rows(self, &[(request, scope)]).await {
-                Some(mut answers) => match answers.pop().flatten() {
-                    Some(answer) => answer,
-                    None => self.claim_row(request, scope).await,
-                },
-                None => self.claim_row(request, scope).await,
-            }
-        };
+        let missing =
+            lock(&self.sql().many_missing).is_some_and(|since| since.elapsed() < FUNCTION_PROBE);
+        if missing {
+            return self.claim_row(request, scope).await;
+        }
         self.batches
             .claims
             .send(
                 self,
-                alone,
+                self.claim_alone(request, scope),
                 || Claim {
                     request: request.clone(),
                     scope: *scope,

@@ -15,8 +15,10 @@
 //! - **Leaving.** A request dropped while queued leaves the queue (it is never sent). One whose
 //!   row was in flight when it left has its answer handed to [`Rows::orphaned`], which undoes what
 //!   the row did (a claim granted to nobody is released by its lease).
-//! - **Bounded waits.** A queued request waits at most its bound from the moment it queued, then
-//!   gives up (as a statement that timed out: the caller treats it as no answer).
+//! - **Bounded waits.** A queued request waits at most its bound from the moment it queued; still
+//!   queued then, it leaves, never sent ([`Fate::NotSent`]: nothing was written). Once its row is
+//!   in flight it waits at most its bound once more, then gives up as after a statement whose
+//!   answer was lost ([`Fate::NoAnswer`]).
 //!
 //! A test setting ([`Forced`]) holds each batch until it has some rows (or a few milliseconds
 //! passed) and sends every request through [`Rows::many`], so that the conformance kit and the
@@ -135,6 +137,7 @@ impl<R: Rows> Batcher<R> {
     }
 
     /// A batcher with one statement in flight at a time: for a database that takes one writer.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) fn one_at_a_time(forced: Option<Forced>) -> Self {
         Batcher {
             limit: 1,
@@ -143,6 +146,7 @@ impl<R: Rows> Batcher<R> {
     }
 
     /// A batcher that sends every request alone, as before batching: a benchmark's baseline.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn off() -> Self {
         Batcher {
             off: true,
@@ -151,6 +155,7 @@ impl<R: Rows> Batcher<R> {
     }
 
     /// Batch statements sent, and those of them that failed.
+    #[cfg(any(test, feature = "test-suite"))]
     pub(crate) fn counts(&self) -> (u64, u64) {
         (
             self.sent.load(Ordering::Relaxed),
@@ -159,7 +164,9 @@ impl<R: Rows> Batcher<R> {
     }
 
     /// Sends one request's row: `alone` (the caller's statement, borrowing its data) when fewer
-    /// than the limit of this kind are in flight, else the row `item()` makes, in a batch.
+    /// than the limit of this kind are in flight, else the row `item()` makes, in a batch. A
+    /// queued row waits at most `wait` in the queue (then it leaves, never sent), and at most
+    /// `wait` more once it is in flight.
     pub(crate) async fn send<A>(
         self: &Arc<Self>,
         store: &R::Store,
@@ -210,33 +217,36 @@ impl<R: Rows> Batcher<R> {
             store,
             taken: false,
         };
-        let answer = tokio::time::timeout(wait, &mut waiting.receiver).await;
-        match answer {
-            Ok(Ok((_, answer))) => {
-                waiting.taken = true;
-                Fate::Answer(answer)
-            }
-            // The batcher stopped (its runtime ended) with the row queued or in flight.
-            Ok(Err(_)) => {
-                waiting.taken = true;
-                Fate::NoAnswer
-            }
+        let answer = match tokio::time::timeout(wait, &mut waiting.receiver).await {
+            Ok(answer) => answer,
             Err(_) => {
-                // Gave up: still queued, the row leaves and was never sent; taken, it is in
-                // flight, and an answer that lands is its orphan (`Waiting`'s drop or the
-                // runner's failed hand-over).
-                let mut state = lock(&self.state);
-                match state.queue.iter().position(|queued| queued.id == id) {
-                    Some(place) => {
-                        let left = state.queue.remove(place);
-                        drop(state);
-                        drop(left);
-                        waiting.taken = true;
-                        Fate::NotSent
-                    }
-                    None => Fate::NoAnswer,
+                // Past the bound in the queue: still queued, the row leaves and was never sent.
+                // Taken, it is in flight (in a batch, or alone after it), and gets its
+                // statement's own time once more rather than be answered "no answer" for the
+                // time it queued.
+                let left = {
+                    let mut state = lock(&self.state);
+                    let place = state.queue.iter().position(|queued| queued.id == id);
+                    place.and_then(|place| state.queue.remove(place))
+                };
+                if left.is_some() {
+                    drop(left);
+                    waiting.taken = true;
+                    return Fate::NotSent;
+                }
+                match tokio::time::timeout(wait, &mut waiting.receiver).await {
+                    Ok(answer) => answer,
+                    // An answer that lands now is its orphan (`Waiting`'s drop, or the
+                    // hand-over that finds it gone).
+                    Err(_) => return Fate::NoAnswer,
                 }
             }
+        };
+        waiting.taken = true;
+        match answer {
+            Ok((_, answer)) => Fate::Answer(answer),
+            // The batcher stopped (its runtime ended) with the row queued or in flight.
+            Err(_) => Fate::NoAnswer,
         }
     }
 

@@ -82,12 +82,20 @@ impl Rows for Inserts {
             tx.commit().await?;
             Ok::<_, sqlx::Error>(answers)
         });
-        match done.and_then(|done| done.map_err(claim_error("claim"))) {
-            Ok(answers) => Some(answers),
-            Err(e) => {
+        match done {
+            Ok(Ok(answers)) => Some(answers),
+            // Another writer held the database past the busy timeout: nothing was written, and
+            // each row is refused as a single insert would be, not sent again to wait as long.
+            Ok(Err(e)) if super::busy(&e) => {
+                let refused = claim_error("claim")(e);
+                Some(items.iter().map(|_| Some(Err(refused.copy()))).collect())
+            }
+            Ok(Err(e)) => {
                 tracing::debug!(error = %e, rows = items.len(), "inserts together failed; each goes alone");
                 None
             }
+            // No answer in time: the rows may have been written; each answers so.
+            Err(e) => Some(items.iter().map(|_| Some(Err(e.copy()))).collect()),
         }
     }
 
@@ -97,8 +105,10 @@ impl Rows for Inserts {
     /// it, which is at least the maximum hold): until then, a record whose holder's presence is
     /// shown is not retaken.
     async fn orphaned(store: SqliteStore, item: Insert, answer: Self::Answer) {
-        if matches!(answer, Ok(false)) {
-            return;
+        match &answer {
+            Ok(false) => return,
+            Err(e) if !e.may_have_claimed() => return,
+            _ => {}
         }
         let ttl = item.request.in_progress_ttl;
         let until = tokio::time::Instant::now() + ttl + item.request.retention;
@@ -169,13 +179,20 @@ impl Rows for Completions {
             tx.commit().await?;
             Ok::<_, sqlx::Error>(answers)
         });
-        match done.and_then(|done| done.map_err(db("complete"))) {
+        match done {
             // A response whose headers could not be written goes alone, to fail on its own.
-            Ok(answers) => Some(answers.into_iter().map(|done| done.map(Ok)).collect()),
-            Err(e) => {
+            Ok(Ok(answers)) => Some(answers.into_iter().map(|done| done.map(Ok)).collect()),
+            // Busy, as above: nothing was written; each completion fails, for the engine to try
+            // again, rather than wait as long once more.
+            Ok(Err(e)) if super::busy(&e) => {
+                let failed = db("complete")(e);
+                Some(items.iter().map(|_| Some(Err(failed.copy()))).collect())
+            }
+            Ok(Err(e)) => {
                 tracing::debug!(error = %e, rows = items.len(), "completions together failed; each goes alone");
                 None
             }
+            Err(e) => Some(items.iter().map(|_| Some(Err(e.copy()))).collect()),
         }
     }
 
