@@ -744,6 +744,10 @@ async fn main() {
         mysql::mysql_vs_direct_sql().await;
     }
     #[cfg(feature = "sqlite")]
+    if run("together") {
+        together::sqlite_together().await;
+    }
+    #[cfg(feature = "sqlite")]
     if run("sqlite") {
         sqlite_vs_direct_sql().await;
     }

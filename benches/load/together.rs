@@ -116,3 +116,55 @@ pub(super) async fn statements_together(schema: &str) {
         }
     }
 }
+
+/// SQLite (feature `sqlite`): fresh keys at 8 clients through the layer with writes alone and
+/// together, beside the floor: the handler of a bare route sends the store's claim and completion
+/// itself, each write a transaction of its own (`without_batches`), on the same file, in the same
+/// run (WAL, `synchronous=FULL`: each commit flushed to disk).
+#[cfg(feature = "sqlite")]
+pub(super) async fn sqlite_together() {
+    use axum_idempotency::store::SqliteStore;
+    const CLIENTS: usize = 8;
+    let n = scale(6_000);
+    let path = std::env::temp_dir().join(format!(
+        "axum-idempotency-together-{}.db",
+        std::process::id()
+    ));
+    let remove = |path: &std::path::Path| {
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
+    };
+    remove(&path);
+    let store = SqliteStore::open(&path).await.expect("open");
+    store.migrate().await.expect("migrate");
+    let floor = serve(super::direct_sql(store.clone().without_batches())).await;
+    let alone = serve(guarded(store.clone().without_batches())).await;
+    let together = serve(guarded(store.clone())).await;
+    for (addr, name) in [(floor, "floor"), (alone, "alone"), (together, "together")] {
+        load(addr, CLIENTS, 300, fresh_keys(&format!("warm-{name}"))).await;
+    }
+    println!(
+        "\n### SQLite fresh keys, writes alone and together, beside the floor (`-- together` with the `sqlite` feature; {CLIENTS} clients, {n} requests a run, 2 alternating runs)\n"
+    );
+    println!(
+        "| run | floor req/s | layer alone req/s | vs floor | layer together req/s | vs floor |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for round in 0..ROUNDS {
+        let f = load(floor, CLIENTS, n, fresh_keys(&format!("f{round}"))).await;
+        let a = load(alone, CLIENTS, n, fresh_keys(&format!("a{round}"))).await;
+        let t = load(together, CLIENTS, n, fresh_keys(&format!("t{round}"))).await;
+        println!(
+            "| {} | {:.0} | {:.0} | {:.2}x | {:.0} | **{:.2}x** |",
+            round + 1,
+            f.rps,
+            a.rps,
+            a.rps / f.rps,
+            t.rps,
+            t.rps / f.rps
+        );
+    }
+    store.pool().close().await;
+    remove(&path);
+}

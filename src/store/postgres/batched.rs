@@ -221,9 +221,17 @@ async fn claim_rows(
             }
             return None;
         }
-        Ok(Err(e)) => {
+        // The server refused the statement: it was rolled back, nothing was written.
+        Ok(Err(e @ sqlx::Error::Database(_))) => {
             tracing::debug!(error = %e, rows = items.len(), "claims together failed; each goes alone");
             return None;
+        }
+        // The connection failed under the statement (its answer lost, perhaps after it
+        // committed): the claims may have been written; each answers so, for its caller to
+        // abandon (or, if it left, for `orphaned` to release) by its lease.
+        Ok(Err(e)) => {
+            let e = db("claim")(e);
+            return Some(items.iter().map(|_| Some(Err(e.copy()))).collect());
         }
         // No answer within the operation timeout (or no connection): the claims may have been
         // written. Every claim answers so, for its caller to abandon by its lease; none is sent
@@ -240,8 +248,12 @@ async fn claim_rows(
             .filter(|place| *place < items.len());
         match place {
             Some(place) if answers[place].is_none() => answers[place] = Some(Ok(Some(row))),
-            // Two answers for one claim, or one for none: not this statement's shape.
-            _ => return None,
+            // Two answers for one claim, or one for none: not this statement's shape, and it
+            // committed; every claim may have been written.
+            _ => {
+                let e = StoreError::msg("postgres claim: the claims' answer had another shape");
+                return Some(items.iter().map(|_| Some(Err(e.copy()))).collect());
+            }
         }
     }
     Some(answers)

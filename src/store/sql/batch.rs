@@ -17,8 +17,8 @@
 //!   the row did (a claim granted to nobody is released by its lease).
 //! - **Bounded waits.** A queued request waits at most its bound from the moment it queued; still
 //!   queued then, it leaves, never sent ([`Fate::NotSent`]: nothing was written). Once its row is
-//!   in flight it waits at most its bound once more, then gives up as after a statement whose
-//!   answer was lost ([`Fate::NoAnswer`]).
+//!   in flight it waits at most three bounds more (its batch, then alone), then gives up as after
+//!   a statement whose answer was lost ([`Fate::NoAnswer`]).
 //!
 //! A test setting ([`Forced`]) holds each batch until it has some rows (or a few milliseconds
 //! passed) and sends every request through [`Rows::many`], so that the conformance kit and the
@@ -36,6 +36,12 @@ use crate::util::lock::lock;
 
 /// The most rows one statement carries.
 pub(crate) const MAX_ROWS: usize = 64;
+
+/// How many bounds a row in flight gets once its bound in the queue has passed: a batch, then the
+/// row alone (a statement, and the plain read after a lock wait) each have the store's bound, and a
+/// row answered "no answer" may run unguarded under `fail_open` where its statements would have
+/// refused it.
+const IN_FLIGHT_BOUNDS: u32 = 3;
 
 /// Statements of one kind in flight at once, each alone or a batch. Two: on two cores, against a
 /// PostgreSQL on the same machine, one in flight at a time lost the parallelism the server has
@@ -146,7 +152,6 @@ impl<R: Rows> Batcher<R> {
     }
 
     /// A batcher that sends every request alone, as before batching: a benchmark's baseline.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn off() -> Self {
         Batcher {
             off: true,
@@ -165,8 +170,8 @@ impl<R: Rows> Batcher<R> {
 
     /// Sends one request's row: `alone` (the caller's statement, borrowing its data) when fewer
     /// than the limit of this kind are in flight, else the row `item()` makes, in a batch. A
-    /// queued row waits at most `wait` in the queue (then it leaves, never sent), and at most
-    /// `wait` more once it is in flight.
+    /// queued row waits at most `wait` in the queue (then it leaves, never sent), and, once it is
+    /// in flight, at most [`IN_FLIGHT_BOUNDS`] times `wait` more.
     pub(crate) async fn send<A>(
         self: &Arc<Self>,
         store: &R::Store,
@@ -234,7 +239,7 @@ impl<R: Rows> Batcher<R> {
                     waiting.taken = true;
                     return Fate::NotSent;
                 }
-                match tokio::time::timeout(wait, &mut waiting.receiver).await {
+                match tokio::time::timeout(wait * IN_FLIGHT_BOUNDS, &mut waiting.receiver).await {
                     Ok(answer) => answer,
                     // An answer that lands now is its orphan (`Waiting`'s drop, or the
                     // hand-over that finds it gone).

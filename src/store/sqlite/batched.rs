@@ -21,6 +21,7 @@ pub(super) struct Batches {
     pub(super) inserts: Arc<Batcher<Inserts>>,
     pub(super) completions: Arc<Batcher<Completions>>,
     forced: Option<Forced>,
+    off: bool,
 }
 
 impl Batches {
@@ -29,12 +30,27 @@ impl Batches {
             inserts: Arc::new(Batcher::one_at_a_time(forced)),
             completions: Arc::new(Batcher::one_at_a_time(forced)),
             forced,
+            off: false,
+        }
+    }
+
+    /// Every write alone, as before batching.
+    pub(super) fn off() -> Self {
+        Batches {
+            inserts: Arc::new(Batcher::off()),
+            completions: Arc::new(Batcher::off()),
+            forced: None,
+            off: true,
         }
     }
 
     /// New batchers of the same kind, for a store whose settings changed.
     pub(super) fn like(&self) -> Self {
-        Batches::new(self.forced)
+        if self.off {
+            Batches::off()
+        } else {
+            Batches::new(self.forced)
+        }
     }
 }
 
@@ -90,9 +106,15 @@ impl Rows for Inserts {
                 let refused = claim_error("claim")(e);
                 Some(items.iter().map(|_| Some(Err(refused.copy()))).collect())
             }
-            Ok(Err(e)) => {
+            // SQLite refused a statement: the transaction was rolled back, nothing written.
+            Ok(Err(e @ sqlx::Error::Database(_))) => {
                 tracing::debug!(error = %e, rows = items.len(), "inserts together failed; each goes alone");
                 None
+            }
+            // The connection failed under the transaction: the rows may have been written.
+            Ok(Err(e)) => {
+                let e = claim_error("claim")(e);
+                Some(items.iter().map(|_| Some(Err(e.copy()))).collect())
             }
             // No answer in time: the rows may have been written; each answers so.
             Err(e) => Some(items.iter().map(|_| Some(Err(e.copy()))).collect()),

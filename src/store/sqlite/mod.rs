@@ -225,6 +225,14 @@ impl SqliteStore {
         self
     }
 
+    /// Every insert and completion written alone, each in a transaction of its own, as before
+    /// writes went together: the baseline of the benchmark that measures them.
+    #[doc(hidden)]
+    pub fn without_batches(mut self) -> Self {
+        self.batches = Arc::new(batched::Batches::off());
+        self
+    }
+
     /// Batch transactions written and failed (then written again row by row): for tests.
     #[cfg(any(test, feature = "test-suite"))]
     #[doc(hidden)]
