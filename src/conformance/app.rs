@@ -136,8 +136,9 @@ async fn handler(State(counters): State<Counters>, headers: HeaderMap, body: Byt
         .expect("valid response")
 }
 
-/// Test auth: the `x-user` header becomes the [`Subject`].
-async fn auth(mut request: Request, next: Next) -> Response {
+/// Test auth: the `x-user` header becomes the [`Subject`] (a request without it has none). The
+/// apps of the suite put it outside the layer; a test's own app may too.
+pub async fn auth(mut request: Request, next: Next) -> Response {
     if let Some(user) = request
         .headers()
         .get("x-user")

@@ -12,13 +12,13 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::{Json, Path};
 use axum::http::{HeaderMap, StatusCode, header};
-use axum::middleware::{self, Next};
-use axum::response::{IntoResponse, Response};
+use axum::middleware;
+use axum::response::IntoResponse;
 use axum::routing::post as route_post;
 use axum_idempotency::once::{OnceError, RunOnce};
 use axum_idempotency::store::RecordKey;
 use axum_idempotency::{
-    Disposition, Fingerprint, IdempotencyLayer, IdempotencyLayerBuilder, MemoryStore, Subject,
+    Disposition, Fingerprint, IdempotencyLayer, IdempotencyLayerBuilder, MemoryStore,
 };
 use serde::Deserialize;
 
@@ -97,21 +97,10 @@ fn app(layer: IdempotencyLayer<MemoryStore>) -> (Router, Arc<AtomicUsize>) {
             }),
         )
         .route_layer(layer)
-        .layer(middleware::from_fn(auth));
+        .layer(middleware::from_fn(
+            axum_idempotency::conformance::app::auth,
+        ));
     (router, runs)
-}
-
-/// Test auth: `x-user` becomes the subject.
-async fn auth(mut request: axum::extract::Request, next: Next) -> Response {
-    if let Some(user) = request
-        .headers()
-        .get("x-user")
-        .and_then(|v| v.to_str().ok())
-    {
-        let user = user.to_owned();
-        request.extensions_mut().insert(Subject(user));
-    }
-    next.run(request).await
 }
 
 fn layer() -> IdempotencyLayerBuilder<MemoryStore> {
