@@ -11,7 +11,7 @@ use sqlx::Row;
 use sqlx::postgres::PgRow;
 
 use super::{PostgresStore, db, micros, on_connection, pg_millis};
-use crate::store::sql::batch::{Batcher, Forced, Rows};
+use crate::store::sql::batch::{Batcher, Forced, Rows, release_orphan};
 use crate::util::lock::lock;
 
 use super::claim::{FUNCTION_PROBE, LOCK_NOT_AVAILABLE};
@@ -98,33 +98,15 @@ impl Rows for Claims {
         claim_rows(store, &items).await
     }
 
-    /// A claim whose request left while it was in flight: released by its lease (which matches
-    /// nothing unless the claim was granted), tried again while the store fails for as long as
-    /// the engine's abandon path tries (the in-progress TTL and the in-progress record's life past
-    /// it, which is at least the maximum hold): until then, a record whose holder's presence is
-    /// shown is not retaken.
+    /// A claim whose request left while it was in flight: released by its lease (see
+    /// `release_orphan`), unless its answer says nothing was written.
     async fn orphaned(store: PostgresStore, item: Claim, answer: Self::Answer) {
         match &answer {
             Ok(None) => return,
             Err(e) if !e.may_have_claimed() => return,
             _ => {}
         }
-        let ttl = item.request.in_progress_ttl;
-        let until = tokio::time::Instant::now() + ttl + item.request.retention;
-        loop {
-            match store.release_row(&item.scope, item.request.lease).await {
-                Ok(_) => return,
-                Err(e) if tokio::time::Instant::now() >= until => {
-                    tracing::warn!(
-                        error = %e,
-                        "a claim granted to a request that left could not be released; the \
-                         record is retaken once nothing of its holder's presence is left"
-                    );
-                    return;
-                }
-                Err(_) => tokio::time::sleep((ttl / 10).max(Duration::from_millis(100))).await,
-            }
-        }
+        release_orphan(&store, &item.request).await;
     }
 }
 

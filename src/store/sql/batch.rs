@@ -32,6 +32,7 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
+use crate::store::{ClaimRequest, IdempotencyStore};
 use crate::util::lock::lock;
 
 /// The most rows one statement carries.
@@ -86,6 +87,41 @@ pub(crate) trait Rows: Send + Sync + 'static {
 pub(crate) struct Forced {
     pub(crate) rows: usize,
     pub(crate) hold: Duration,
+}
+
+impl Forced {
+    /// Each batch held until it has `rows` rows (at least one) or 5 ms passed.
+    #[cfg(any(test, feature = "test-suite"))]
+    pub(crate) fn holding(rows: usize) -> Self {
+        Forced {
+            rows: rows.max(1),
+            hold: Duration::from_millis(5),
+        }
+    }
+}
+
+/// Releases by its lease the claim of `request`, whose request left while its row was in flight
+/// (the release matches nothing unless the claim was granted): tried again while the store fails
+/// for as long as the engine's abandon path tries (the in-progress TTL and the in-progress
+/// record's life past it, which is at least the maximum hold); until then, a record whose
+/// holder's presence is shown is not retaken.
+pub(crate) async fn release_orphan<S: IdempotencyStore>(store: &S, request: &ClaimRequest) {
+    let ttl = request.in_progress_ttl;
+    let until = tokio::time::Instant::now() + ttl + request.retention;
+    loop {
+        match store.release(&request.key, request.lease).await {
+            Ok(_) => return,
+            Err(e) if tokio::time::Instant::now() >= until => {
+                tracing::warn!(
+                    error = %e,
+                    "a claim granted to a request that left could not be released; the record is \
+                     retaken once nothing of its holder's presence is left"
+                );
+                return;
+            }
+            Err(_) => tokio::time::sleep((ttl / 10).max(Duration::from_millis(100))).await,
+        }
+    }
 }
 
 /// A queued request: its row, and where its answer goes.

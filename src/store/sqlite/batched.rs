@@ -12,7 +12,7 @@ use sqlx::Connection;
 
 use super::claim::claim_error;
 use super::{SqliteStore, db, on_connection};
-use crate::store::sql::batch::{Batcher, Forced, Rows};
+use crate::store::sql::batch::{Batcher, Forced, Rows, release_orphan};
 use crate::store::{ClaimRequest, LeaseToken, StoreError, StoredResponse};
 
 /// The store's batchers, shared by its clones with the same settings.
@@ -121,34 +121,15 @@ impl Rows for Inserts {
         }
     }
 
-    /// A claim whose request left while it was in flight: released by its lease (which matches
-    /// nothing unless the claim was granted), tried again while the store fails for as long as
-    /// the engine's abandon path tries (the in-progress TTL and the in-progress record's life past
-    /// it, which is at least the maximum hold): until then, a record whose holder's presence is
-    /// shown is not retaken.
+    /// A claim whose request left while it was in flight: released by its lease (see
+    /// `release_orphan`), unless its answer says nothing was written.
     async fn orphaned(store: SqliteStore, item: Insert, answer: Self::Answer) {
         match &answer {
             Ok(false) => return,
             Err(e) if !e.may_have_claimed() => return,
             _ => {}
         }
-        let ttl = item.request.in_progress_ttl;
-        let until = tokio::time::Instant::now() + ttl + item.request.retention;
-        loop {
-            use crate::store::IdempotencyStore;
-            match store.release(&item.request.key, item.request.lease).await {
-                Ok(_) => return,
-                Err(e) if tokio::time::Instant::now() >= until => {
-                    tracing::warn!(
-                        error = %e,
-                        "a claim granted to a request that left could not be released; the \
-                         record is retaken once nothing of its holder's presence is left"
-                    );
-                    return;
-                }
-                Err(_) => tokio::time::sleep((ttl / 10).max(Duration::from_millis(100))).await,
-            }
-        }
+        release_orphan(&store, &item.request).await;
     }
 }
 

@@ -217,10 +217,7 @@ impl SqliteStore {
     #[doc(hidden)]
     pub fn with_batches_held(mut self, rows: usize) -> Self {
         self.batches = Arc::new(batched::Batches::new(Some(
-            crate::store::sql::batch::Forced {
-                rows: rows.max(1),
-                hold: Duration::from_millis(5),
-            },
+            crate::store::sql::batch::Forced::holding(rows),
         )));
         self
     }
