@@ -151,3 +151,62 @@ pub(crate) async fn mysql_vs_direct_sql() {
         .expect("drop");
     pool.close().await;
 }
+
+/// Statements together (SPEC 26; the part `together` with the `mysql` feature): fresh keys through
+/// the layer with claims and completions alone (as before batching) and together (multi-row
+/// statements), beside the floor (the store's statements sent by a bare handler, each alone), at 8
+/// and 64 clients with as many pooled connections, in the same run.
+pub(crate) async fn mysql_together() {
+    const ROUNDS: usize = 2;
+    let url = std::env::var("MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    let n = scale(6_000);
+    println!(
+        "\n### MySQL fresh keys, statements alone and together, beside the floor (`-- together` with the `mysql` feature; {n} requests a run, {ROUNDS} alternating runs)\n"
+    );
+    println!(
+        "| clients | run | floor req/s | layer alone req/s | vs floor | layer together req/s | vs floor |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for clients in [8_usize, 64] {
+        let pool = MySqlPoolOptions::new()
+            .max_connections(clients as u32)
+            .min_connections(clients as u32)
+            .connect(&url)
+            .await
+            .expect("MySQL must be running");
+        let table_name = format!("idem_together_{}_{clients}", std::process::id());
+        let drop = format!("DROP TABLE IF EXISTS `{table_name}`");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(drop.clone()))
+            .execute(&pool)
+            .await
+            .expect("drop");
+        let store = MySqlStore::with_table(pool.clone(), &table_name).expect("table");
+        store.migrate().await.expect("migrate");
+        let floor = serve(direct(store.clone().without_batches())).await;
+        let alone = serve(guarded(store.clone().without_batches())).await;
+        let together = serve(guarded(store.clone())).await;
+        for (addr, name) in [(floor, "floor"), (alone, "alone"), (together, "together")] {
+            load(addr, clients, 300, fresh_keys(&format!("warm-{name}"))).await;
+        }
+        for round in 0..ROUNDS {
+            let f = load(floor, clients, n, fresh_keys(&format!("f{round}"))).await;
+            let a = load(alone, clients, n, fresh_keys(&format!("a{round}"))).await;
+            let t = load(together, clients, n, fresh_keys(&format!("t{round}"))).await;
+            println!(
+                "| {clients} | {} | {:.0} | {:.0} | {:.2}x | {:.0} | **{:.2}x** |",
+                round + 1,
+                f.rps,
+                a.rps,
+                a.rps / f.rps,
+                t.rps,
+                t.rps / f.rps
+            );
+        }
+        sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
+            .execute(&pool)
+            .await
+            .expect("drop");
+        pool.close().await;
+    }
+}

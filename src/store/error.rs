@@ -43,7 +43,7 @@ impl StoreError {
 
     /// The same error (message and kind), without its source: for each of the requests that one
     /// statement failed.
-    #[cfg(any(feature = "postgres", feature = "sqlite"))]
+    #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
     pub(crate) fn copy(&self) -> Self {
         StoreError {
             message: self.to_string(),

@@ -501,7 +501,8 @@ async fn claim_racing_an_uncommitted_insert(
         async move { store.claim(&request).await }
     });
     // Wait until the claim's insert waits on the uncommitted row (the only way it stays in its
-    // `update` state for more than an instant).
+    // `update` state, or `sending data` for an insert of rows a query selects, for more than an
+    // instant).
     let watcher = pool(1).await;
     let mut blocked = false;
     for _ in 0..200 {
@@ -509,7 +510,7 @@ async fn claim_racing_an_uncommitted_insert(
         // it for 0.1 s, which concurrent tests polling it never leave.
         let waiting: Vec<(Option<String>,)> = sqlx::query_as(
             "SELECT CAST(info AS CHAR) FROM information_schema.processlist \
-             WHERE LOWER(state) = 'update'",
+             WHERE LOWER(state) IN ('update', 'sending data')",
         )
         .fetch_all(&watcher)
         .await
@@ -795,4 +796,279 @@ async fn bytes_are_counted_from_the_kept_length_and_without_it() {
     );
     store.migrate().await.expect("migrate again");
     assert_eq!(counted(store).await.bytes, 70_005, "the column back");
+}
+
+/// The suite again with every claim and completion sent through the batch statements (SPEC 26),
+/// each batch held until it has four rows or 5 ms passed: the statements that carry many keep
+/// every promise the single ones keep.
+mod batched {
+    use super::*;
+    use axum_idempotency::store::{ClaimRequest, LeaseToken, RecordKey};
+
+    store_suite!(async { store().await.with_batches_held(4) });
+
+    /// Another session holding `key`'s record locked, as a handler's transaction does: its row
+    /// alone (READ COMMITTED, so no gap of the index), until [`let_go`].
+    async fn hold_row(store: &MySqlStore, key: &RecordKey) -> MySqlConnection {
+        let mut held = MySqlConnection::connect(&mysql_url()).await.expect("MySQL");
+        sqlx::raw_sql("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            .execute(&mut held)
+            .await
+            .expect("read committed");
+        sqlx::raw_sql("BEGIN")
+            .execute(&mut held)
+            .await
+            .expect("begin");
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT * FROM `{}` WHERE scope = ? FOR UPDATE",
+            store.table()
+        )))
+        .bind(&key.digest()[..])
+        .execute(&mut held)
+        .await
+        .expect("lock the row");
+        held
+    }
+
+    /// Ends [`hold_row`]'s transaction.
+    async fn let_go(held: &mut MySqlConnection) {
+        sqlx::raw_sql("ROLLBACK")
+            .execute(held)
+            .await
+            .expect("let go");
+    }
+
+    /// A record another session holds locked delays no other claim of its batch: its duplicate is
+    /// answered from the record as last committed (in progress) beside seven fresh keys, each
+    /// granted, and no batch statement failed (a wait past the lock timeout would have failed it).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_locked_record_delays_no_other_claim_of_its_batch() {
+        let store = store().await.with_batches_held(8);
+        let first = claim_request("held", b"{}");
+        let ClaimOutcome::Claimed { .. } = store.claim(&first).await.expect("claim") else {
+            panic!("the first claim wins");
+        };
+        let (sent_before, _) = store.batch_counts();
+        // The record's row alone, as a handler's transaction holds it (no gap of the index).
+        let mut held = hold_row(&store, &first.key).await;
+        let mut requests = vec![ClaimRequest {
+            lease: LeaseToken::generate(),
+            ..first.clone()
+        }];
+        requests.extend((0..7).map(|k| claim_request(&format!("fresh {k}"), b"{}")));
+        let claims: Vec<_> = requests
+            .into_iter()
+            .map(|request| {
+                let store = store.clone();
+                tokio::spawn(async move { store.claim(&request).await })
+            })
+            .collect();
+        let mut answers = Vec::new();
+        for claim in claims {
+            answers.push(claim.await.expect("task").expect("claim"));
+        }
+        let_go(&mut held).await;
+        assert_eq!(answers[0], ClaimOutcome::InProgress, "the held record");
+        for answer in &answers[1..] {
+            assert!(matches!(answer, ClaimOutcome::Claimed { .. }), "{answer:?}");
+        }
+        let (sent, failed) = store.batch_counts();
+        assert!(sent > sent_before, "the claims went in a batch");
+        assert_eq!(failed, 0, "a batch statement failed");
+    }
+
+    /// Completions together keep every byte of large answers (a plain hexadecimal literal in the
+    /// rows of a `UNION` is cut at 64 KiB by MariaDB), and a record another session holds locked
+    /// on a table as small as the batch delays none of them (the batch finds each record by its
+    /// key rather than scanning the table).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn completions_together_keep_large_answers_whole_beside_a_locked_record() {
+        let store = store().await.with_batches_held(3);
+        let held = claim_request("locked", b"{}");
+        let ClaimOutcome::Claimed { .. } = store.claim(&held).await.expect("claim") else {
+            panic!("claimed");
+        };
+        let requests: Vec<_> = (0..3)
+            .map(|k| claim_request(&format!("large {k}"), b"{}"))
+            .collect();
+        let mut leases = Vec::new();
+        for request in &requests {
+            let ClaimOutcome::Claimed { lease, .. } = store.claim(request).await.expect("claim")
+            else {
+                panic!("claimed");
+            };
+            leases.push(lease);
+        }
+        let mut locked = hold_row(&store, &held.key).await;
+        let (sent_before, _) = store.batch_counts();
+        let body = |k: usize| -> Vec<u8> {
+            (0..70_000 + k * 1_000)
+                .map(|i| (i * 31 + k) as u8)
+                .collect()
+        };
+        let completions: Vec<_> = requests
+            .iter()
+            .zip(&leases)
+            .enumerate()
+            .map(|(k, (request, lease))| {
+                let (store, request, lease) = (store.clone(), request.clone(), *lease);
+                let response = Arc::new(StoredResponse::new(
+                    Finished::Completed,
+                    201,
+                    Vec::new(),
+                    Some(body(k).into()),
+                ));
+                tokio::spawn(async move {
+                    store
+                        .complete(
+                            &request.key,
+                            lease,
+                            &request.fingerprint,
+                            response,
+                            request.retention,
+                        )
+                        .await
+                })
+            })
+            .collect();
+        for completion in completions {
+            let done = completion.await.expect("task").expect("complete");
+            assert!(done.is_done(), "a completion together was fenced");
+        }
+        let_go(&mut locked).await;
+        let (sent, failed) = store.batch_counts();
+        assert!(sent > sent_before, "the completions went in a batch");
+        assert_eq!(failed, 0, "a batch statement failed");
+        for (k, request) in requests.iter().enumerate() {
+            let again = ClaimRequest {
+                lease: LeaseToken::generate(),
+                ..request.clone()
+            };
+            let ClaimOutcome::Finished(stored) = store.claim(&again).await.expect("claim") else {
+                panic!("a replay of key {k}");
+            };
+            assert_eq!(stored.body.len(), body(k).len(), "key {k}'s body length");
+            assert!(stored.body[..] == body(k)[..], "key {k}'s body");
+        }
+    }
+
+    /// A completion whose record another session holds locked, in a batch with two others: the
+    /// batch waits a second at most on it, then each completion goes alone, and the two others
+    /// are done.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_locked_record_in_a_completion_batch_fails_no_other_completion() {
+        let store = store().await.with_batches_held(3);
+        let requests: Vec<_> = (0..3)
+            .map(|k| claim_request(&format!("complete {k}"), b"{}"))
+            .collect();
+        let mut leases = Vec::new();
+        for request in &requests {
+            let ClaimOutcome::Claimed { lease, .. } = store.claim(request).await.expect("claim")
+            else {
+                panic!("claimed");
+            };
+            leases.push(lease);
+        }
+        let mut held = hold_row(&store, &requests[0].key).await;
+        let completions: Vec<_> = requests
+            .iter()
+            .zip(&leases)
+            .map(|(request, lease)| {
+                let (store, request, lease) = (store.clone(), request.clone(), *lease);
+                tokio::spawn(async move {
+                    store
+                        .complete(
+                            &request.key,
+                            lease,
+                            &request.fingerprint,
+                            stored(b"{}"),
+                            request.retention,
+                        )
+                        .await
+                })
+            })
+            .collect();
+        let mut answers = Vec::new();
+        for completion in completions {
+            answers.push(completion.await.expect("task"));
+        }
+        let_go(&mut held).await;
+        for (k, answer) in answers.iter().enumerate().skip(1) {
+            assert!(
+                answer.as_ref().is_ok_and(|done| done.is_done()),
+                "completion {k}: {answer:?}"
+            );
+        }
+    }
+
+    /// A table another session locks (`LOCK TABLES ... WRITE`: every statement on it waits,
+    /// reads too) while claims of fresh keys are made alone and in batches: each is refused
+    /// within the store's bound as a claim that wrote nothing (so that a layer that fails open
+    /// never runs it unguarded), and none is written once the lock goes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn claims_under_a_table_lock_are_refused_and_never_land_later() {
+        for held in [None, Some(8)] {
+            let store = match held {
+                Some(rows) => store().await.with_batches_held(rows),
+                None => store().await,
+            };
+            let mut locker = MySqlConnection::connect(&mysql_url()).await.expect("MySQL");
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "LOCK TABLES `{}` WRITE",
+                store.table()
+            )))
+            .execute(&mut locker)
+            .await
+            .expect("lock the table");
+            let claims: Vec<_> = (0..8)
+                .map(|k| {
+                    let store = store.clone();
+                    let request = claim_request(&format!("locked {k}"), b"{}");
+                    tokio::spawn(async move { store.claim(&request).await })
+                })
+                .collect();
+            for claim in claims {
+                match claim.await.expect("task") {
+                    Err(e) => assert!(
+                        e.is_refused_claim() && !e.may_have_claimed(),
+                        "a claim under the table lock ({held:?}): {e}"
+                    ),
+                    Ok(outcome) => panic!("a claim under the table lock ({held:?}): {outcome:?}"),
+                }
+            }
+            tokio::time::sleep(common::SUITE_STORE_TIMEOUT).await;
+            sqlx::raw_sql("UNLOCK TABLES")
+                .execute(&mut locker)
+                .await
+                .expect("unlock");
+            tokio::time::sleep(common::SUITE_STORE_TIMEOUT).await;
+            let admin = pool(1).await;
+            assert_eq!(
+                count_rows(&admin, store.table()).await,
+                0,
+                "a claim landed after its client gave up ({held:?})"
+            );
+        }
+    }
+
+    /// Racing requests, with batches as they come (what queues behind the statements in flight)
+    /// and held until they have eight rows: each gets its own answer (see
+    /// `racing_requests_each_get_their_own_answer`), and no batch statement failed over to the
+    /// single ones.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn racing_requests_in_batches_each_get_their_own_answer() {
+        for held in [None, Some(8)] {
+            let store = match held {
+                Some(rows) => store().await.with_batches_held(rows),
+                None => store().await,
+            };
+            crate::together::racing_requests_each_get_their_own_answer(store.clone()).await;
+            let (sent, failed) = store.batch_counts();
+            assert!(sent > 0, "no batch statement was sent ({held:?})");
+            assert_eq!(
+                failed, 0,
+                "{failed} of {sent} batch statements failed ({held:?})"
+            );
+        }
+    }
 }

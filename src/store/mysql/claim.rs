@@ -20,11 +20,11 @@ impl MySqlStore {
         let batch = self
             .sql
             .claim(request, &scope, &subject_digest(&request.key.subject));
-        let answers = match self.batch("claim", &batch).await? {
+        let answers = match self.batch_counted("claim", &batch).await? {
             Ok(answers) => answers,
             // The table lacks a column this version writes (made by hand, or by another
             // version): nothing was claimed; never a reason to run unguarded.
-            Err(e) if error_number(&e) == Some(1054) => {
+            Err((e, _)) if error_number(&e) == Some(1054) => {
                 return Err(StoreError::refused_claim(format!(
                     "mysql claim: the table {} lacks a column this version needs; run \
                      MySqlStore::migrate(), or compare it with migrations/mysql: {e}",
@@ -33,11 +33,14 @@ impl MySqlStore {
             }
             // A wait on a lock cut short (a row locked by a handler's transaction between the
             // completion it wrote and its commit; a table locked): whether this claim's insert
-            // committed before it is read from what is committed now.
-            Err(e) if matches!(error_number(&e), Some(1205 | 1213 | 1969 | 3024)) => {
-                return self.after_a_lock_wait(request, &scope, e).await;
+            // committed before it is read from what is committed now (its first two statements
+            // are the isolation level's and the insert's: the insert answered when two had).
+            Err((e, answered)) if matches!(error_number(&e), Some(1205 | 1213 | 1969 | 3024)) => {
+                return self
+                    .after_a_lock_wait(request, &scope, e, answered >= 2)
+                    .await;
             }
-            Err(e) => return Err(db("claim")(e)),
+            Err((e, _)) => return Err(db("claim")(e)),
         };
         match answers.last().and_then(|a| a.rows.first()) {
             Some(row) => {
@@ -86,12 +89,14 @@ impl MySqlStore {
     /// now decides it (held by this claim's lease: claimed; another's: in progress, `409`, or the
     /// wait with `wait`; finished: its replay). No record: the table is locked, and the claim is
     /// refused (`503`). Never an error the layer could run unguarded for, nor one that leaves a
-    /// release looping for a TTL.
-    async fn after_a_lock_wait(
+    /// release looping for a TTL. `inserted`: the claim's insert answered before the wait (it
+    /// may have claimed); else it was the statement cut, rolled back, and nothing was written.
+    pub(super) async fn after_a_lock_wait(
         &self,
         request: &ClaimRequest,
         scope: &[u8; 32],
         waited: sqlx::Error,
+        inserted: bool,
     ) -> Result<ClaimOutcome, StoreError> {
         let read = super::statements::Batch::default()
             .push(&self.sql.claim_read(request, &super::sql::hex(scope)));
@@ -102,8 +107,18 @@ impl MySqlStore {
                     "mysql claim: the table is locked by another session: {waited}"
                 ))),
             },
-            // Whether this claim's insert committed before the wait is not known: an error that
-            // may have claimed, which the engine releases by its token.
+            // The insert was the statement cut (rolled back), and the record cannot be read (the
+            // table is still locked): nothing was written; refused, never run unguarded.
+            Ok(Err(e)) if !inserted => Err(StoreError::refused_claim(format!(
+                "mysql claim: a lock wait ({waited}) cut the insert, then the record could not \
+                 be read: {e}"
+            ))),
+            Err(e) if !inserted => Err(StoreError::refused_claim(format!(
+                "mysql claim: a lock wait ({waited}) cut the insert, then the record could not \
+                 be read: {e}"
+            ))),
+            // The insert answered before the wait (a later statement was cut): whether it claimed
+            // is not known: an error that may have claimed, which the engine releases by its token.
             Ok(Err(e)) => Err(StoreError::new(
                 format!("mysql claim: a lock wait ({waited}), then the record could not be read"),
                 e,
@@ -117,7 +132,7 @@ impl MySqlStore {
 
 /// The outcome of a claim from the record as its batch left it: held by this claim's lease (it
 /// inserted the record, took it, or had it already: a claim sent twice), or someone else's.
-fn decide(request: &ClaimRequest, row: &MySqlRow) -> Result<ClaimOutcome, StoreError> {
+pub(super) fn decide(request: &ClaimRequest, row: &MySqlRow) -> Result<ClaimOutcome, StoreError> {
     let get = |e| StoreError::new("mysql claim: unexpected row", e);
     let status: String = row.try_get("status").map_err(get)?;
     let lease: i64 = row.try_get("lease_token").map_err(get)?;

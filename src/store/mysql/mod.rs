@@ -10,6 +10,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{Either, MySql, MySqlPool};
 use tokio::time::Instant;
 
+mod batched;
 mod claim;
 mod errors;
 mod inspect;
@@ -28,6 +29,7 @@ use crate::store::{
     ClaimOutcome, ClaimRequest, Fenced, Fingerprint, LeaseToken, RecordKey, StoredResponse,
 };
 
+use crate::store::sql::batch::Mode;
 use crate::store::sql::{
     self as shared, Backend, DEFAULT_OPERATION_TIMEOUT, InFlight, InvalidTableName,
     MIN_OPERATION_TIMEOUT,
@@ -52,8 +54,9 @@ use crate::store::sql::{
 /// batches and put back after them, so a pool whose connections start with `autocommit = 0` works
 /// too (a transaction such a connection was left in by the application is committed by it).
 ///
-/// **Bounds on the server.** Each batch sets, for itself, `innodb_lock_wait_timeout` (whole
-/// seconds, at least 1) and the statement time limit (`max_statement_time` on MariaDB, which
+/// **Bounds on the server.** Each batch sets, for itself, `innodb_lock_wait_timeout` and
+/// `lock_wait_timeout` (a table's lock, as `LOCK TABLES` takes it; whole seconds, at least 1) and
+/// the statement time limit (`max_statement_time` on MariaDB, which
 /// bounds every statement; `max_execution_time` on MySQL, which bounds reads) to four fifths of the
 /// operation timeout, and puts the session's own values back at its end, so connections shared
 /// with the application keep theirs. A lock wait timeout (1205) or a deadlock (1213) is a
@@ -79,6 +82,8 @@ pub struct MySqlStore {
     parking: Arc<shared::Parking<sqlx::MySql>>,
     /// On a keeper session (`keeper_session`): the presences it shows. Shared by clones.
     presences: Option<Arc<presence::Presences>>,
+    /// Claims and completions sent together (SPEC 26). Shared by clones with the same settings.
+    batches: Arc<batched::Batches>,
 }
 
 impl fmt::Debug for MySqlStore {
@@ -108,6 +113,7 @@ impl MySqlStore {
             bounds: Arc::default(),
             parking: Arc::default(),
             presences: None,
+            batches: Arc::default(),
         }
     }
 
@@ -132,6 +138,7 @@ impl MySqlStore {
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout.max(MIN_OPERATION_TIMEOUT);
         self.bounds = Arc::default();
+        self.batches = Arc::new(batched::Batches::new(self.batches.mode));
         self
     }
 
@@ -143,7 +150,40 @@ impl MySqlStore {
         self.transactions = Some(pool);
         // Kept connections are bounded by what this store shares: its own set from here on.
         self.parking = Arc::default();
+        self.batches = Arc::new(batched::Batches::new(self.batches.mode));
         self
+    }
+
+    /// A test setting: hold each batch of claims and completions until it has `rows` rows (or
+    /// 5 ms passed), and send every one, even of one row, through the batch statements, so that
+    /// tests run those statements everywhere. Not for production: every operation waits.
+    #[cfg(any(test, feature = "test-suite"))]
+    #[doc(hidden)]
+    pub fn with_batches_held(mut self, rows: usize) -> Self {
+        self.batches = Arc::new(batched::Batches::new(Mode::Held(
+            crate::store::sql::batch::Forced::holding(rows),
+        )));
+        self
+    }
+
+    /// Every claim and completion sent alone, as before statements went together: the baseline
+    /// of the benchmark that measures them.
+    #[doc(hidden)]
+    pub fn without_batches(mut self) -> Self {
+        self.batches = Arc::new(batched::Batches::new(Mode::Off));
+        self
+    }
+
+    /// Batch statements sent and failed (then sent again row by row), claims and completions
+    /// together: for tests.
+    #[cfg(any(test, feature = "test-suite"))]
+    #[doc(hidden)]
+    pub fn batch_counts(&self) -> (u64, u64) {
+        let (claims, completions) = (
+            self.batches.claims.counts(),
+            self.batches.completions.counts(),
+        );
+        (claims.0 + completions.0, claims.1 + completions.1)
     }
 
     /// The connection pool.
@@ -220,6 +260,18 @@ impl MySqlStore {
         what: &'static str,
         batch: &Batch,
     ) -> Result<Result<Vec<Answer>, sqlx::Error>, StoreError> {
+        Ok(self.batch_counted(what, batch).await?.map_err(|(e, _)| e))
+    }
+
+    /// `batch`, and, when a statement failed, how many of the batch's own statements had
+    /// answered before it (each autocommits: those before it are committed, the one that failed
+    /// with a lock wait or its time bound was rolled back); `usize::MAX` when the batch was sent
+    /// twice (a kept connection found dead), since the first may have written more.
+    async fn batch_counted(
+        &self,
+        what: &'static str,
+        batch: &Batch,
+    ) -> Result<Result<Vec<Answer>, (sqlx::Error, usize)>, StoreError> {
         let mut from_pool = false;
         loop {
             let (taken, kept) = self.connection(what, from_pool).await?;
@@ -227,34 +279,46 @@ impl MySqlStore {
             let mut flight = InFlight::new(taken);
             let done = tokio::time::timeout(self.timeout, async {
                 let conn: &mut MySqlConnection = &mut flight;
-                let bounds = self.bounds(conn).await?;
+                let bounds = self.bounds(conn).await.map_err(|e| (e, 0))?;
                 let sql = format!("{};\n{};\n{}", bounds.open_own, batch.sql, bounds.close_own);
                 run(conn, sql).await
             })
             .await;
             let conn = flight.landed();
             match done {
-                Ok(Err(e)) if kept.is_some() && MySql::lost_connection(&e) => {
+                Ok(Err((e, _))) if kept.is_some() && MySql::lost_connection(&e) => {
                     drop(conn.detach());
                     from_pool = true;
                 }
                 Ok(Ok(mut answers)) => {
                     if answers.len() != batch.statements + 2 {
                         drop(conn.detach());
-                        return Ok(Err(sqlx::Error::Protocol(format!(
+                        let e = sqlx::Error::Protocol(format!(
                             "{} answers to {} statements",
                             answers.len(),
                             batch.statements + 2
-                        ))));
+                        ));
+                        let answered = if from_pool {
+                            usize::MAX
+                        } else {
+                            answers.len().saturating_sub(1)
+                        };
+                        return Ok(Err((e, answered)));
                     }
                     self.keep(conn, kept);
                     answers.pop();
                     answers.remove(0);
                     return Ok(Ok(answers));
                 }
-                Ok(Err(e)) => {
+                Ok(Err((e, answered))) => {
                     self.settle_failed(conn, &e).await;
-                    return Ok(Err(e));
+                    // The first answer is the bounds' own statement.
+                    let answered = if from_pool {
+                        usize::MAX
+                    } else {
+                        answered.saturating_sub(1)
+                    };
+                    return Ok(Err((e, answered)));
                 }
                 Err(_) => {
                     drop(conn.detach());
@@ -291,12 +355,17 @@ impl MySqlStore {
 }
 
 /// Runs `sql` (several statements) and answers what each did: a statement's rows come before its
-/// result.
-async fn run(conn: &mut MySqlConnection, sql: String) -> Result<Vec<Answer>, sqlx::Error> {
+/// result. When one fails: its error, and how many statements had answered before it.
+async fn run(conn: &mut MySqlConnection, sql: String) -> Result<Vec<Answer>, (sqlx::Error, usize)> {
     let mut answers = Vec::new();
     let mut rows = Vec::new();
     let mut stream = sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).fetch_many(conn);
-    while let Some(item) = stream.try_next().await? {
+    loop {
+        let item = match stream.try_next().await {
+            Ok(Some(item)) => item,
+            Ok(None) => break,
+            Err(e) => return Err((e, answers.len())),
+        };
         match item {
             Either::Right(row) => rows.push(row),
             Either::Left(done) => answers.push(Answer {
@@ -327,7 +396,7 @@ fn subject_digest(subject: &str) -> [u8; 32] {
 
 impl IdempotencyStore for MySqlStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        self.claim_record(request).await
+        self.claim_together(request).await
     }
 
     async fn complete(
@@ -338,9 +407,10 @@ impl IdempotencyStore for MySqlStore {
         response: Arc<StoredResponse>,
         retention: Duration,
     ) -> Result<Fenced, StoreError> {
-        let batch = self.completion(key, lease, &response, retention)?;
-        let answers = self.answers("complete", &batch).await?;
-        held_after_completion(&answers)
+        let held = self
+            .complete_together(&key.digest(), lease, response, retention)
+            .await?;
+        Ok(Fenced::from_held(held))
     }
 
     async fn renew(
@@ -421,6 +491,7 @@ impl IdempotencyStore for MySqlStore {
             transactions: None,
             parking: Arc::default(),
             presences: Some(Arc::new(presence::Presences::new(options, self.timeout))),
+            batches: Arc::new(batched::Batches::new(self.batches.mode)),
             ..self.clone()
         })
     }

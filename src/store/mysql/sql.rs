@@ -32,6 +32,12 @@ pub(super) fn hex(bytes: &[u8]) -> String {
     out
 }
 
+/// `bytes` as a binary string (`_binary X'…'`), for the rows of a derived table: MariaDB cuts a
+/// plain hexadecimal literal of a `UNION`'s rows at 65,535 bytes, silently.
+pub(super) fn binary(bytes: &[u8]) -> String {
+    format!("_binary {}", hex(bytes))
+}
+
 /// `bytes` as a literal, or `NULL`.
 pub(super) fn hex_or_null(bytes: Option<&[u8]>) -> String {
     bytes.map_or_else(|| "NULL".to_owned(), hex)
@@ -79,7 +85,8 @@ impl Flavor {
 /// statement time limits in user variables and sets the store's (four fifths of the operation
 /// timeout, so the server gives up, and answers, before the client does); the last puts them
 /// back. Both are one round trip with the batch. A batch that fails part way leaves the store's
-/// values on the session: its connection is closed rather than given back to the pool. The last
+/// values on the session: they are put back (else its connection is closed) before the connection
+/// goes back to the pool. The last
 /// statement changes nothing when the first did not run (its variables are then `NULL`), so it may
 /// end any batch of a transaction.
 ///
@@ -109,20 +116,27 @@ impl Bounds {
         };
         let mut open = String::new();
         let mut close = String::new();
+        // `lock_wait_timeout` bounds the wait on a table's metadata lock (`LOCK TABLES`, DDL),
+        // which MySQL's `max_execution_time` does not bound for writes.
         let _ = write!(
             open,
             "SET @axum_idempotency_lock_wait = @@session.innodb_lock_wait_timeout, \
+                 @axum_idempotency_table_wait = @@session.lock_wait_timeout, \
                  @axum_idempotency_time_limit = @@session.{variable}, \
                  @@session.innodb_lock_wait_timeout = {lock_wait}, \
+                 @@session.lock_wait_timeout = {lock_wait}, \
                  @@session.{variable} = {value}"
         );
         let _ = write!(
             close,
             "SET @@session.innodb_lock_wait_timeout = \
                    COALESCE(@axum_idempotency_lock_wait, @@session.innodb_lock_wait_timeout), \
+                 @@session.lock_wait_timeout = \
+                   COALESCE(@axum_idempotency_table_wait, @@session.lock_wait_timeout), \
                  @@session.{variable} = \
                    COALESCE(@axum_idempotency_time_limit, @@session.{variable}), \
-                 @axum_idempotency_lock_wait = NULL, @axum_idempotency_time_limit = NULL"
+                 @axum_idempotency_lock_wait = NULL, @axum_idempotency_table_wait = NULL, \
+                 @axum_idempotency_time_limit = NULL"
         );
         let open_own = format!(
             "{open}, @axum_idempotency_autocommit = @@session.autocommit, \
@@ -175,9 +189,11 @@ mod tests {
                 .contains("@@session.max_statement_time = 0.400000")
         );
         assert!(mariadb.open.contains("innodb_lock_wait_timeout = 1"));
+        assert!(mariadb.open.contains("@@session.lock_wait_timeout = 1"));
         let mysql = Bounds::new(Flavor::MySql, Duration::from_secs(5));
         assert!(mysql.open.contains("@@session.max_execution_time = 4000"));
         assert!(mysql.open.contains("innodb_lock_wait_timeout = 4"));
+        assert!(mysql.open.contains("@@session.lock_wait_timeout = 4"));
         assert_eq!(Flavor::of("10.11.19-MariaDB-0+deb12u1"), Flavor::MariaDb);
         assert_eq!(Flavor::of("8.0.36"), Flavor::MySql);
         assert_eq!(wait_seconds(Duration::from_millis(1)), 1);

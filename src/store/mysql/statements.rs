@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use super::sql::{NOW, RELEASED, epoch_micros, hex, hex_or_null, micros, now_plus, quote_ident};
+use super::sql::{
+    NOW, RELEASED, binary, epoch_micros, hex, hex_or_null, micros, now_plus, quote_ident,
+};
 use crate::store::{ClaimRequest, LeaseToken, StoredResponse};
 
 /// The server, as a mark names it (see [`Statements::mark`]): its host, port and server id (a
@@ -55,6 +57,16 @@ const READ_COMMITTED: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
 /// A record inspection shows: not past its expiry, not released.
 const LIVE: &str =
     "expires_at > UTC_TIMESTAMP(6) AND NOT (status = 'in_progress' AND lease_token = 0)";
+
+/// One completion of [`Statements::complete_many`]: its record's scope, its lease, the response
+/// and its headers, encoded, and the record's retention.
+pub(super) struct Completing<'a> {
+    pub(super) scope: &'a [u8; 32],
+    pub(super) lease: LeaseToken,
+    pub(super) response: &'a StoredResponse,
+    pub(super) headers: &'a [u8],
+    pub(super) retention: Duration,
+}
 
 /// Statements sent together, in one round trip.
 #[derive(Debug, Default)]
@@ -188,6 +200,80 @@ impl Statements {
             .push(&self.claim_read(request, &scope))
     }
 
+    /// The claims of `claims` (distinct scopes: request, scope, subject digest) in one round trip
+    /// (SPEC 26): one insert of the records not there (a record that is there is never locked nor
+    /// waited for: its absence is read as last committed, and only rows absent then are written),
+    /// then one read of every claim's record as the claim's own read reads it (see
+    /// [`Statements::claim_read`]), with the claim's place (`i`, from 0) and whether it must go
+    /// alone (`alone`): the record is there to take (past its expiry, released, or silent: the
+    /// single claim takes it, or marks it, by compare-and-swap). Rows are inserted in scope order,
+    /// so that two batches never wait on each other in a cycle. Without `with_insert`, the read
+    /// alone.
+    pub(super) fn claim_many(
+        &self,
+        claims: &[(&ClaimRequest, &[u8; 32], &[u8; 32])],
+        with_insert: bool,
+    ) -> Batch {
+        let t = &self.quoted;
+        // Every value of a row in the insert's rows; the read's only what it compares.
+        let mut rows = String::new();
+        let mut keys = String::new();
+        for (i, (request, scope, subject_digest)) in claims.iter().enumerate() {
+            let key = &request.key;
+            if i > 0 {
+                rows.push_str(" UNION ALL ");
+                keys.push_str(" UNION ALL ");
+            }
+            let (scope, fingerprint) = (binary(*scope), binary(request.fingerprint.as_bytes()));
+            let (lease, ttl) = (request.lease.0, micros(request.in_progress_ttl));
+            rows.push_str(&format!(
+                "SELECT {scope} AS s, {} AS k, {} AS sub, {} AS sd, {} AS ep, {fingerprint} AS f, \
+                   {lease} AS l, {} AS g, {ttl} AS ttl, {} AS e",
+                binary(key.key.as_bytes()),
+                binary(key.subject.as_bytes()),
+                binary(*subject_digest),
+                binary(key.endpoint.as_bytes()),
+                binary(&request.generation.0),
+                now_plus(request.in_progress_ttl + request.retention),
+            ));
+            keys.push_str(&format!(
+                "SELECT {i} AS i, {scope} AS s, {fingerprint} AS f, {lease} AS l, {ttl} AS ttl"
+            ));
+        }
+        let insert = format!(
+            "INSERT INTO {t} (scope, idempotency_key, subject, subject_digest, endpoint, \
+               fingerprint, status, lease_token, generation, in_progress_ttl_us, created_at, \
+               updated_at, expires_at, suspected_at, suspected_on) \
+             SELECT r.s, r.k, r.sub, r.sd, r.ep, r.f, 'in_progress', r.l, r.g, r.ttl, {NOW}, \
+               {NOW}, r.e, NULL, NULL \
+             FROM ({rows}) AS r \
+             WHERE NOT EXISTS (SELECT 1 FROM {t} AS there WHERE there.scope = r.s) \
+             ORDER BY r.s \
+             ON DUPLICATE KEY UPDATE scope = scope"
+        );
+        let read = format!(
+            "SELECT r.i, rec.status, rec.lease_token, rec.fingerprint = r.f AS same_fp, \
+               rec.response_status, rec.response_headers, \
+               IF(rec.fingerprint = r.f, rec.response_body, NULL) AS response_body, \
+               TIMESTAMPDIFF(MICROSECOND, {NOW}, rec.expires_at) AS expires_in_us, \
+               rec.generation, \
+               COALESCE(rec.expires_at <= {NOW} OR (rec.status = 'in_progress' \
+                 AND rec.lease_token <> r.l AND (rec.lease_token = {RELEASED} \
+                   OR (rec.fingerprint = r.f \
+                     AND rec.updated_at <= {NOW} \
+                       - INTERVAL GREATEST(r.ttl, rec.in_progress_ttl_us) MICROSECOND))), 1) \
+                 AS alone \
+             FROM ({keys}) AS r STRAIGHT_JOIN {t} AS rec ON rec.scope = r.s"
+        );
+        if !with_insert {
+            return Batch::default().push(&read);
+        }
+        Batch::default()
+            .push(READ_COMMITTED)
+            .push(&insert)
+            .push(&read)
+    }
+
     /// The claim's read of the record, as last committed (a plain read waits on no row lock).
     /// `scope` is the scope's literal.
     pub(super) fn claim_read(&self, request: &ClaimRequest, scope: &str) -> String {
@@ -262,6 +348,69 @@ impl Statements {
         Batch::default()
             .push(&update)
             .push(&self.finished_by(scope, lease))
+    }
+
+    /// The completions of `completions` (distinct scopes) in one round trip (SPEC 26): one update
+    /// of one table, each row fenced by its own lease, then which of them their lease has
+    /// finished (`i`, from 0, and `done`), as [`Statements::finished_by`] reads it for one.
+    pub(super) fn complete_many(&self, completions: &[Completing<'_>]) -> Batch {
+        let t = &self.quoted;
+        // Each column's value for each record, by its scope.
+        let mut status = String::from("CASE scope");
+        let mut response_status = status.clone();
+        let mut response_headers = status.clone();
+        let mut response_body = status.clone();
+        let mut expires_at = status.clone();
+        let mut lease = status.clone();
+        let mut scopes = String::new();
+        let mut fences = String::new();
+        for (i, c) in completions.iter().enumerate() {
+            let scope = binary(c.scope);
+            if i > 0 {
+                scopes.push_str(", ");
+                fences.push_str(" UNION ALL ");
+            }
+            let body = (!c.response.body_omitted).then_some(&c.response.body[..]);
+            let when = |column: &mut String, value: &str| {
+                column.push_str(&format!(" WHEN {scope} THEN {value}"));
+            };
+            when(&mut status, &format!("'{}'", c.response.outcome.as_str()));
+            when(&mut response_status, &c.response.status.to_string());
+            when(&mut response_headers, &binary(c.headers));
+            when(
+                &mut response_body,
+                &body.map_or_else(|| "NULL".to_owned(), binary),
+            );
+            when(&mut expires_at, &now_plus(c.retention));
+            when(&mut lease, &c.lease.0.to_string());
+            scopes.push_str(&scope);
+            fences.push_str(&format!(
+                "SELECT {i} AS i, {scope} AS s, {} AS l",
+                c.lease.0
+            ));
+        }
+        // One table, its rows found by their keys (a scan at READ COMMITTED reads a row another
+        // transaction holds locked as last committed, and skips it unless it matches). A row of
+        // the batch another transaction holds (a record retaken from a lease that lost it, whose
+        // new holder's transaction is committing) is waited for, at most a second (the least
+        // MySQL takes; the batch's bound puts the session's own value back after it): the batch
+        // then fails, and each of its rows goes alone.
+        let update = format!(
+            "UPDATE {t} SET status = {status} END, response_status = {response_status} END, \
+               response_headers = {response_headers} END, response_body = {response_body} END, \
+               updated_at = {NOW}, expires_at = {expires_at} END \
+             WHERE scope IN ({scopes}) AND lease_token = {lease} END \
+               AND lease_token <> {RELEASED} AND status = 'in_progress'"
+        );
+        let read = format!(
+            "SELECT r.i, rec.lease_token = r.l AND rec.status <> 'in_progress' AS done \
+             FROM ({fences}) AS r STRAIGHT_JOIN {t} AS rec ON rec.scope = r.s"
+        );
+        Batch::default()
+            .push(READ_COMMITTED)
+            .push("SET SESSION innodb_lock_wait_timeout = 1")
+            .push(&update)
+            .push(&read)
     }
 
     /// One row, `1` when `lease` finished the record, `0` when not; none without a record.

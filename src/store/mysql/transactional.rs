@@ -93,7 +93,7 @@ impl TransactionalStore for MySqlStore {
                 completion.sql,
                 bounds.close
             );
-            run(conn, sql).await
+            run(conn, sql).await.map_err(|(e, _)| e)
         })
         .await;
         match done {
@@ -166,7 +166,7 @@ async fn end(
         Some(close) => format!("{close};\n{RESTORE_WAIT};\n{end}"),
         None => format!("{RESTORE_WAIT};\n{end}"),
     };
-    run(&mut tx, sql).await?;
+    run(&mut tx, sql).await.map_err(|(e, _)| e)?;
     drop(tx);
     Ok(())
 }

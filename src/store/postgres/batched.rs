@@ -11,7 +11,7 @@ use sqlx::Row;
 use sqlx::postgres::PgRow;
 
 use super::{PostgresStore, db, micros, on_connection, pg_millis};
-use crate::store::sql::batch::{Batcher, Forced, Rows, release_orphan};
+use crate::store::sql::batch::{Batcher, Mode, Rows, release_orphan};
 use crate::util::lock::lock;
 
 use super::claim::{FUNCTION_PROBE, LOCK_NOT_AVAILABLE};
@@ -23,47 +23,23 @@ pub(super) struct Batches {
     pub(super) claims: Arc<Batcher<Claims>>,
     pub(super) completions: Arc<Batcher<Completions>>,
     pub(super) releases: Arc<Batcher<Releases>>,
-    /// Held (a test setting) or off (a benchmark's baseline), if not as they come.
-    forced: Option<Forced>,
-    off: bool,
+    pub(super) mode: Mode,
 }
 
 impl Batches {
-    pub(super) fn new(forced: Option<Forced>) -> Self {
+    pub(super) fn new(mode: Mode) -> Self {
         Batches {
-            claims: Arc::new(Batcher::new(forced)),
-            completions: Arc::new(Batcher::new(forced)),
-            releases: Arc::new(Batcher::new(forced)),
-            forced,
-            off: false,
-        }
-    }
-
-    /// Every claim, completion and release alone, as before batching.
-    pub(super) fn off() -> Self {
-        Batches {
-            claims: Arc::new(Batcher::off()),
-            completions: Arc::new(Batcher::off()),
-            releases: Arc::new(Batcher::off()),
-            forced: None,
-            off: true,
-        }
-    }
-
-    /// New batchers of the same kind: for a store whose settings changed (a batch goes through
-    /// the store that started it, so clones with other settings must not share one).
-    pub(super) fn like(&self) -> Self {
-        if self.off {
-            Batches::off()
-        } else {
-            Batches::new(self.forced)
+            claims: mode.batcher(),
+            completions: mode.batcher(),
+            releases: mode.batcher(),
+            mode,
         }
     }
 }
 
 impl Default for Batches {
     fn default() -> Self {
-        Batches::new(None)
+        Batches::new(Mode::default())
     }
 }
 

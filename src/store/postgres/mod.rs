@@ -32,6 +32,7 @@ use super::{IdempotencyStore, StoreError};
 use crate::store::Fingerprint;
 use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
 
+use crate::store::sql::batch::Mode;
 use crate::store::sql::{
     self as shared, DEFAULT_OPERATION_TIMEOUT, InvalidTableName, MIN_OPERATION_TIMEOUT,
 };
@@ -149,7 +150,7 @@ impl PostgresStore {
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout.max(MIN_OPERATION_TIMEOUT);
         self.lock_timeout = lock_timeout_for(self.timeout);
-        self.batches = Arc::new(self.batches.like());
+        self.batches = Arc::new(batched::Batches::new(self.batches.mode));
         self
     }
 
@@ -159,7 +160,7 @@ impl PostgresStore {
     #[cfg(any(test, feature = "test-suite"))]
     #[doc(hidden)]
     pub fn with_batches_held(mut self, rows: usize) -> Self {
-        self.batches = Arc::new(batched::Batches::new(Some(
+        self.batches = Arc::new(batched::Batches::new(Mode::Held(
             crate::store::sql::batch::Forced::holding(rows),
         )));
         self
@@ -169,7 +170,7 @@ impl PostgresStore {
     /// before statements went together: the baseline of the benchmark that measures them.
     #[doc(hidden)]
     pub fn without_batches(mut self) -> Self {
-        self.batches = Arc::new(batched::Batches::off());
+        self.batches = Arc::new(batched::Batches::new(Mode::Off));
         self
     }
 
@@ -249,7 +250,7 @@ impl PostgresStore {
         self.transactions = Some(pool);
         // Kept connections are bounded by what this store shares: its own set from here on.
         self.parking = Arc::default();
-        self.batches = Arc::new(self.batches.like());
+        self.batches = Arc::new(batched::Batches::new(self.batches.mode));
         self
     }
 
@@ -260,7 +261,7 @@ impl PostgresStore {
     /// written before keep their columns; it changes nothing else.
     pub fn without_scope_columns(mut self) -> Self {
         self.scope_columns = false;
-        self.batches = Arc::new(self.batches.like());
+        self.batches = Arc::new(batched::Batches::new(self.batches.mode));
         self
     }
 

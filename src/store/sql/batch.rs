@@ -48,6 +48,7 @@ const IN_FLIGHT_BOUNDS: u32 = 3;
 /// PostgreSQL on the same machine, one in flight at a time lost the parallelism the server has
 /// (64 clients: 1.38-1.41x `pgbench`'s rate against 1.67-1.74x with two), and four made batches
 /// too small to gain (1.13-1.21x); see BENCHMARKS.md.
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
 pub(crate) const IN_FLIGHT: usize = 2;
 
 /// One kind of statement, alone or for many. Implemented by a marker type; the store the
@@ -97,6 +98,35 @@ impl Forced {
             rows: rows.max(1),
             hold: Duration::from_millis(5),
         }
+    }
+}
+
+/// How a store's batchers send. A store whose settings change makes new batchers in the same
+/// mode: a batch goes through the store that started it, so clones with other settings must not
+/// share one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// What queues behind the statements in flight goes together in the next one.
+    #[default]
+    AsTheyCome,
+    /// Each batch held (a test setting, see [`Forced`]).
+    #[cfg_attr(not(any(test, feature = "test-suite")), allow(dead_code))]
+    Held(Forced),
+    /// Every request alone, as before statements went together: a benchmark's baseline.
+    Off,
+}
+
+impl Mode {
+    /// A batcher in this mode with [`IN_FLIGHT`] statements of its kind in flight.
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+    pub(crate) fn batcher<R: Rows>(self) -> Arc<Batcher<R>> {
+        Arc::new(Batcher::with(self, IN_FLIGHT))
+    }
+
+    /// A batcher in this mode with one statement in flight: for a database that takes one writer.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(crate) fn one_at_a_time<R: Rows>(self) -> Arc<Batcher<R>> {
+        Arc::new(Batcher::with(self, 1))
     }
 }
 
@@ -163,36 +193,29 @@ impl<R: Rows> std::fmt::Debug for Batcher<R> {
 }
 
 impl<R: Rows> Batcher<R> {
-    pub(crate) fn new(forced: Option<Forced>) -> Self {
+    /// A batcher in `mode` with at most `limit` statements in flight.
+    fn with(mode: Mode, limit: usize) -> Self {
         Batcher {
             state: Mutex::new(State {
                 in_flight: 0,
                 queue: VecDeque::new(),
                 next_id: 0,
             }),
-            forced,
-            limit: IN_FLIGHT,
-            off: false,
+            forced: match mode {
+                Mode::Held(forced) => Some(forced),
+                _ => None,
+            },
+            limit,
+            off: mode == Mode::Off,
             sent: AtomicU64::new(0),
             failed: AtomicU64::new(0),
         }
     }
 
-    /// A batcher with one statement in flight at a time: for a database that takes one writer.
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
-    pub(crate) fn one_at_a_time(forced: Option<Forced>) -> Self {
-        Batcher {
-            limit: 1,
-            ..Batcher::new(forced)
-        }
-    }
-
-    /// A batcher that sends every request alone, as before batching: a benchmark's baseline.
-    pub(crate) fn off() -> Self {
-        Batcher {
-            off: true,
-            ..Batcher::new(None)
-        }
+    /// A batcher with [`IN_FLIGHT`] statements in flight, as requests come or held.
+    #[cfg(test)]
+    pub(crate) fn new(forced: Option<Forced>) -> Self {
+        Batcher::with(forced.map_or(Mode::AsTheyCome, Mode::Held), IN_FLIGHT)
     }
 
     /// Batch statements sent, and those of them that failed.
@@ -336,8 +359,9 @@ impl<R: Rows> Batcher<R> {
         for (queued, answer) in batch.into_iter().zip(answers) {
             match answer {
                 Some(answer) => hand_over(store, queued, answer),
-                // Alone, in a task of its own: its wait holds no place in flight.
-                None if queued.answer.is_closed() => {}
+                // Alone, in a task of its own: its wait holds no place in flight. Also when its
+                // request left: a batch of several statements may have written the row before
+                // it failed, and the row's answer alone goes to `orphaned`, which undoes it.
                 None => {
                     let store = store.clone();
                     drop(tokio::spawn(async move {

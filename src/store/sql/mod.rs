@@ -10,7 +10,7 @@ use sqlx::{Connection, Database, Pool};
 
 use crate::store::StoreError;
 
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 pub(crate) mod batch;
 mod in_flight;
 mod name;

@@ -12,7 +12,7 @@ use sqlx::Connection;
 
 use super::claim::claim_error;
 use super::{SqliteStore, db, on_connection};
-use crate::store::sql::batch::{Batcher, Forced, Rows, release_orphan};
+use crate::store::sql::batch::{Batcher, Mode, Rows, release_orphan};
 use crate::store::{ClaimRequest, LeaseToken, StoreError, StoredResponse};
 
 /// The store's batchers, shared by its clones with the same settings.
@@ -20,43 +20,22 @@ use crate::store::{ClaimRequest, LeaseToken, StoreError, StoredResponse};
 pub(super) struct Batches {
     pub(super) inserts: Arc<Batcher<Inserts>>,
     pub(super) completions: Arc<Batcher<Completions>>,
-    forced: Option<Forced>,
-    off: bool,
+    pub(super) mode: Mode,
 }
 
 impl Batches {
-    pub(super) fn new(forced: Option<Forced>) -> Self {
+    pub(super) fn new(mode: Mode) -> Self {
         Batches {
-            inserts: Arc::new(Batcher::one_at_a_time(forced)),
-            completions: Arc::new(Batcher::one_at_a_time(forced)),
-            forced,
-            off: false,
-        }
-    }
-
-    /// Every write alone, as before batching.
-    pub(super) fn off() -> Self {
-        Batches {
-            inserts: Arc::new(Batcher::off()),
-            completions: Arc::new(Batcher::off()),
-            forced: None,
-            off: true,
-        }
-    }
-
-    /// New batchers of the same kind, for a store whose settings changed.
-    pub(super) fn like(&self) -> Self {
-        if self.off {
-            Batches::off()
-        } else {
-            Batches::new(self.forced)
+            inserts: mode.one_at_a_time(),
+            completions: mode.one_at_a_time(),
+            mode,
         }
     }
 }
 
 impl Default for Batches {
     fn default() -> Self {
-        Batches::new(None)
+        Batches::new(Mode::default())
     }
 }
 

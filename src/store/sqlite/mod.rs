@@ -32,6 +32,7 @@ use crate::store::{
     RecordKey, RecordPage, StoredResponse,
 };
 
+use crate::store::sql::batch::Mode;
 use crate::store::sql::{
     self as shared, Backend, DEFAULT_OPERATION_TIMEOUT, InvalidTableName, MIN_OPERATION_TIMEOUT,
 };
@@ -206,7 +207,7 @@ impl SqliteStore {
     /// the handler still runs at most once.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout.max(MIN_OPERATION_TIMEOUT);
-        self.batches = Arc::new(self.batches.like());
+        self.batches = Arc::new(batched::Batches::new(self.batches.mode));
         self
     }
 
@@ -216,7 +217,7 @@ impl SqliteStore {
     #[cfg(any(test, feature = "test-suite"))]
     #[doc(hidden)]
     pub fn with_batches_held(mut self, rows: usize) -> Self {
-        self.batches = Arc::new(batched::Batches::new(Some(
+        self.batches = Arc::new(batched::Batches::new(Mode::Held(
             crate::store::sql::batch::Forced::holding(rows),
         )));
         self
@@ -226,7 +227,7 @@ impl SqliteStore {
     /// writes went together: the baseline of the benchmark that measures them.
     #[doc(hidden)]
     pub fn without_batches(mut self) -> Self {
-        self.batches = Arc::new(batched::Batches::off());
+        self.batches = Arc::new(batched::Batches::new(Mode::Off));
         self
     }
 
