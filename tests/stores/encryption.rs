@@ -869,7 +869,8 @@ mod redis_store {
             .await
             .expect("keys");
         // The record, its subject's listing index (digests only, no response in it) and its
-        // subject's account of bytes (numbers only).
+        // subject's account of bytes (numbers only); and, while the store probes its server, a
+        // probe's key shaped as an index's or an account's (a number).
         let (index, account) = (format!("{prefix}subject:"), format!("{prefix}bytes:"));
         // Every name is a hash: the subject's index and account too.
         for name in &names {

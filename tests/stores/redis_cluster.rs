@@ -9,12 +9,17 @@ use crate::common;
 use axum_idempotency::store_suite;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
 use axum_idempotency::IdempotencyLayer;
-use axum_idempotency::store::{IdempotencyStore, RedisStore};
+use axum_idempotency::conformance::app::claim_request;
+use axum_idempotency::store::{
+    ClaimOutcome, ClaimRequest, Fenced, Finished, IdempotencyStore, LeaseToken, RedisStore,
+    StoredResponse,
+};
 use common::proxy::{Mode, Proxy};
 use common::{app, post, send};
 use redis::aio::MultiplexedConnection;
@@ -51,6 +56,60 @@ pub(crate) async fn store() -> RedisStore {
 
 // Redis expires records itself: purge_expired has nothing left to delete.
 store_suite!(store(), purged = 0);
+
+/// A server with one address that refuses a script's keys of two slots (`CROSSSLOT`, as a proxy in
+/// front of a cluster answers; here a master of the cluster, reached as one server): the store runs
+/// the claim's and the completion's scripts on the record alone, and they are granted and done; its
+/// probe answers that this address does not hold every key.
+#[tokio::test]
+async fn one_address_refusing_keys_of_two_slots_gets_scripts_of_one_key() {
+    let url = cluster_urls()[0].clone();
+    let store = RedisStore::new(redis::Client::open(url).expect("url"))
+        .expect("store")
+        .with_prefix(&prefix())
+        .with_timeout(Duration::from_secs(2));
+    let answer = Arc::new(StoredResponse::new(
+        Finished::Completed,
+        201,
+        Vec::new(),
+        Some(b"paid".to_vec().into()),
+    ));
+    // Before any claim, the probe finds that this address does not hold every key (the master
+    // answers its two keys `CROSSSLOT`).
+    crate::redis_store::probed_together(&store, false).await;
+    // One server's connection follows no `MOVED`: only a record in this master's slots can be
+    // claimed through it, and about a third of them are.
+    for n in 0..200 {
+        let request = claim_request(&format!("k{n}"), b"{}");
+        let Ok(outcome) = store.claim(&request).await else {
+            continue;
+        };
+        let ClaimOutcome::Claimed { lease, .. } = outcome else {
+            panic!("a fresh key is claimed: {outcome:?}");
+        };
+        let done = store
+            .complete(
+                &request.key,
+                lease,
+                &request.fingerprint,
+                answer.clone(),
+                request.retention,
+            )
+            .await
+            .expect("complete");
+        assert_eq!(done, Fenced::Done);
+        let again = ClaimRequest {
+            lease: LeaseToken::generate(),
+            ..request.clone()
+        };
+        let ClaimOutcome::Finished(stored) = store.claim(&again).await.expect("claim") else {
+            panic!("replayed");
+        };
+        assert_eq!(&stored.body[..], b"paid");
+        return;
+    }
+    panic!("no claim was granted through one master's address");
+}
 
 /// A connection to one node on its own (not through the cluster client): `KEYS`, `INFO` and
 /// `SCRIPT FLUSH` then concern that node only.

@@ -6,14 +6,16 @@
 use crate::common;
 use axum_idempotency::{cache_suite, store_suite};
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::http::StatusCode;
+use axum_idempotency::conformance::app::claim_request;
 use axum_idempotency::store::ListRequest;
 use axum_idempotency::store::{
-    ClaimOutcome, ClaimRequest, Fenced, Generation, IdempotencyStore, LeaseToken, RecordKey,
-    RedisStore,
+    ClaimOutcome, ClaimRequest, Fenced, Finished, Generation, IdempotencyStore, LeaseToken,
+    RecordKey, RedisStore, StoredResponse,
 };
 use axum_idempotency::{Fingerprint, IdempotencyLayer};
 use common::{app, post, send};
@@ -213,6 +215,188 @@ async fn a_listing_skips_records_gone_from_under_their_index() {
     assert_eq!(index_sizes(&prefix).await, [3], "one index, for alice");
 }
 
+/// On one server, the claim's script files the record in its subject's index and the completion's
+/// script counts the answer's bytes, each best effort: with both keys made unwritable (a string
+/// where the index and the account should be), a claim still claims, its completion is done and
+/// replayed, and neither key is touched.
+#[tokio::test]
+async fn an_index_or_account_that_cannot_be_written_fails_no_claim_nor_completion() {
+    let (store, prefix) = store_and_prefix();
+    let answer = |body: &'static [u8]| {
+        Arc::new(StoredResponse::new(
+            Finished::Completed,
+            201,
+            Vec::new(),
+            Some(body.to_vec().into()),
+        ))
+    };
+    let request = |key: &str| claim_request(key, b"{}");
+    let claim_and_complete = async |key: &str| {
+        let request = request(key);
+        let ClaimOutcome::Claimed { lease, .. } = store.claim(&request).await.expect("claim")
+        else {
+            panic!("claimed");
+        };
+        store
+            .complete(
+                &request.key,
+                lease,
+                &request.fingerprint,
+                answer(b"paid"),
+                request.retention,
+            )
+            .await
+            .expect("complete")
+    };
+    assert_eq!(claim_and_complete("first").await, Fenced::Done);
+    // The first claim started the probe of the server; from its answer on, the scripts take the
+    // index and the account as their second key.
+    probed_together(&store, true).await;
+    let mut connection = connection().await;
+    let mut made: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}subject:*"))
+        .query_async(&mut connection)
+        .await
+        .expect("KEYS");
+    let accounts: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}bytes:*"))
+        .query_async(&mut connection)
+        .await
+        .expect("KEYS");
+    assert_eq!(
+        (made.len(), accounts.len()),
+        (1, 1),
+        "{made:?} {accounts:?}"
+    );
+    made.extend(accounts);
+    for key in &made {
+        let _: () = redis::cmd("SET")
+            .arg(key)
+            .arg("not a sorted set nor a hash")
+            .query_async(&mut connection)
+            .await
+            .expect("SET");
+    }
+    assert_eq!(claim_and_complete("second").await, Fenced::Done);
+    let ClaimOutcome::Finished(stored) = store.claim(&request("second")).await.expect("claim")
+    else {
+        panic!("the second answer is replayed");
+    };
+    assert_eq!(&stored.body[..], b"paid");
+    for key in &made {
+        let kind: String = redis::cmd("TYPE")
+            .arg(key)
+            .query_async(&mut connection)
+            .await
+            .expect("TYPE");
+        assert_eq!(kind, "string", "{key} untouched");
+    }
+    assert_eq!(
+        store.keys_together_now(),
+        Some(true),
+        "the scripts still take two keys: their filing and count failed inside them"
+    );
+}
+
+/// Waits (at most 5 s) until `store`'s probe answers whether its scripts take two keys, and checks
+/// that answer.
+pub(crate) async fn probed_together(store: &RedisStore, together: bool) {
+    for _ in 0..250 {
+        if let Some(probed) = store.keys_together_now() {
+            assert_eq!(probed, together, "the probe's answer");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the probe never answered");
+}
+
+/// A server that refuses a script's second key with an error of its own (here an ACL that allows
+/// the records' keys, not the subjects' indexes and accounts: `NOPERM`): the claim
+/// and, on a store of its own, the completion run again on the record alone, are granted and
+/// done, and the store takes one key from then on.
+#[tokio::test]
+async fn a_server_refusing_a_scripts_second_key_gets_it_run_on_one_key() {
+    let (_, prefix) = store_and_prefix();
+    let user = format!("zz_idem_{}_{}", std::process::id(), prefix.len());
+    let mut admin = connection().await;
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg(&user)
+        .arg("reset")
+        .arg("on")
+        .arg("nopass")
+        .arg(format!("~{prefix}[0-9a-f][0-9a-f]*"))
+        .arg("+@all")
+        .arg("-@admin")
+        .arg("-@dangerous")
+        .query_async(&mut admin)
+        .await
+        .expect("ACL SETUSER");
+    let limited = || {
+        let info: redis::ConnectionInfo = redis_url().as_str().parse().expect("REDIS_URL");
+        let settings = info
+            .redis_settings()
+            .clone()
+            .set_username(user.clone())
+            .set_password("");
+        let info = info.set_redis_settings(settings);
+        // As if a probe had found one server: its scripts take the second key (which the ACL
+        // refuses) from the first claim on.
+        RedisStore::new(redis::Client::open(info).expect("client"))
+            .expect("store")
+            .with_prefix(&prefix)
+            .with_timeout(Duration::from_secs(2))
+            .assume_keys_together()
+    };
+    let claimer = limited();
+    let request = claim_request("k", b"{}");
+    assert_eq!(claimer.keys_together_now(), Some(true));
+    let ClaimOutcome::Claimed { lease, .. } = claimer.claim(&request).await.expect("claim") else {
+        panic!("claimed, on the record alone");
+    };
+    assert_eq!(
+        claimer.keys_together_now(),
+        Some(false),
+        "one key from then on"
+    );
+    // A store of its own, whose first script on two keys is the completion.
+    let completer = limited();
+    assert_eq!(completer.keys_together_now(), Some(true));
+    let answer = Arc::new(StoredResponse::new(
+        Finished::Completed,
+        201,
+        Vec::new(),
+        Some(b"paid".to_vec().into()),
+    ));
+    let done = completer
+        .complete(
+            &request.key,
+            lease,
+            &request.fingerprint,
+            answer,
+            request.retention,
+        )
+        .await
+        .expect("complete");
+    assert_eq!(done, Fenced::Done);
+    assert_eq!(completer.keys_together_now(), Some(false));
+    let again = ClaimRequest {
+        lease: LeaseToken::generate(),
+        ..request.clone()
+    };
+    let ClaimOutcome::Finished(stored) = completer.claim(&again).await.expect("claim") else {
+        panic!("replayed");
+    };
+    assert_eq!(&stored.body[..], b"paid");
+    let _: i64 = redis::cmd("ACL")
+        .arg("DELUSER")
+        .arg(&user)
+        .query_async(&mut admin)
+        .await
+        .expect("ACL DELUSER");
+}
+
 /// A connection of its own to the Redis server, for what tests do behind the store's back.
 async fn connection() -> MultiplexedConnection {
     redis::Client::open(redis_url())
@@ -227,13 +411,26 @@ fn digest_hex(key: &RecordKey) -> String {
     key.digest().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The listing indexes under `prefix` that `connection`'s server holds.
+/// The listing indexes under `prefix` that `connection`'s server holds (sorted sets: not a key a
+/// probe of the server may be writing under the same name's shape).
 async fn indexes_on(connection: &mut MultiplexedConnection, prefix: &str) -> Vec<String> {
-    redis::cmd("KEYS")
+    let names: Vec<String> = redis::cmd("KEYS")
         .arg(format!("{prefix}subject:*"))
-        .query_async(connection)
+        .query_async(&mut *connection)
         .await
-        .expect("KEYS")
+        .expect("KEYS");
+    let mut indexes = Vec::new();
+    for name in names {
+        let kind: String = redis::cmd("TYPE")
+            .arg(&name)
+            .query_async(&mut *connection)
+            .await
+            .expect("TYPE");
+        if kind == "zset" {
+            indexes.push(name);
+        }
+    }
+    indexes
 }
 
 /// How many entries each listing index under `prefix` holds.

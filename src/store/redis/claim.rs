@@ -19,21 +19,35 @@ impl RedisStore {
         let started = tokio::time::Instant::now();
         let lease = request.lease;
         let lifetime = request.in_progress_ttl + request.retention;
-        let reply: Vec<Value> = self
-            .eval("claim", &self.scripts.claim, &request.key, |cmd| {
-                cmd.arg(&request.fingerprint.as_bytes()[..])
-                    .arg(lease.0)
-                    .arg(millis(request.in_progress_ttl))
-                    .arg(millis(lifetime))
-                    .arg(&request.generation.0[..]);
-                if self.scope_fields {
-                    cmd.arg(&request.key.key)
-                        .arg(&request.key.subject)
-                        .arg(&request.key.endpoint);
-                } else {
-                    cmd.arg("").arg("").arg("");
-                }
-            })
+        let digest = request.key.digest();
+        // On one server, the claim script files the record in its subject's index itself, in the
+        // same round trip (see `scripts`); on a cluster, the index is on another slot.
+        let index = self
+            .scope_fields
+            .then(|| self.index_key(&request.key.subject));
+        let (reply, filed): (Vec<Value>, bool) = self
+            .eval_joined(
+                "claim",
+                &self.scripts.claim,
+                &self.record_key(&digest),
+                index.as_deref(),
+                |cmd| {
+                    cmd.arg(&request.fingerprint.as_bytes()[..])
+                        .arg(lease.0)
+                        .arg(millis(request.in_progress_ttl))
+                        .arg(millis(lifetime))
+                        .arg(&request.generation.0[..]);
+                    if self.scope_fields {
+                        cmd.arg(&request.key.key)
+                            .arg(&request.key.subject)
+                            .arg(&request.key.endpoint)
+                            // Read only with the index, `KEYS[2]`.
+                            .arg(crate::util::hex::encode(&digest));
+                    } else {
+                        cmd.arg("").arg("").arg("");
+                    }
+                },
+            )
             .await?;
         let generation = match reply.get(1) {
             Some(Value::BulkString(bytes)) => Generation::from_slice(bytes),
@@ -44,7 +58,18 @@ impl RedisStore {
             Some(Value::SimpleString(tag)) => tag.as_bytes(),
             _ => return Err(StoreError::msg("redis claim: unexpected reply")),
         };
-        if self.scope_fields
+        if filed
+            && matches!(tag, b"claimed" | b"retaken")
+            && reply.get(2).and_then(integer).is_some()
+        {
+            // Filed by the script; a fourth element says the filing failed.
+            match reply.get(3) {
+                None => self.sweep_now_and_then(&request.key.subject),
+                Some(_) => {
+                    tracing::warn!("an idempotency record was claimed but not filed for listing")
+                }
+            }
+        } else if self.scope_fields
             && matches!(tag, b"claimed" | b"retaken")
             && let Some(created_ms) = reply.get(2).and_then(integer)
         {
@@ -57,7 +82,6 @@ impl RedisStore {
                 .timeout
                 .saturating_sub(started.elapsed())
                 .min(self.timeout / 4);
-            let digest = request.key.digest();
             let filed = self
                 .index(&request.key.subject, &digest, created_ms, lifetime, left)
                 .await;

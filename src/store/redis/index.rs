@@ -14,7 +14,7 @@ const SCAN_PER_RECORD: usize = 10;
 
 /// The span of time whose expiring answers one entry of a subject's account of bytes sums: 144
 /// entries a day of retention.
-const ACCOUNT_GRANULE: Duration = Duration::from_secs(600);
+pub(super) const ACCOUNT_GRANULE: Duration = Duration::from_secs(600);
 
 /// Every this many records a store files, it sweeps the index it filed into (see [`SWEEP_SAMPLE`]).
 const SWEEP_EVERY: u64 = 8;
@@ -90,20 +90,71 @@ impl RedisStore {
                 return;
             }
         };
-        let checks = sampled.into_iter().filter_map(|(member, score)| {
-            parse_digest(&member)?;
-            Some(async move {
-                let key = format!("{}{member}", self.prefix);
-                let live: Result<i64, _> = self
-                    .eval_on("sweep", &self.scripts.live, &key, self.timeout, |_| {})
-                    .await;
-                // Scores are whole milliseconds, well within an f64's exact integers.
-                if let Ok(0) = live {
-                    self.unindex(index, &member, score as i64).await;
+        // Scores are whole milliseconds, well within an f64's exact integers.
+        let entries: Vec<(String, i64)> = sampled
+            .into_iter()
+            .filter(|(member, _)| parse_digest(member).is_some())
+            .map(|(member, score)| (member, score as i64))
+            .collect();
+        let live = self.live(&entries).await;
+        let gone = entries
+            .iter()
+            .zip(live)
+            .filter(|(_, live)| *live == Some(false))
+            .map(|((member, created_ms), _)| self.unindex(index, member, *created_ms));
+        futures_util::future::join_all(gone).await;
+    }
+
+    /// Whether the record of each index entry of `entries` is live (neither gone nor released;
+    /// `None`: not read). Two fields of each record: on one server all in one round trip (a
+    /// pipeline), on a cluster one read per record, on its slot's master.
+    async fn live(&self, entries: &[(String, i64)]) -> Vec<Option<bool>> {
+        /// A record's state and lease, `None` where it has none (a record that is gone).
+        type Fields = (Option<Vec<u8>>, Option<Vec<u8>>);
+        fn live((state, lease): &Fields) -> bool {
+            match state {
+                None => false,
+                Some(state) => !(state == b"in_progress" && lease.as_deref() == Some(b"0")),
+            }
+        }
+        let read = |member: &str| {
+            let mut cmd = redis::cmd("HMGET");
+            cmd.arg(format!("{}{member}", self.prefix))
+                .arg("st")
+                .arg("lease");
+            cmd
+        };
+        if self.one_server() {
+            let mut pipeline = redis::pipe();
+            for (member, _) in entries {
+                pipeline.add_command(read(member));
+            }
+            let mut connection = self.connection.clone();
+            let read: Result<Vec<Fields>, _> = self
+                .timed("sweep", self.timeout, async move {
+                    pipeline.query_async(&mut connection).await
+                })
+                .await;
+            match read {
+                Ok(fields) if fields.len() == entries.len() => {
+                    fields.iter().map(|fields| Some(live(fields))).collect()
                 }
-            })
-        });
-        futures_util::future::join_all(checks).await;
+                _ => vec![None; entries.len()],
+            }
+        } else {
+            let reads = entries.iter().map(|(member, _)| {
+                let (cmd, mut connection) = (read(member), self.connection.clone());
+                async move {
+                    let fields: Result<Fields, _> = self
+                        .timed("sweep", self.timeout, async move {
+                            cmd.query_async(&mut connection).await
+                        })
+                        .await;
+                    fields.ok().map(|fields| live(&fields))
+                }
+            });
+            futures_util::future::join_all(reads).await
+        }
     }
 
     /// Removes `member` from the index `index` if it is still filed at `created_ms`; best effort (a

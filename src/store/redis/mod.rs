@@ -5,8 +5,8 @@
 //! |---|---|
 //! | `mod.rs` | [`RedisStore`], its settings, and the store trait's operations |
 //! | `connection.rs` | one server or a cluster |
-//! | `eval.rs` | a script run on one key, by SHA1, every operation bounded by the timeout |
-//! | `scripts.rs`, `*.lua` | the Lua scripts, each on one key |
+//! | `eval.rs` | a script run on its keys, by SHA1, every operation bounded by the timeout |
+//! | `scripts.rs`, `*.lua` | the Lua scripts, each on one key (two for the claim and the completion on one server) |
 //! | `claim.rs` | the claim and its answer |
 //! | `inspect.rs` | lookup and delete |
 //! | `index.rs` | each subject's listing index: filing, listing, sweeping |
@@ -30,6 +30,8 @@ use sha2::{Digest, Sha256};
 
 use self::codec::{encode, millis};
 use self::connection::{Connection, Reconnect};
+use self::eval::Joined;
+use self::index::ACCOUNT_GRANULE;
 use self::scripts::Scripts;
 use super::{
     ClaimOutcome, ClaimRequest, Deleted, Fenced, Fingerprint, IdempotencyStore, LeaseToken,
@@ -54,18 +56,20 @@ pub(crate) const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(2);
 /// Records are spread by their digest, so [`IdempotencyStore::list`] reads a per-subject index: a
 /// sorted set under `<prefix>subject:<sha256 of the subject>` (a digest too: client input never
 /// shapes key names), of record digests scored by creation time, which lives as long as the longest
-/// lifetime (in-progress TTL and retention) of the claims that filed into it. It lives in another
-/// slot than the records, so a claim that creates a record files it with a second command, awaited
-/// (one more round trip, on fresh keys only), within a quarter of the operation timeout. The index serves
-/// listings only: when that command fails or times out the claim still stands and the record is
-/// merely missing from listings; a record kept longer than its claim's lifetime (a handler renewing
+/// lifetime (in-progress TTL and retention) of the claims that filed into it. On one server, the
+/// claim script files the record it creates in the same round trip. On a cluster, the index lives
+/// in another slot than the records, so a claim that creates a record files it with a second
+/// command, awaited (one more round trip, on fresh keys only), within a quarter of the operation
+/// timeout. The index serves listings only: when the filing fails or times out the claim still
+/// stands (the failure is logged) and the record is merely missing from listings; a record kept longer than its claim's lifetime (a handler renewing
 /// its lease past the in-progress TTL) may likewise drop out of listings when the index expires
 /// before it. Lookups and deletes never read the index. A listing reads the records its index
 /// names (each on its own node, on a cluster), skips (and removes from the index) those that are
 /// gone, released or expired, and reads at most ten index entries per record asked: a page left
 /// short by that bound still carries a cursor to continue from. Listings are not the only clean-up:
 /// every eighth record a store files, it checks 16 random entries of that index on a task of its
-/// own and drops those of records that are gone, so an index whose subject is never listed holds
+/// own (their records read in one round trip on one server, one each on a cluster) and drops those
+/// of records that are gone, so an index whose subject is never listed holds
 /// about as many dead entries as live ones. Listing needs Redis 6.2 or later (`ZRANGE ...
 /// BYSCORE`, `ZADD GT`); on an older server claims still work, unfiled. The connection
 /// is made lazily and re-made after failures; while Redis is unreachable every operation fails (and
@@ -74,11 +78,19 @@ pub(crate) const DEFAULT_REDIS_TIMEOUT: Duration = Duration::from_secs(2);
 /// # One server or a cluster
 ///
 /// [`RedisStore::new`] talks to one server (or whatever a [`redis::Client`] reaches: a primary
-/// behind a proxy, say); [`RedisStore::cluster`] talks to a Redis Cluster. Every script reads and
-/// writes exactly one key, its `KEYS[1]` (the record's hash, or for the index's scripts a subject's
-/// index), and nothing else, so on a cluster each script runs whole on the master that owns that
-/// key's slot: no cross-slot access, no hash tags needed, and records spread over the masters by
-/// their digest. A prefix given to
+/// behind a proxy, say); [`RedisStore::cluster`] talks to a Redis Cluster. On a cluster, every
+/// script reads and writes exactly one key, its `KEYS[1]` (the record's hash, or for the index's
+/// and the account's scripts a subject's index or account of bytes), and nothing else, so each
+/// script runs whole on the master that owns that key's slot: no cross-slot access, no hash tags
+/// needed, and records spread over the masters by their digest. On one server, where no slot
+/// divides keys, the claim's script also files its record in the subject's index, and the
+/// completion's script also counts the answer's bytes in the subject's account: a fresh key is two
+/// round trips there, four on a cluster. That an address is one server is not assumed: the first
+/// claim starts a probe, on a task of its own, that writes keys with a script and reads them back
+/// by themselves, and a claim starts it again every ten minutes. Until it answers, and while it
+/// finds a proxy that spreads keys over several servers (twemproxy, Envoy's Redis proxy) or one
+/// that refuses a script's second key (`CROSSSLOT`, an ACL allowing only some keys), every script
+/// takes one key, as on a cluster. A prefix given to
 /// [`RedisStore::with_prefix`] should not contain a hash tag (`{...}`): it would put every record
 /// in one slot, on one master.
 ///
@@ -109,6 +121,9 @@ pub struct RedisStore {
     scope_fields: bool,
     /// Records filed for listing by this store and its clones: every eighth sweeps.
     filed: Arc<AtomicU64>,
+    /// Whether a server with one address holds every key a script names, as last probed (see
+    /// `RedisStore::keys_together`).
+    joined: Arc<Joined>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -199,6 +214,7 @@ impl RedisStore {
             timeout: DEFAULT_REDIS_TIMEOUT,
             scope_fields: true,
             filed: Arc::new(AtomicU64::new(0)),
+            joined: Arc::new(Joined::new()),
             scripts: Arc::new(Scripts::new()),
         }
     }
@@ -214,8 +230,9 @@ impl RedisStore {
     /// it), as `PostgresStore::without_scope_columns` does: a Redis whose keys leak reveals no
     /// idempotency key, user id or path. Records are then not filed for listing, so
     /// [`IdempotencyStore::list`] finds none; [`lookup`](IdempotencyStore::lookup) and
-    /// [`delete`](IdempotencyStore::delete) work as before (they show an empty key). It also saves
-    /// the second round trip of a fresh claim.
+    /// [`delete`](IdempotencyStore::delete) work as before (they show an empty key). On a cluster it
+    /// also saves two round trips of a fresh key (the filing and the count of its answer's bytes);
+    /// on one server those are part of the claim's and the completion's scripts.
     pub fn without_scope_fields(mut self) -> Self {
         self.scope_fields = false;
         self
@@ -229,11 +246,40 @@ impl RedisStore {
     }
 
     pub(super) fn redis_key(&self, key: &RecordKey) -> String {
-        let digest = key.digest();
+        self.record_key(&key.digest())
+    }
+
+    /// The Redis key of the record whose scope has the digest `digest`: `<prefix><digest hex>`.
+    pub(super) fn record_key(&self, digest: &[u8; 32]) -> String {
         let mut name = String::with_capacity(self.prefix.len() + 64);
         name.push_str(&self.prefix);
-        crate::util::hex::push(&mut name, &digest);
+        crate::util::hex::push(&mut name, digest);
         name
+    }
+
+    /// Whether the store talks to one address (not a cluster), where a pipeline goes whole.
+    pub(super) fn one_server(&self) -> bool {
+        matches!(self.connection, Connection::Single(_))
+    }
+
+    /// This store (and its clones) as if a probe had just found one server: its scripts take two
+    /// keys until a server refuses them or the next probe, ten minutes on. For tests.
+    #[doc(hidden)]
+    pub fn assume_keys_together(self) -> Self {
+        self.joined.decide(true);
+        self
+    }
+
+    /// Whether this store's claims file their records in the subjects' indexes, and completions
+    /// count the answers' bytes, in the same script (`None`: not probed yet; asking starts a probe
+    /// when one is due). For tests.
+    #[doc(hidden)]
+    pub fn keys_together_now(&self) -> Option<bool> {
+        if !self.one_server() {
+            return Some(false);
+        }
+        self.keys_together();
+        self.joined.now().0
     }
 
     /// The key of `subject`'s index: `<prefix>subject:<sha256 of the subject>`.
@@ -283,22 +329,40 @@ impl IdempotencyStore for RedisStore {
     ) -> Result<Fenced, StoreError> {
         let blob = encode(&response)
             .ok_or_else(|| StoreError::msg("redis complete: the response is too large to store"))?;
-        let done: i64 = self
-            .eval("complete", &self.scripts.complete, key, |cmd| {
-                cmd.arg(lease.0)
-                    .arg(response.outcome.as_str())
-                    .arg(&blob[..])
-                    .arg(millis(retention));
-            })
+        let counted = self.scope_fields && !response.body.is_empty();
+        // On one server, the completion script counts the answer's bytes itself, once, when it
+        // writes the answer (see `scripts`); on a cluster, the account is on another slot.
+        let account = counted.then(|| self.account_key(&key.subject));
+        let (done, joined): (i64, bool) = self
+            .eval_joined(
+                "complete",
+                &self.scripts.complete,
+                &self.redis_key(key),
+                account.as_deref(),
+                |cmd| {
+                    cmd.arg(lease.0)
+                        .arg(response.outcome.as_str())
+                        .arg(&blob[..])
+                        .arg(millis(retention))
+                        // Read only with the account, `KEYS[2]`.
+                        .arg(response.body.len())
+                        .arg(millis(ACCOUNT_GRANULE));
+                },
+            )
             .await?;
-        // Its body counts in its subject's bytes: an answer sent again after its reply was lost
-        // (its first write may have landed) is counted again, an estimate from above, rather
-        // than not at all.
-        if done == 1 && self.scope_fields && !response.body.is_empty() {
+        // Otherwise its body counts in its subject's bytes apart: an answer sent again after its
+        // reply was lost (its first write may have landed) is counted again, an estimate from
+        // above, rather than not at all.
+        if done == 2 {
+            tracing::warn!(
+                "an idempotency answer was recorded but not counted in its subject's bytes"
+            );
+        }
+        if done == 1 && counted && !joined {
             self.account(&key.subject, response.body.len(), retention)
                 .await;
         }
-        Ok(Fenced::from_held(done == 1))
+        Ok(Fenced::from_held(done >= 1))
     }
 
     async fn renew(

@@ -1,5 +1,10 @@
-//! The Lua scripts the store runs, each on exactly one key (its `KEYS[1]`), so that on a cluster
-//! each runs whole on the master owning that key's slot.
+//! The Lua scripts the store runs, each on one key (its `KEYS[1]`), so that on a cluster each runs
+//! whole on the master owning that key's slot. On one server, the claim and the completion take a
+//! second key (a cluster would refuse it, as another slot): the claim files the record in its
+//! subject's listing index and the completion counts the answer's bytes in its subject's account,
+//! each in the same round trip, where on a cluster the store sends `INDEX` and `ACCOUNT` apart.
+//! What the scripts share is written once: `file.lua` (filing in an index) and `count.lua`
+//! (counting bytes), each a Lua function put before the scripts that call it.
 
 use redis::Script;
 
@@ -16,15 +21,21 @@ use redis::Script;
 /// has none).
 /// A record made by the claim (new, or a released one taken as a new run) gets its creation time
 /// (`ct`, kept by retakes) and its scope in clear (`k`, `sub`, `ep`), for inspection. A claimed or
-/// retaken answer carries, third, the record's creation time, which the caller files in the
-/// subject's index (see [`RedisStore`]).
-/// KEYS[1] record; ARGV fingerprint, new lease, in-progress TTL (ms), TTL + retention (ms),
-/// generation of a new record, key, subject, endpoint.
-const CLAIM: &str = include_str!("claim.lua");
+/// retaken answer carries, third, the record's creation time, by which the record is filed in the
+/// subject's index (see [`RedisStore`]): here when KEYS[2] names the index (one server), by the
+/// caller otherwise.
+/// KEYS[1] record, KEYS[2] (optional) the subject's index; ARGV fingerprint, new lease,
+/// in-progress TTL (ms), TTL + retention (ms), generation of a new record, key, subject, endpoint,
+/// and with KEYS[2] the record's digest (hex), its entry.
+const CLAIM: &str = concat!(include_str!("file.lua"), include_str!("claim.lua"));
 
 /// Complete, if the lease still holds an in-progress record; a record this lease already finished
-/// counts as done. KEYS[1]; ARGV lease, status, response, retention (ms).
-const COMPLETE: &str = include_str!("complete.lua");
+/// counts as done: `1` (`0`: not done). With KEYS[2] (one server), the answer's bytes are counted
+/// in that account of its subject when it is written (see `ACCOUNT`), and `2` says that count
+/// failed (the answer is recorded all the same). KEYS[1] record, KEYS[2] (optional) the subject's
+/// account;
+/// ARGV lease, status, response, retention (ms), and with KEYS[2] the bytes and the granule (ms).
+const COMPLETE: &str = concat!(include_str!("count.lua"), include_str!("complete.lua"));
 
 /// Renew (the heartbeat), if the lease still holds an in-progress record. KEYS[1]; ARGV lease,
 /// lifetime (ms).
@@ -49,11 +60,7 @@ const DELETE: &str = include_str!("delete.lua");
 /// File a record in its subject's index at its creation time (an entry only ever moves later), and
 /// keep the index at least as long as the record's lifetime. KEYS[1] the subject's index; ARGV
 /// creation time (ms), record digest (hex), lifetime (ms).
-const INDEX: &str = include_str!("index.lua");
-
-/// Whether a record is live (neither gone nor released), as a sweep of its index asks: 1 or 0.
-/// KEYS[1] the record. Reads two fields, not the stored answer.
-const LIVE: &str = include_str!("live.lua");
+const INDEX: &str = concat!(include_str!("file.lua"), include_str!("index.lua"));
 
 /// Remove a record from its subject's index if its entry is still the one seen (same creation
 /// time): an entry a new claim of the key just re-filed stays. KEYS[1] the subject's index; ARGV
@@ -63,11 +70,16 @@ const UNINDEX: &str = include_str!("unindex.lua");
 /// Add the bytes of an answer just recorded to its subject's account: a hash of bytes by the
 /// granule in which they expire (the record's retention from now, rounded up), kept as long as
 /// its last granule. KEYS[1] the subject's account; ARGV bytes, retention (ms), granule (ms).
-const ACCOUNT: &str = include_str!("account.lua");
+const ACCOUNT: &str = concat!(include_str!("count.lua"), include_str!("account.lua"));
 
 /// The bytes in a subject's account that have not expired, dropping the granules that have.
 /// KEYS[1] the subject's account; ARGV granule (ms).
 const USAGE: &str = include_str!("usage.lua");
+
+/// The probe of a server with one address: writes a short-lived value under its second key, which
+/// a plain read by that key alone then looks for (see `RedisStore::keys_together`). KEYS[1] and
+/// KEYS[2] two probe keys; ARGV the value, its lifetime (ms).
+const PROBE: &str = include_str!("probe.lua");
 
 /// A Lua script: its source, for `EVAL`, and its SHA1, for `EVALSHA`.
 pub(super) struct Lua {
@@ -93,9 +105,9 @@ pub(super) struct Scripts {
     pub(super) delete: Lua,
     pub(super) index: Lua,
     pub(super) unindex: Lua,
-    pub(super) live: Lua,
     pub(super) account: Lua,
     pub(super) usage: Lua,
+    pub(super) probe: Lua,
 }
 
 impl Scripts {
@@ -109,9 +121,9 @@ impl Scripts {
             delete: Lua::new(DELETE),
             index: Lua::new(INDEX),
             unindex: Lua::new(UNINDEX),
-            live: Lua::new(LIVE),
             account: Lua::new(ACCOUNT),
             usage: Lua::new(USAGE),
+            probe: Lua::new(PROBE),
         }
     }
 }
