@@ -361,8 +361,18 @@ async fn a_transaction_frozen_before_its_commit_blocks_its_key_for_about_a_ttl_o
             _ => panic!("{retry:?}"),
         }
     }
-    // The pool still serves other keys.
-    let other = send(&router, req("other")).await;
+    // The pool still serves other keys. On a loaded machine a claim (and its confirming renewal)
+    // may answer past a tenth of this test's short TTL, which is refused as too late to trust
+    // (`503`, "answered too slowly"): sent again then. A pool worn out by the retries would answer
+    // another `503`, which fails here.
+    let mut other = send(&router, req("other")).await;
+    for _ in 0..5 {
+        let too_late = String::from_utf8_lossy(&other.body).contains("answered too slowly");
+        if other.status != StatusCode::SERVICE_UNAVAILABLE || !too_late {
+            break;
+        }
+        other = send(&router, req("other")).await;
+    }
     assert_eq!(other.status, StatusCode::CREATED, "{other:?}");
     // The key runs again, once: its first run rolled back.
     let again = settle(&router, || req("k")).await;

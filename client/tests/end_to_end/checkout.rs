@@ -123,13 +123,19 @@ async fn a_restart_after_the_commit_replays_from_the_database() {
     let mut first = Checkout::start(&env).await;
     let relay = Relay::start(first.addr).await;
     relay.lose_answer_and_go_dark();
-    let c = client(quick().max_attempts(100));
+    // Retries until the new process answers, within the policy's deadline (60 s): how many that
+    // takes depends on how long the machine takes to kill and start.
+    let c = client(quick().max_attempts(1000));
     let call = {
         let (c, url) = (c.clone(), relay.url("/checkout"));
         tokio::spawn(async move { checkout(&c, url, "remy", Some("restart-after")).await })
     };
     // The answer is lost and the server out of reach, the charge committed with its record; then
-    // the process is killed, and until the new one is up every retry finds no server.
+    // the process is killed, and until the new one is up every retry finds no server. The kill
+    // waits for the loss, not only for the commit: killed between its commit and its answer, the
+    // first process would send nothing to lose, and the relay would lose the new process's
+    // replay instead, and stay dark.
+    relay.wait_for_lost(1).await;
     first
         .wait_for_state("remy", "restart-after", "completed")
         .await;

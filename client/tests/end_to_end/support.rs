@@ -102,6 +102,17 @@ impl Relay {
         self.faults.lost.load(Ordering::SeqCst)
     }
 
+    /// Waits (at most 30 s) until `n` answers have been lost.
+    pub async fn wait_for_lost(&self, n: usize) {
+        for _ in 0..1500 {
+            if self.lost() >= n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("the relay lost {} answers, not {n}", self.lost());
+    }
+
     /// The server behind the relay; `None`: connections are closed as they come.
     pub fn set_upstream(&self, upstream: Option<SocketAddr>) {
         *self.faults.upstream.lock().expect("lock") = upstream;
