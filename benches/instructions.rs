@@ -9,6 +9,13 @@
 //!
 //! With `LOAD_BODY=small` the body is the 150-byte order of the load harness instead.
 //!
+//! Over HTTP (`<binary> http <bare|fresh|replay> <requests>`), the router is served by hyper on
+//! 127.0.0.1 from a thread of its own (a current-thread runtime), behind the load harness's auth
+//! step, and the main thread sends the requests one after another on one kept-alive connection.
+//! Run it with `--separate-threads=yes`: the server's thread is callgrind's thread 2 (its file ends
+//! in `-02`), and its counts are the server side of each request, HTTP included, as the targets
+//! of SPEC 26 mean it.
+//!
 //! The harness runs `requests` requests after 200 warm-up ones, between two calls of
 //! `measured_start` and `measured_end`, so `callgrind_annotate` can attribute the cost, and
 //! instructions per request are (total at N2 − total at N1) / (N2 − N1), which cancels start-up.
@@ -19,11 +26,13 @@ mod in_process;
 mod support;
 
 use in_process::{call, request};
-use support::{body_from_env, created};
+use support::{auth, body_from_env, created};
 
 use axum::Router;
+use axum::middleware;
 use axum::routing::post;
 use axum_idempotency::{IdempotencyLayer, MemoryStore};
+use http_body_util::{BodyExt, Full};
 
 #[inline(never)]
 fn measured_start() {
@@ -66,9 +75,81 @@ fn run(mode: &str, requests: usize) {
     });
 }
 
+/// `requests` requests over HTTP, after 200 warm-up ones: the server on a thread of its own, the
+/// client on this one.
+fn http(mode: &str, requests: usize) {
+    let body = body_from_env();
+    let routes = Router::new().route("/checkout", post(created));
+    let router = match mode {
+        "bare" => routes,
+        "fresh" | "replay" => {
+            routes.route_layer(IdempotencyLayer::new(MemoryStore::new()).expect("valid settings"))
+        }
+        other => panic!("unknown mode {other}: bare, fresh or replay"),
+    }
+    .layer(middleware::from_fn(auth));
+    let (bound, address) = std::sync::mpsc::channel();
+    // Spawned first, so that callgrind numbers it thread 2.
+    std::thread::Builder::new()
+        .name("server".to_owned())
+        .spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            runtime.block_on(async move {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .expect("bind");
+                bound
+                    .send(listener.local_addr().expect("addr"))
+                    .expect("send");
+                axum::serve(listener, router).await.expect("serve");
+            });
+        })
+        .expect("server thread");
+    let addr = address.recv().expect("the server's address");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async move {
+        let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        stream.set_nodelay(true).expect("nodelay");
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .expect("handshake");
+        tokio::spawn(connection);
+        let host = addr.to_string();
+        let key = |i: usize| match mode {
+            "fresh" => format!("fresh-{i}"),
+            _ => "replayed".to_owned(),
+        };
+        for i in (1_000_000..1_000_200).chain(0..requests) {
+            sender.ready().await.expect("ready");
+            let request = axum::http::Request::post("/checkout")
+                .header("host", &host)
+                .header("authorization", "alice")
+                .header("idempotency-key", key(i))
+                .header("content-type", "application/json")
+                .body(Full::new(body.clone()))
+                .expect("request");
+            let response = sender.send_request(request).await.expect("response");
+            assert!(response.status().is_success(), "{}", response.status());
+            response.into_body().collect().await.expect("body");
+        }
+    });
+    // The server's thread is still serving: end here, and callgrind writes every thread's counts.
+    std::process::exit(0);
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.as_slice() {
+        [http_mode, mode, n] if http_mode == "http" => {
+            http(mode, n.parse().expect("a request count"))
+        }
         [mode, n] if !mode.starts_with('-') => run(mode, n.parse().expect("a request count")),
         _ => {
             for mode in ["bare", "fresh", "replay"] {

@@ -26,20 +26,20 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
-use support::created;
+use support::{auth, created};
 
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode};
-use axum::middleware::{self, Next};
+use axum::middleware;
 use axum::response::Response;
 use axum::routing::post;
 use axum_idempotency::store::{
     CachedStore, ClaimOutcome, ClaimRequest, Finished, IdempotencyStore, LeaseToken, PostgresStore,
     RecordKey, StoredResponse,
 };
-use axum_idempotency::{Fingerprint, IdempotencyLayer, MemoryStore, Subject};
+use axum_idempotency::{Fingerprint, IdempotencyLayer, MemoryStore};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use sqlx::PgPool;
@@ -158,19 +158,6 @@ async fn serve(router: Router) -> SocketAddr {
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(async move { axum::serve(listener, router).await });
     addr
-}
-
-/// The same auth step for every server: the `authorization` header is the subject.
-async fn auth(mut request: Request, next: Next) -> Response {
-    if let Some(s) = request
-        .headers()
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-    {
-        let subject = Subject(s.to_owned());
-        request.extensions_mut().insert(subject);
-    }
-    next.run(request).await
 }
 
 fn bare() -> Router {
@@ -746,6 +733,10 @@ async fn main() {
     #[cfg(feature = "sqlite")]
     if run("together") {
         together::sqlite_together().await;
+    }
+    #[cfg(feature = "mysql")]
+    if run("together") {
+        mysql::mysql_together().await;
     }
     #[cfg(feature = "sqlite")]
     if run("sqlite") {

@@ -1,8 +1,11 @@
 //! What the layer benchmarks share: the request body and the handler.
 
 use axum::body::Bytes;
+use axum::extract::Request;
 use axum::http::StatusCode;
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use axum_idempotency::Subject;
 
 /// A 1 KiB JSON checkout body (compact, keys already sorted, padded with spaces).
 pub(crate) fn json_1k() -> Bytes {
@@ -45,4 +48,19 @@ pub(crate) async fn created(_body: Bytes) -> Response {
         r#"{"id":1,"status":"succeeded"}"#,
     )
         .into_response()
+}
+
+/// The same auth step for every server of the HTTP harnesses: the `authorization` header is the
+/// subject.
+#[allow(dead_code)] // not every bench serves over HTTP
+pub(crate) async fn auth(mut request: Request, next: Next) -> Response {
+    if let Some(s) = request
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+    {
+        let subject = Subject(s.to_owned());
+        request.extensions_mut().insert(subject);
+    }
+    next.run(request).await
 }
