@@ -179,8 +179,8 @@ pub mod metrics;
 pub mod openapi;
 
 pub use engine::{
-    ConfigError, Drain, IdempotencyContext, Outcome, OutcomeCounters, ReplayInfo, is_tombstone,
-    tombstone_of,
+    ConfigError, Drain, IdempotencyContext, MAX_STEP_NAME, MAX_STEP_RESULT, MAX_STEPS, Outcome,
+    OutcomeCounters, ReplayInfo, StepError, is_tombstone, tombstone_of,
 };
 pub use fingerprint::Fingerprint;
 #[cfg(sql)]

@@ -357,6 +357,21 @@ impl<S: IdempotencyStore> IdempotencyStore for Counting<S> {
     ) -> Result<Fenced, crate::store::StoreError> {
         self.store.renew(key, lease, lifetime).await
     }
+    async fn record_step(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        step: &crate::store::RecordedStep,
+    ) -> Result<Fenced, crate::store::StoreError> {
+        self.store.record_step(key, lease, step).await
+    }
+    async fn steps(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> Result<Option<Vec<crate::store::RecordedStep>>, crate::store::StoreError> {
+        self.store.steps(key, lease).await
+    }
     async fn release(
         &self,
         key: &RecordKey,

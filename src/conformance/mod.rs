@@ -49,6 +49,7 @@ pub mod app;
 pub mod cache;
 mod inspection;
 pub mod locked;
+mod steps;
 pub mod suite;
 pub mod tenants;
 mod tombstones;

@@ -21,6 +21,10 @@ pub use super::inspection::{
     delete_racing_requests_runs_the_handler_at_most_once_more, inspection_forgets_expired_records,
     inspection_shows_every_state, listing_pages_through_one_subjects_records,
 };
+pub use super::steps::{
+    a_retake_resumes_after_the_recorded_steps,
+    steps_are_kept_by_the_operation_and_fenced_by_the_lease, the_largest_steps_are_kept_whole,
+};
 pub use super::tombstones::an_expired_key_is_answered_gone_until_its_tombstone_expires;
 pub use super::waiting::{
     a_released_answer_ends_the_wait_with_409, a_waiter_is_told_the_holders_expiry,
@@ -91,6 +95,9 @@ macro_rules! store_suite {
             a_waiter_is_told_the_holders_expiry,
             renew_many_answers_each_lease_on_its_own,
             an_expired_key_is_answered_gone_until_its_tombstone_expires,
+            steps_are_kept_by_the_operation_and_fenced_by_the_lease,
+            a_retake_resumes_after_the_recorded_steps,
+            the_largest_steps_are_kept_whole,
         );
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {
@@ -196,7 +203,7 @@ fn is_fresh(outcome: &ClaimOutcome, request: &ClaimRequest) -> bool {
 /// holders' liveness can end without the store showing it (a failover to a replica, a proxy
 /// restarted: the SQL servers and Redis) takes such a record only a TTL after a claim first found
 /// its holder silent (SPEC 24); the memory store and SQLite take it at the first claim.
-async fn claim_past_silence<S: IdempotencyStore>(
+pub(super) async fn claim_past_silence<S: IdempotencyStore>(
     store: &S,
     request: &ClaimRequest,
     ttl: Duration,
@@ -235,7 +242,7 @@ fn record_key(key: &str) -> RecordKey {
     }
 }
 
-fn claim_request(key: &str, ttl: Duration) -> ClaimRequest {
+pub(super) fn claim_request(key: &str, ttl: Duration) -> ClaimRequest {
     ClaimRequest::new(
         record_key(key),
         Fingerprint::of(None, b"{}"),
@@ -244,7 +251,7 @@ fn claim_request(key: &str, ttl: Duration) -> ClaimRequest {
     )
 }
 
-fn stored(body: &'static str) -> Arc<StoredResponse> {
+pub(super) fn stored(body: &'static str) -> Arc<StoredResponse> {
     Arc::new(StoredResponse {
         outcome: Finished::Completed,
         status: 201,

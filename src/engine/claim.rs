@@ -197,7 +197,12 @@ impl<St: IdempotencyStore> Engine<St> {
                     retaken,
                     generation,
                     settings.derived_key_secret.clone(),
-                );
+                )
+                .with_steps(Box::new(super::steps::EngineSteps {
+                    engine: self.clone(),
+                    key: key.clone(),
+                    lease: request.lease,
+                }));
                 // Its heartbeat runs before the work does (see `Lease::started`).
                 let lease = Lease::started(
                     self.clone(),

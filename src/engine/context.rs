@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
-use crate::store::{Fingerprint, Generation, RecordKey};
+use super::steps::{StepError, StepLog, Steps};
+use crate::store::{Fingerprint, Generation, RecordKey, StoreError};
 use crate::util::hmac::hmac_sha256;
 
 /// The idempotent operation a guarded handler is running, in its request extensions whenever the
@@ -25,6 +26,8 @@ pub struct IdempotencyContext {
     retake: bool,
     generation: Option<Generation>,
     secret: Option<Arc<crate::util::secret::Secret>>,
+    /// The run's recovery points; none in a context made without a held record (tests).
+    steps: Option<Arc<Steps>>,
 }
 
 impl IdempotencyContext {
@@ -41,6 +44,60 @@ impl IdempotencyContext {
             retake,
             generation,
             secret,
+            steps: None,
+        }
+    }
+
+    /// The same context, whose steps go to `log` (the record this run holds).
+    pub(super) fn with_steps(mut self, log: Box<dyn StepLog>) -> Self {
+        self.steps = Some(Arc::new(Steps::new(log)));
+        self
+    }
+
+    /// Runs `f` as the step `name` of this operation, once (a recovery point, SPEC 28): its
+    /// result is recorded with the record (as JSON) before this returns it; in a run that took the
+    /// record over after its holder died ([`is_retake`](Self::is_retake)), a step the dead run
+    /// recorded returns its recorded result without running `f`, so only what is left runs.
+    ///
+    /// ```no_run
+    /// # use axum_idempotency::{IdempotencyContext, StepError};
+    /// # async fn reserve() -> Result<u64, std::io::Error> { Ok(1) }
+    /// # async fn charge(_: u64) -> Result<String, std::io::Error> { Ok(String::new()) }
+    /// async fn checkout(ctx: IdempotencyContext) -> Result<String, StepError<std::io::Error>> {
+    ///     let reservation = ctx.step("reserve", || reserve()).await?;
+    ///     let charge = ctx.step("charge", || charge(reservation)).await?;
+    ///     Ok(charge)
+    /// }
+    /// ```
+    ///
+    /// - A step whose `f` fails is not recorded ([`StepError::Failed`]): a later run of the
+    ///   operation runs it again.
+    /// - Fenced by the lease: a run presumed dead and retaken runs no further step and records
+    ///   nothing ([`StepError::LeaseLost`]), and should stop.
+    /// - Steps of one run go one after another, and do not nest ([`StepError::Concurrent`]); names
+    ///   are 1 to 64 bytes, an operation records at most 16 steps, and a result at most 16 KiB of
+    ///   JSON.
+    /// - A step costs a read of the steps recorded (by the lease: a run whose record was retaken
+    ///   learns it there, before the work runs) and, when it runs, one write; a write the store
+    ///   fails is tried again for up to the in-progress TTL. Every store of the crate keeps steps;
+    ///   on a store that keeps none (one of your own that does not implement
+    ///   [`record_step`](crate::store::IdempotencyStore::record_step)), a step fails
+    ///   ([`StepError::Store`]) before its work runs.
+    ///
+    /// What steps do not give: an effect whose call was cut after the provider acted and before
+    /// its step was recorded (the process died in between) runs again on the retake. Forward
+    /// [`derived_key`](Self::derived_key) to a provider that deduplicates for that.
+    pub async fn step<T, E, F, Fut>(&self, name: &str, f: F) -> Result<T, StepError<E>>
+    where
+        T: serde::Serialize + serde::de::DeserializeOwned,
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<T, E>>,
+    {
+        match &self.steps {
+            Some(steps) => steps.step(name, f).await,
+            None => Err(StepError::Store(StoreError::msg(
+                "this context holds no record to keep steps in",
+            ))),
         }
     }
 

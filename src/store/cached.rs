@@ -354,6 +354,23 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         self.inner.release(key, lease).await
     }
 
+    async fn record_step(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        step: &crate::store::RecordedStep,
+    ) -> Result<Fenced, StoreError> {
+        self.inner.record_step(key, lease, step).await
+    }
+
+    async fn steps(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> Result<Option<Vec<crate::store::RecordedStep>>, StoreError> {
+        self.inner.steps(key, lease).await
+    }
+
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.cache.sweep();
         self.inner.purge_expired().await

@@ -52,6 +52,15 @@ impl StoreError {
         }
     }
 
+    /// The store keeps no steps (recovery points, SPEC 28): a step run on it fails before its
+    /// work runs.
+    pub fn no_steps() -> Self {
+        StoreError::msg(
+            "this store keeps no steps (recovery points): run the step outside `step`, or use \
+             a store that keeps them (every store of this crate does)",
+        )
+    }
+
     /// An error with only a message.
     pub fn msg(message: impl Into<String>) -> Self {
         StoreError {

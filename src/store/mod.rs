@@ -27,6 +27,8 @@ mod purge;
 mod record;
 #[cfg(sql)]
 pub(crate) mod sql;
+#[cfg(any(feature = "redis", feature = "mysql", feature = "sqlite"))]
+pub(crate) mod step_list;
 #[cfg(test)]
 pub(crate) mod testing;
 mod transactional;
@@ -55,7 +57,8 @@ pub use purge::spawn_purge;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use record::delete_token;
 pub use record::{
-    ClaimOutcome, ClaimRequest, Fenced, Finished, Generation, LeaseToken, RecordKey, StoredResponse,
+    ClaimOutcome, ClaimRequest, Fenced, Finished, Generation, LeaseToken, RecordKey, RecordedStep,
+    StoredResponse,
 };
 pub use transactional::{FailedCommit, TransactionalStore};
 
@@ -92,7 +95,9 @@ pub use self::redis::RedisStore;
 /// A store that wraps another forwards every operation, and its inner store's
 /// [`operation_timeout`](Self::operation_timeout), [`keeper_session`](Self::keeper_session) and
 /// [`show_presences`](Self::show_presences) (required methods, so that a wrapper cannot drop them
-/// by leaving a default in place). A wrapper of a [`TransactionalStore`] implements that
+/// by leaving a default in place), and its steps ([`record_step`](Self::record_step) and
+/// [`steps`](Self::steps): a wrapper that leaves their defaults keeps none, and a step on it fails
+/// before its work runs). A wrapper of a [`TransactionalStore`] implements that
 /// trait too, to pass the capability on. Here, a wrapper counting claims:
 ///
 /// ```
@@ -101,8 +106,8 @@ pub use self::redis::RedisStore;
 /// use std::time::Duration;
 /// use axum_idempotency::store::{
 ///     ClaimOutcome, ClaimRequest, Deleted, Fenced, Fingerprint, IdempotencyStore, LeaseToken,
-///     ListRequest, MemoryStore, Presence, RecordInfo, RecordKey, RecordPage, StoreError,
-///     StoredResponse, SubjectUsage,
+///     ListRequest, MemoryStore, Presence, RecordInfo, RecordKey, RecordPage, RecordedStep,
+///     StoreError, StoredResponse, SubjectUsage,
 /// };
 /// use axum_idempotency::IdempotencyLayer;
 ///
@@ -137,6 +142,21 @@ pub use self::redis::RedisStore;
 ///     }
 ///     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
 ///         self.inner.release(key, lease).await
+///     }
+///     async fn record_step(
+///         &self,
+///         key: &RecordKey,
+///         lease: LeaseToken,
+///         step: &RecordedStep,
+///     ) -> Result<Fenced, StoreError> {
+///         self.inner.record_step(key, lease, step).await
+///     }
+///     async fn steps(
+///         &self,
+///         key: &RecordKey,
+///         lease: LeaseToken,
+///     ) -> Result<Option<Vec<RecordedStep>>, StoreError> {
+///         self.inner.steps(key, lease).await
 ///     }
 ///     async fn purge_expired(&self) -> Result<u64, StoreError> {
 ///         self.inner.purge_expired().await
@@ -259,6 +279,45 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         key: &RecordKey,
         lease: LeaseToken,
     ) -> impl Future<Output = Result<Fenced, StoreError>> + Send;
+
+    /// Records `step` on the record that `lease` holds in progress (a recovery point, SPEC 28),
+    /// durably before this returns, and answers [`Fenced::Done`]; a step of that name recorded
+    /// before in the same operation (an earlier attempt whose answer was lost) is left as it is,
+    /// and answers `Done` too. Answers [`Fenced::LeaseLost`], changing nothing, when `lease` no
+    /// longer holds the record in progress: a holder presumed dead that wakes up records nothing.
+    ///
+    /// Steps belong to the operation, as its [`Generation`] does: they are kept while the record
+    /// is retaken, or released and claimed again by the same request, and gone when the record
+    /// gets a generation of its own (another request takes a released record, or the key is
+    /// claimed again after its retention). The engine bounds their number and size before it
+    /// asks.
+    ///
+    /// The default answers an error: the store keeps no steps (the engine reads
+    /// [`steps`](Self::steps) at a run's first step, so a step on it fails before its work runs).
+    /// Every store of the crate keeps them; a wrapper forwards both methods, as `CachedStore`
+    /// does (`EncryptedStore` seals each result).
+    fn record_step(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        step: &RecordedStep,
+    ) -> impl Future<Output = Result<Fenced, StoreError>> + Send {
+        let _ = (key, lease, step);
+        std::future::ready(Err(StoreError::no_steps()))
+    }
+
+    /// The steps recorded in the operation whose record `lease` holds in progress, in the order
+    /// they were recorded; `None`, reading nothing else, when `lease` does not hold it (see
+    /// [`record_step`](Self::record_step)). The default answers the error of a store that keeps
+    /// no steps.
+    fn steps(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> impl Future<Output = Result<Option<Vec<RecordedStep>>, StoreError>> + Send {
+        let _ = (key, lease);
+        std::future::ready(Err(StoreError::no_steps()))
+    }
 
     /// Deletes every record whose retention has passed; returns how many.
     fn purge_expired(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;

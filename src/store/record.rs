@@ -272,6 +272,18 @@ impl ClaimRequest {
     }
 }
 
+/// A recovery point of a run (SPEC 28): the result a step of the work returned, recorded with
+/// the record so that a run that takes the record over after its holder died returns it without
+/// running the step again. `result` is the engine's encoding of it (JSON); a store keeps it as
+/// bytes, as it was given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordedStep {
+    /// The step's name, unique within one operation (1 to 64 bytes).
+    pub name: String,
+    /// What the step returned, encoded.
+    pub result: Vec<u8>,
+}
+
 /// What a write fenced by a lease (complete, renew, release) found: the lease held the record and
 /// the write was made, or it no longer held it and nothing changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -153,6 +153,85 @@ pub(super) fn open(
     })
 }
 
+/// Labels a sealed step's associated data.
+const AAD_LABEL_STEP: &[u8] = b"axum-idempotency sealed step v1\0";
+/// The format of a sealed step.
+const FORMAT_STEP: u8 = 3;
+/// Format, key id, nonce.
+const STEP_HEAD_LEN: usize = 1 + 4 + NONCE_LEN;
+
+/// A step's result as written to the inner store: sealed under the newest key, bound to its
+/// record (the scope in clear) and to its name, so that it opens neither on another record nor
+/// as another step.
+pub(super) fn seal_step(
+    keys: &EncryptionKeys,
+    key: &RecordKey,
+    name: &str,
+    result: &[u8],
+) -> Result<Vec<u8>, StoreError> {
+    let (key_id, cipher) = keys.sealing();
+    let mut out = Vec::with_capacity(STEP_HEAD_LEN + result.len() + TAG_LEN);
+    out.push(FORMAT_STEP);
+    out.extend_from_slice(&key_id.to_be_bytes());
+    let mut nonce = [0u8; NONCE_LEN];
+    getrandom::fill(&mut nonce)
+        .map_err(|e| StoreError::msg(format!("encrypt: no randomness for the nonce: {e}")))?;
+    out.extend_from_slice(&nonce);
+    out.extend_from_slice(result);
+    let aad = step_associated_data(&out[..5], key, name);
+    let tag = cipher
+        .encrypt_in_place_detached(Nonce::from_slice(&nonce), &aad, &mut out[STEP_HEAD_LEN..])
+        .map_err(|_| StoreError::msg("encrypt: the step's result is too large to seal"))?;
+    out.extend_from_slice(&tag);
+    Ok(out)
+}
+
+/// The result a sealed step holds.
+pub(super) fn open_step(
+    keys: &EncryptionKeys,
+    key: &RecordKey,
+    name: &str,
+    sealed: &[u8],
+) -> Result<Vec<u8>, Unreadable> {
+    let fail = |key_id, reason| Unreadable { key_id, reason };
+    if sealed.len() < STEP_HEAD_LEN + TAG_LEN || sealed[0] != FORMAT_STEP {
+        return Err(fail(None, "a step it holds is not sealed"));
+    }
+    let key_id = KeyId::from_be_bytes([sealed[1], sealed[2], sealed[3], sealed[4]]);
+    let Some(cipher) = keys.get(key_id) else {
+        return Err(fail(Some(key_id), "its key id is not configured"));
+    };
+    let (body, tag) = sealed[STEP_HEAD_LEN..].split_at(sealed.len() - STEP_HEAD_LEN - TAG_LEN);
+    let mut plain = body.to_vec();
+    let aad = step_associated_data(&sealed[..5], key, name);
+    cipher
+        .decrypt_in_place_detached(
+            Nonce::from_slice(&sealed[5..STEP_HEAD_LEN]),
+            &aad,
+            &mut plain,
+            Tag::from_slice(tag),
+        )
+        .map_err(|_| {
+            fail(
+                Some(key_id),
+                "a step it holds fails authentication (altered, moved from another record or \
+                 step, or sealed under other key material with this id)",
+            )
+        })?;
+    Ok(plain)
+}
+
+/// Label, head (format, key id), scope digest, the name's length and the name.
+fn step_associated_data(head: &[u8], key: &RecordKey, name: &str) -> Vec<u8> {
+    let mut aad = Vec::with_capacity(AAD_LABEL_STEP.len() + head.len() + 32 + 8 + name.len());
+    aad.extend_from_slice(AAD_LABEL_STEP);
+    aad.extend_from_slice(head);
+    aad.extend_from_slice(&key.digest());
+    aad.extend_from_slice(&(name.len() as u64).to_be_bytes());
+    aad.extend_from_slice(name.as_bytes());
+    aad
+}
+
 /// Why a record does not open.
 pub(super) struct Unreadable {
     pub(super) key_id: Option<KeyId>,
@@ -274,6 +353,34 @@ mod tests {
             Ok(_) => panic!("opened"),
             Err(e) => e.reason,
         }
+    }
+
+    #[test]
+    fn sealed_steps_open_only_on_their_record_and_name() {
+        let keys = store(&[(1, [7; 32])]);
+        let sealed = seal_step(&keys, &key("k1"), "charge", b"{\"id\":\"ch_1\"}").expect("seal");
+        assert!(
+            !sealed.windows(4).any(|w| w == b"ch_1"),
+            "the result is hidden"
+        );
+        let opened = open_step(&keys, &key("k1"), "charge", &sealed).ok();
+        assert_eq!(opened.as_deref(), Some(&b"{\"id\":\"ch_1\"}"[..]));
+        assert!(
+            open_step(&keys, &key("k2"), "charge", &sealed).is_err(),
+            "another record"
+        );
+        assert!(
+            open_step(&keys, &key("k1"), "refund", &sealed).is_err(),
+            "another step"
+        );
+        assert!(open_step(&store(&[(2, [7; 32])]), &key("k1"), "charge", &sealed).is_err());
+        let mut altered = sealed.clone();
+        let last = altered.len() - 1;
+        altered[last] ^= 1;
+        assert!(
+            open_step(&keys, &key("k1"), "charge", &altered).is_err(),
+            "altered"
+        );
     }
 
     #[test]

@@ -347,6 +347,44 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
         self.inner.release(&self.secret.scope(key), lease).await
     }
 
+    /// The result sealed, bound to the record and the step's name; the name in clear.
+    async fn record_step(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        step: &crate::store::RecordedStep,
+    ) -> Result<Fenced, StoreError> {
+        let sealed = crate::store::RecordedStep {
+            name: step.name.clone(),
+            result: envelope::seal_step(&self.keys, key, &step.name, &step.result)?,
+        };
+        self.inner
+            .record_step(&self.secret.scope(key), lease, &sealed)
+            .await
+    }
+
+    async fn steps(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> Result<Option<Vec<crate::store::RecordedStep>>, StoreError> {
+        let Some(sealed) = self.inner.steps(&self.secret.scope(key), lease).await? else {
+            return Ok(None);
+        };
+        sealed
+            .into_iter()
+            .map(|step| {
+                let result = envelope::open_step(&self.keys, key, &step.name, &step.result)
+                    .map_err(envelope::Unreadable::into_store_error)?;
+                Ok(crate::store::RecordedStep {
+                    name: step.name,
+                    result,
+                })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()
+            .map(Some)
+    }
+
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.inner.purge_expired().await
     }

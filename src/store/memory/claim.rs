@@ -24,6 +24,7 @@ impl MemoryStore {
             size,
             generation: request.generation,
             created_at: SystemTime::now(),
+            steps: Vec::new(),
         };
         let generation = Some(request.generation);
         // Look up before inserting, so that replays and 409s never copy the key.
@@ -45,9 +46,12 @@ impl MemoryStore {
                 let kept = record.generation;
                 let old = std::mem::replace(record, fresh());
                 if same {
+                    // The same operation: its recovery points too.
                     record.generation = kept;
+                    record.size += old.steps.iter().map(super::step_size).sum::<usize>();
+                    record.steps = old.steps;
                 }
-                self.resize(&request.key.subject, old.size, size);
+                self.resize(&request.key.subject, old.size, record.size);
                 return Ok(ClaimOutcome::Claimed {
                     lease,
                     generation: Some(record.generation),
@@ -82,7 +86,10 @@ impl MemoryStore {
                     let old = std::mem::replace(record, fresh());
                     record.generation = kept;
                     record.created_at = old.created_at;
-                    self.resize(&request.key.subject, old.size, size);
+                    // The steps the dead holder recorded are what the retake resumes from.
+                    record.size += old.steps.iter().map(super::step_size).sum::<usize>();
+                    record.steps = old.steps;
+                    self.resize(&request.key.subject, old.size, record.size);
                     ClaimOutcome::Claimed {
                         lease,
                         generation: Some(kept),

@@ -17,7 +17,9 @@ use super::{
     RecordState, StoreError,
 };
 use crate::store::Fingerprint;
-use crate::store::{ClaimOutcome, ClaimRequest, Generation, LeaseToken, RecordKey, StoredResponse};
+use crate::store::{
+    ClaimOutcome, ClaimRequest, Generation, LeaseToken, RecordKey, RecordedStep, StoredResponse,
+};
 
 const SHARDS: usize = 16;
 
@@ -112,6 +114,8 @@ struct Record {
     generation: Generation,
     /// When the key was claimed (kept by a retake), for inspection.
     created_at: SystemTime,
+    /// The operation's recovery points, in the order recorded: kept with its generation.
+    steps: Vec<RecordedStep>,
 }
 
 enum State {
@@ -265,6 +269,11 @@ fn key_size(key: &RecordKey) -> usize {
     RECORD_OVERHEAD + 2 * (key.key.len() + key.subject.len() + key.endpoint.len())
 }
 
+/// What a recorded step adds to its record.
+fn step_size(step: &RecordedStep) -> usize {
+    step.name.len() + step.result.len() + 32
+}
+
 /// What a recorded response adds to its record.
 fn response_size(response: &StoredResponse) -> usize {
     response.body.len()
@@ -355,6 +364,42 @@ impl IdempotencyStore for MemoryStore {
             }
             _ => Ok(Fenced::LeaseLost),
         }
+    }
+
+    /// Counted against the capacity like an answer, and never refused for room: the step's
+    /// effect happened (the engine bounds what one operation records).
+    async fn record_step(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        step: &RecordedStep,
+    ) -> Result<Fenced, StoreError> {
+        let mut shard = self.shard(key);
+        match shard.records.get_mut(key) {
+            Some(record) if holds(record, lease) => {
+                if record.steps.iter().all(|s| s.name != step.name) {
+                    let grown = step_size(step);
+                    record.steps.push(step.clone());
+                    record.size += grown;
+                    self.add(grown);
+                    self.inner.subjects.add(&key.subject, 0, grown);
+                }
+                Ok(Fenced::Done)
+            }
+            _ => Ok(Fenced::LeaseLost),
+        }
+    }
+
+    async fn steps(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> Result<Option<Vec<RecordedStep>>, StoreError> {
+        let shard = self.shard(key);
+        Ok(match shard.records.get(key) {
+            Some(record) if holds(record, lease) => Some(record.steps.clone()),
+            _ => None,
+        })
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
