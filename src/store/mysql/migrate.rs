@@ -18,6 +18,9 @@ const BODY_BYTES: &str = include_str!("../../../migrations/mysql/0002_idempotenc
 /// The mark of a record whose holder a claim found silent (applied when the column is missing).
 const SUSPECTED: &str = include_str!("../../../migrations/mysql/0003_idempotency_suspected.sql");
 
+/// The columns of an operation's steps (applied when the column is missing).
+const STEPS: &str = include_str!("../../../migrations/mysql/0004_idempotency_steps.sql");
+
 /// The indexes the table has (each made by `CREATE TABLE`, and again, if missing, by `migrate()`):
 /// the suffix of its name after the table's, and its columns.
 const INDEXES: [(&str, &str); 2] = [
@@ -110,7 +113,7 @@ impl MySqlStore {
             })?;
         // Each statement (the files' comments left out) adds one column: applied when its column
         // is missing.
-        let statements: Vec<String> = [BODY_BYTES, SUSPECTED]
+        let statements: Vec<String> = [BODY_BYTES, SUSPECTED, STEPS]
             .into_iter()
             .flat_map(|file| {
                 let code: Vec<&str> = file

@@ -25,8 +25,10 @@ use statements::{Batch, PURGE_BATCH, Statements};
 
 use self::errors::error_number;
 use super::{IdempotencyStore, StoreError};
+use crate::store::step_list;
 use crate::store::{
-    ClaimOutcome, ClaimRequest, Fenced, Fingerprint, LeaseToken, RecordKey, StoredResponse,
+    ClaimOutcome, ClaimRequest, Fenced, Fingerprint, LeaseToken, RecordKey, RecordedStep,
+    StoredResponse,
 };
 
 use crate::store::sql::batch::Mode;
@@ -432,6 +434,40 @@ impl IdempotencyStore for MySqlStore {
         Ok(Fenced::from_held(
             answers.first().is_some_and(|a| a.affected == 1),
         ))
+    }
+
+    async fn record_step(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        step: &RecordedStep,
+    ) -> Result<Fenced, StoreError> {
+        let bytes = step_list::encode(step)
+            .ok_or_else(|| StoreError::msg("mysql record_step: the step is too large"))?;
+        let batch = self.sql.record_step(&key.digest(), lease, &bytes);
+        let answers = self.answers("record_step", &batch).await?;
+        Ok(Fenced::from_held(
+            answers.first().is_some_and(|a| a.affected == 1),
+        ))
+    }
+
+    async fn steps(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> Result<Option<Vec<RecordedStep>>, StoreError> {
+        use sqlx::Row;
+        let batch = self.sql.steps(&key.digest(), lease);
+        let answers = self.answers("steps", &batch).await?;
+        let Some(row) = answers.first().and_then(|a| a.rows.first()) else {
+            return Ok(None);
+        };
+        let list: Option<Vec<u8>> = row
+            .try_get(0)
+            .map_err(|e| StoreError::new("mysql steps: unexpected row", e))?;
+        step_list::decode(list.as_deref().unwrap_or_default())
+            .map(Some)
+            .ok_or_else(|| StoreError::unreadable_record("mysql steps: unreadable"))
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {

@@ -443,6 +443,30 @@ impl Statements {
         ))
     }
 
+    /// A step appended while the lease holds the record in progress; steps of another
+    /// generation are the record's earlier operation's, and go. (MySQL assigns left to right:
+    /// `steps` reads the generation of the steps before they are renamed.)
+    pub(super) fn record_step(&self, scope: &[u8; 32], lease: LeaseToken, step: &[u8]) -> Batch {
+        let step = hex(step);
+        Batch::default().push(&format!(
+            "UPDATE {} SET steps = IF(steps_generation <=> generation, \
+               CONCAT(COALESCE(steps, X''), {step}), {step}), steps_generation = generation \
+             WHERE {}",
+            self.quoted,
+            held(scope, lease)
+        ))
+    }
+
+    /// One row while the lease holds the record in progress: its steps (NULL when none are its
+    /// operation's).
+    pub(super) fn steps(&self, scope: &[u8; 32], lease: LeaseToken) -> Batch {
+        Batch::default().push(&format!(
+            "SELECT IF(steps_generation <=> generation, steps, NULL) FROM {} WHERE {}",
+            self.quoted,
+            held(scope, lease)
+        ))
+    }
+
     /// One batch of expired records deleted, through the expiry index.
     pub(super) fn purge(&self) -> Batch {
         Batch::default().push(READ_COMMITTED).push(&format!(

@@ -32,6 +32,9 @@ const HOLDER_TTL_MIGRATION: &str =
 /// as the table name.
 const SUSPECTED_MIGRATION: &str =
     include_str!("../../../migrations/0007_idempotency_suspected.sql");
+/// The columns of the operation's steps (recovery points), with `idempotency_records` as the
+/// table name.
+const STEPS_MIGRATION: &str = include_str!("../../../migrations/0009_idempotency_steps.sql");
 /// The function that claims many keys in one statement, with `idempotency_records` as the table
 /// name.
 const CLAIM_MANY_MIGRATION: &str =
@@ -146,6 +149,8 @@ impl PostgresStore {
             add_column(&mut tx, &pinned, "suspected_on", "0007", suspected).await?;
             apply_subject_index(&mut tx, &pinned).await?;
             apply_claim_many(&mut tx, &pinned).await?;
+            let steps = STEPS_MIGRATION.replace(DEFAULT_TABLE, &pinned.quoted);
+            add_column(&mut tx, &pinned, "step_results", "0009", steps).await?;
             tx.commit().await.map_err(db("migrate: commit"))?;
             *lock(&pinned.many_missing) = None;
             *lock(&configured.many_missing) = None;

@@ -30,7 +30,9 @@ use statements::{PURGE_BATCH, Statements};
 
 use super::{IdempotencyStore, StoreError};
 use crate::store::Fingerprint;
-use crate::store::{ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, StoredResponse};
+use crate::store::{
+    ClaimOutcome, ClaimRequest, LeaseToken, RecordKey, RecordedStep, StoredResponse,
+};
 
 use crate::store::sql::batch::Mode;
 use crate::store::sql::{
@@ -511,6 +513,56 @@ impl IdempotencyStore for PostgresStore {
     async fn release(&self, key: &RecordKey, lease: LeaseToken) -> Result<Fenced, StoreError> {
         let scope = key.digest();
         self.release_row(&scope, lease).await.map(Fenced::from_held)
+    }
+
+    async fn record_step(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        step: &RecordedStep,
+    ) -> Result<Fenced, StoreError> {
+        let scope = key.digest();
+        let done = on_connection!(self, "record_step", conn => {
+            self.leased(&self.sql().record_step, &scope, lease)
+                .bind(step.name.as_str())
+                .bind(step.result.as_slice())
+                .bind(&*self.lock_timeout)
+                .execute(&mut *conn)
+        })?
+        .map_err(db("record_step"))?;
+        Ok(Fenced::from_held(done.rows_affected() == 1))
+    }
+
+    async fn steps(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> Result<Option<Vec<RecordedStep>>, StoreError> {
+        let scope = key.digest();
+        type Row = (Option<Vec<String>>, Option<Vec<Vec<u8>>>);
+        let row: Option<Row> = on_connection!(self, "steps", conn => {
+            sqlx::query_as(sqlx::AssertSqlSafe(self.sql().steps.as_str()))
+                .bind(&scope[..])
+                .bind(lease.0)
+                .fetch_optional(&mut *conn)
+        })?
+        .map_err(db("steps"))?;
+        let Some((names, results)) = row else {
+            return Ok(None);
+        };
+        let (names, results) = (names.unwrap_or_default(), results.unwrap_or_default());
+        if names.len() != results.len() {
+            return Err(StoreError::unreadable_record(
+                "postgres steps: as many names as results were expected",
+            ));
+        }
+        Ok(Some(
+            names
+                .into_iter()
+                .zip(results)
+                .map(|(name, result)| RecordedStep { name, result })
+                .collect(),
+        ))
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {

@@ -49,6 +49,10 @@ pub(super) struct Statements {
     pub(super) complete_in: String,
     pub(super) finished_by: String,
     pub(super) release: String,
+    /// A step recorded by the lease that holds the record in progress (migrations/0009).
+    pub(super) record_step: String,
+    /// The steps of the operation whose record the lease holds in progress.
+    pub(super) steps: String,
     /// Claims, completions and releases of many records in one statement (see `batched.rs`).
     pub(super) claim_many: String,
     pub(super) complete_many: String,
@@ -260,6 +264,35 @@ impl Statements {
                  WHERE scope = $1 AND lease_token = $2 AND lease_token <> {RELEASED} \
                    AND status = 'in_progress' AND {LOCK_BOUND}",
                 lock_bound_cte(3)
+            ),
+            // A step of the operation, appended while the lease holds the record in progress;
+            // steps of another generation are the record's earlier operation's, and go. A name
+            // recorded already (the same write, sent again after its answer was lost) is kept as
+            // it was. $3 name, $4 result, $5 lock timeout.
+            record_step: format!(
+                "{} UPDATE {t} SET \
+                   step_names = CASE \
+                     WHEN steps_generation IS DISTINCT FROM generation THEN ARRAY[$3::text] \
+                     WHEN $3::text = ANY (step_names) THEN step_names \
+                     ELSE array_append(step_names, $3::text) END, \
+                   step_results = CASE \
+                     WHEN steps_generation IS DISTINCT FROM generation THEN ARRAY[$4::bytea] \
+                     WHEN $3::text = ANY (step_names) THEN step_results \
+                     ELSE array_append(step_results, $4::bytea) END, \
+                   steps_generation = generation \
+                 WHERE scope = $1 AND lease_token = $2 AND lease_token <> {RELEASED} \
+                   AND status = 'in_progress' AND {LOCK_BOUND}",
+                lock_bound_cte(5)
+            ),
+            // A plain read (it waits on no lock): the row when the lease holds it in progress,
+            // with its steps when they are its operation's.
+            steps: format!(
+                "SELECT CASE WHEN steps_generation IS NOT DISTINCT FROM generation \
+                          THEN step_names END, \
+                        CASE WHEN steps_generation IS NOT DISTINCT FROM generation \
+                          THEN step_results END \
+                 FROM {t} WHERE scope = $1 AND lease_token = $2 AND lease_token <> {RELEASED} \
+                   AND status = 'in_progress'"
             ),
             // Many claims in one statement (SPEC 26): one call of the function of
             // migrations/0008, one answer row per claim with the columns of `claim_direct` and its

@@ -388,6 +388,41 @@ impl IdempotencyStore for RedisStore {
         Ok(Fenced::from_held(done == 1))
     }
 
+    async fn record_step(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        step: &crate::store::RecordedStep,
+    ) -> Result<Fenced, StoreError> {
+        let bytes = crate::store::step_list::encode(step)
+            .ok_or_else(|| StoreError::msg("redis record_step: the step is too large"))?;
+        let done: i64 = self
+            .eval("record_step", &self.scripts.step, key, |cmd| {
+                cmd.arg(lease.0).arg(bytes.as_slice());
+            })
+            .await?;
+        Ok(Fenced::from_held(done == 1))
+    }
+
+    async fn steps(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> Result<Option<Vec<crate::store::RecordedStep>>, StoreError> {
+        let answer: Vec<u8> = self
+            .eval("steps", &self.scripts.steps, key, |cmd| {
+                cmd.arg(lease.0);
+            })
+            .await?;
+        match answer.split_first() {
+            None => Ok(None),
+            Some((b'h', list)) => crate::store::step_list::decode(list)
+                .map(Some)
+                .ok_or_else(|| StoreError::unreadable_record("redis steps: unreadable")),
+            Some(_) => Err(StoreError::msg("redis steps: an unexpected answer")),
+        }
+    }
+
     /// Redis expires records itself; there is nothing to purge.
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         Ok(0)

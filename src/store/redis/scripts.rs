@@ -47,6 +47,16 @@ const RENEW: &str = include_str!("renew.lua");
 /// lease.
 const RELEASE: &str = include_str!("release.lua");
 
+/// Append a step (its bytes, see `step_list`) to the record, if the lease still holds it in
+/// progress: `1` (`0`: not held). Steps count only under the generation they were recorded in
+/// (`sg`): a record that got a generation of its own has none. KEYS[1]; ARGV lease, the step.
+const STEP: &str = include_str!("step.lua");
+
+/// The steps of the record the lease holds in progress: `h` then its steps' bytes (none when they
+/// are another generation's); the empty string when the lease does not hold it. KEYS[1]; ARGV
+/// lease.
+const STEPS: &str = include_str!("steps.lua");
+
 /// A live record as inspection shows it, or nil (absent, expired or released): state, creation
 /// time (ms, `0` for a record written before creation times were kept), time to live (ms), the
 /// server's time (ms), the stored status (`-1` while in progress), key, subject and endpoint.
@@ -101,6 +111,8 @@ pub(super) struct Scripts {
     pub(super) complete: Lua,
     pub(super) renew: Lua,
     pub(super) release: Lua,
+    pub(super) step: Lua,
+    pub(super) steps: Lua,
     pub(super) inspect: Lua,
     pub(super) delete: Lua,
     pub(super) index: Lua,
@@ -117,6 +129,8 @@ impl Scripts {
             complete: Lua::new(COMPLETE),
             renew: Lua::new(RENEW),
             release: Lua::new(RELEASE),
+            step: Lua::new(STEP),
+            steps: Lua::new(STEPS),
             inspect: Lua::new(INSPECT),
             delete: Lua::new(DELETE),
             index: Lua::new(INDEX),

@@ -1,6 +1,6 @@
 //! `migrate()`: WAL mode for the file, then the table and its indexes
-//! (`migrations/sqlite/0001_idempotency_records.sql`) and the boot clock's column (`0002`, when
-//! it is missing) inside `BEGIN IMMEDIATE`, SQLite's write lock, which serialises concurrent
+//! (`migrations/sqlite/0001_idempotency_records.sql`), the boot clock's column (`0002`, when it is
+//! missing) and the steps' columns (`0003`, when they are missing) inside `BEGIN IMMEDIATE`, SQLite's write lock, which serialises concurrent
 //! migrations of every process on the file.
 
 use sqlx::Connection;
@@ -53,6 +53,23 @@ impl SqliteStore {
                             .execute(&mut *tx)
                             .await
                             .map(drop);
+                }
+            }
+            for (column, alter) in &self.sql.steps_columns {
+                if created.is_err() {
+                    break;
+                }
+                let (has,): (i64,) =
+                    sqlx::query_as(sqlx::AssertSqlSafe(self.sql.has_column.as_str()))
+                        .bind(column.as_str())
+                        .fetch_one(&mut *tx)
+                        .await
+                        .map_err(db("migrate: the steps' columns"))?;
+                if has == 0 {
+                    created = sqlx::raw_sql(sqlx::AssertSqlSafe(alter.as_str()))
+                        .execute(&mut *tx)
+                        .await
+                        .map(drop);
                 }
             }
             // A table of another shape fails the indexes' creation first: say what is wrong.

@@ -27,9 +27,10 @@ mod transactional;
 use statements::{DEFAULT_TABLE, PURGE_BATCH, Statements};
 
 use super::{IdempotencyStore, StoreError};
+use crate::store::step_list;
 use crate::store::{
     ClaimOutcome, ClaimRequest, Deleted, Fenced, Fingerprint, LeaseToken, ListRequest, RecordInfo,
-    RecordKey, RecordPage, StoredResponse,
+    RecordKey, RecordPage, RecordedStep, StoredResponse,
 };
 
 use crate::store::sql::batch::Mode;
@@ -398,6 +399,49 @@ impl IdempotencyStore for SqliteStore {
         })?
         .map_err(db("release"))?;
         Ok(Fenced::from_held(done.rows_affected() == 1))
+    }
+
+    async fn record_step(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+        step: &RecordedStep,
+    ) -> Result<Fenced, StoreError> {
+        let scope = key.digest();
+        let bytes = step_list::encode(step)
+            .ok_or_else(|| StoreError::msg("sqlite record_step: the step is too large"))?;
+        let hex = crate::util::hex::encode(&bytes);
+        let done = on_connection!(self, "record_step", write, conn => {
+            sqlx::query(statement(&self.sql.record_step))
+                .bind(&scope[..])
+                .bind(lease.0)
+                .bind(hex.as_str())
+                .execute(&mut *conn)
+        })?
+        .map_err(db("record_step"))?;
+        Ok(Fenced::from_held(done.rows_affected() == 1))
+    }
+
+    async fn steps(
+        &self,
+        key: &RecordKey,
+        lease: LeaseToken,
+    ) -> Result<Option<Vec<RecordedStep>>, StoreError> {
+        let scope = key.digest();
+        let row: Option<(Option<String>,)> = on_connection!(self, "steps", read, conn => {
+            sqlx::query_as(statement(&self.sql.steps))
+                .bind(&scope[..])
+                .bind(lease.0)
+                .fetch_optional(&mut *conn)
+        })?
+        .map_err(db("steps"))?;
+        match row {
+            None => Ok(None),
+            Some((list,)) => crate::util::hex::decode(list.as_deref().unwrap_or_default())
+                .and_then(|bytes| step_list::decode(&bytes))
+                .map(Some)
+                .ok_or_else(|| StoreError::unreadable_record("sqlite steps: unreadable")),
+        }
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {

@@ -29,6 +29,17 @@ pub(super) struct Statements {
     pub(super) boot_clock_column: String,
     /// Whether the table has the boot clock's column: one row, 0 or 1.
     pub(super) has_boot_clock: String,
+    /// `migrations/sqlite/0003` on this table, statement by statement: each adds the column
+    /// named first, when it is missing.
+    pub(super) steps_columns: Vec<(String, String)>,
+    /// Whether the table has the column `?1`: one row, 0 or 1.
+    pub(super) has_column: String,
+    /// A step appended while the lease holds the record in progress. ?1 scope, ?2 lease, ?3 the
+    /// step's bytes in hexadecimal (see `migrations/sqlite/0003`).
+    pub(super) record_step: Arc<str>,
+    /// The steps of the record the lease holds in progress (NULL when another generation's).
+    /// ?1 scope, ?2 lease.
+    pub(super) steps: Arc<str>,
     /// ?1 scope, ?2 fingerprint: what a claim needs to decide (the body only when it can be
     /// replayed).
     pub(super) claim_read: Arc<str>,
@@ -80,6 +91,38 @@ impl Statements {
                 "SELECT count(*) FROM pragma_table_info({}) WHERE name = 'renewed_paired_us'",
                 quote_literal(table)
             ),
+            steps_columns: include_str!("../../../migrations/sqlite/0003_idempotency_steps.sql")
+                .lines()
+                .filter(|line| !line.trim_start().starts_with("--"))
+                .collect::<Vec<_>>()
+                .join("\n")
+                .split(';')
+                .filter_map(|statement| {
+                    let (_, added) = statement.split_once("ADD COLUMN ")?;
+                    let column = added.split_whitespace().next()?.to_owned();
+                    Some((column, statement.replace(DEFAULT_TABLE, t)))
+                })
+                .collect(),
+            has_column: format!(
+                "SELECT count(*) FROM pragma_table_info({}) WHERE name = ?1",
+                quote_literal(table)
+            ),
+            // Steps of another generation are the record's earlier operation's, and go.
+            record_step: format!(
+                "UPDATE {t} SET \
+                   steps = CASE WHEN steps_generation IS generation \
+                            THEN coalesce(steps, '') || ?3 ELSE ?3 END, \
+                   steps_generation = generation \
+                 WHERE scope = ?1 AND lease_token = ?2 AND lease_token <> {RELEASED} \
+                   AND status = 'in_progress'"
+            )
+            .into(),
+            steps: format!(
+                "SELECT CASE WHEN steps_generation IS generation THEN steps END FROM {t} \
+                 WHERE scope = ?1 AND lease_token = ?2 AND lease_token <> {RELEASED} \
+                   AND status = 'in_progress'"
+            )
+            .into(),
             claim_read: format!(
                 "SELECT status, lease_token, fingerprint = ?2 AS same_fp, updated_us, \
                         CASE WHEN renewed_paired_us = updated_us THEN renewed_boot_us END, \
