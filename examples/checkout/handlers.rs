@@ -8,7 +8,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use axum_idempotency::layer::IdempotencyRejection;
-use axum_idempotency::{Disposition, IdempotencyContext, IdempotencyTx, Subject};
+use axum_idempotency::{Disposition, IdempotencyContext, IdempotencyTx, StepError, Subject};
 use serde_json::{Value, json};
 
 use super::app::AppState;
@@ -167,17 +167,32 @@ async fn pay(
         Some("flaky") => return error(StatusCode::SERVICE_UNAVAILABLE, "provider_unavailable"),
         _ => {}
     }
-    let payment = match state
-        .ledger
-        .provider_charge(&context.derived_key(), subject, amount)
-        .await
-    {
+    // Three external calls, each a step: recorded with the record as it returns, so that a run
+    // that takes over the record of a process that died between two of them runs only what is
+    // left. The warehouse and the mail service take no idempotency key: the steps alone keep them
+    // to one call each. (On SQLite, steps go before the handler's transaction first writes: the
+    // file has one writer at a time.)
+    let ledger = &state.ledger;
+    let reserved = context.step("reserve", || ledger.call("warehouse", subject));
+    if let Err(e) = reserved.await {
+        return step_failed("reserve", e);
+    }
+    paused_after(state, 1, subject).await;
+    let key = context.derived_key();
+    let charged = context.step("charge", || async {
+        ledger.call("provider", subject).await?;
+        ledger.provider_charge(&key, subject, amount).await
+    });
+    let payment: i64 = match charged.await {
         Ok(payment) => payment,
-        Err(e) => {
-            tracing::error!(error = %e, "the provider could not be reached");
-            return error(StatusCode::SERVICE_UNAVAILABLE, "provider_unavailable");
-        }
+        Err(e) => return step_failed("charge", e),
     };
+    paused_after(state, 2, subject).await;
+    let receipt = context.step("receipt", || ledger.call("mail", subject));
+    if let Err(e) = receipt.await {
+        return step_failed("receipt", e);
+    }
+    paused_after(state, 3, subject).await;
     // The layer's transaction begins here, at its first use: the provider call above held none.
     let conn = match tx.conn().await {
         Ok(conn) => conn,
@@ -203,6 +218,24 @@ async fn pay(
             error(StatusCode::SERVICE_UNAVAILABLE, "ledger_unavailable")
         }
     }
+}
+
+/// The tests' pause after step `n` (see `Settings::pause_after_step`), counted as a call to
+/// `pause` once the step is recorded, so that a test kills the process at a known point.
+async fn paused_after(state: &AppState, n: u64, subject: &str) {
+    if state.settings.pause_after_step == n {
+        if let Err(e) = state.ledger.call("pause", subject).await {
+            tracing::error!(error = %e, "could not count the pause");
+        }
+        tokio::time::sleep(state.settings.step_pause).await;
+    }
+}
+
+/// A step that did not give its result: `503`, which releases the key, so the retry runs again
+/// from the steps recorded (a run that lost its record to a retaker gets its answer ignored).
+fn step_failed(step: &str, e: StepError<sqlx::Error>) -> Response {
+    tracing::error!(step, error = %e, "a step of the checkout failed");
+    error(StatusCode::SERVICE_UNAVAILABLE, "provider_unavailable")
 }
 
 /// `POST /account/close`: the caller's account is closed; replays of its earlier answers are
@@ -233,9 +266,19 @@ pub(crate) async fn charges(
     State(state): State<AppState>,
     Extension(subject): Extension<Subject>,
 ) -> Response {
-    match state.ledger.list(&subject.0).await {
-        Ok((charges, attempts, payments)) => Json(json!({
+    let listed = async {
+        let (charges, attempts, payments) = state.ledger.list(&subject.0).await?;
+        let mut calls = serde_json::Map::new();
+        for service in ["warehouse", "provider", "mail", "pause"] {
+            let n = state.ledger.calls(service, &subject.0).await?;
+            calls.insert(service.to_owned(), n.into());
+        }
+        Ok::<_, sqlx::Error>((charges, attempts, payments, calls))
+    };
+    match listed.await {
+        Ok((charges, attempts, payments, calls)) => Json(json!({
             "charges": charges, "attempts": attempts, "provider_payments": payments,
+            "calls": calls,
         }))
         .into_response(),
         Err(e) => {

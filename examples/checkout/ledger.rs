@@ -100,6 +100,20 @@ impl Ledger {
         Ok(())
     }
 
+    /// A call to one of the simulated services that take no idempotency key (the warehouse that
+    /// reserves stock, the provider's card network, the mail service that sends receipts): each
+    /// call is an effect, counted (in the handler runs' table, under `<service>:<subject>`, outside
+    /// any transaction, so it survives the process).
+    pub(crate) async fn call(&self, service: &str, subject: &str) -> Result<(), sqlx::Error> {
+        self.count_attempt(&format!("{service}:{subject}")).await
+    }
+
+    /// How many times `subject`'s checkouts called `service`.
+    pub(crate) async fn calls(&self, service: &str, subject: &str) -> Result<i64, sqlx::Error> {
+        let (_, calls, _) = self.list(&format!("{service}:{subject}")).await?;
+        Ok(calls)
+    }
+
     /// The simulated payment provider: charges the card once per idempotency key, and answers a
     /// repeated key with the first payment (its state is its own: not in the handler's
     /// transaction).

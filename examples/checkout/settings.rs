@@ -9,6 +9,11 @@ pub(crate) struct Settings {
     pub in_progress_ttl: Duration,
     pub checkout_delay: Duration,
     pub checkout_hold: Duration,
+    /// For the tests that kill the process between two steps: after which step of a checkout
+    /// (1 reserve, 2 charge, 3 receipt; 0: none) it pauses, and for how long. The pause is
+    /// counted as a call to the service `pause` once the step is recorded.
+    pub pause_after_step: u64,
+    pub step_pause: Duration,
     pub transactional: bool,
     /// How long a duplicate of a checkout in progress waits for its answer (0: `409` at once).
     pub wait: Duration,
@@ -35,6 +40,8 @@ impl Settings {
             in_progress_ttl: Duration::from_secs(secs("IDEMPOTENCY_IN_PROGRESS_TTL_SECS", 90)?),
             checkout_delay: Duration::from_millis(secs("CHECKOUT_DELAY_MS", 0)?),
             checkout_hold: Duration::from_millis(secs("CHECKOUT_HOLD_MS", 0)?),
+            pause_after_step: secs("CHECKOUT_PAUSE_AFTER_STEP", 0)?,
+            step_pause: Duration::from_millis(secs("CHECKOUT_STEP_PAUSE_MS", 20_000)?),
             transactional: secs("CHECKOUT_TRANSACTIONAL", 1)? != 0,
             wait: Duration::from_millis(secs("IDEMPOTENCY_WAIT_MS", 0)?),
             request_timeout: Duration::from_secs(secs("REQUEST_TIMEOUT_SECS", 30)?),

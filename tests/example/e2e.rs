@@ -18,7 +18,7 @@ use tokio::process::Child;
 use common::example::{self, database_url};
 
 /// A fresh schema, and a pool whose connections use it.
-async fn schema_pool() -> (String, PgPool) {
+pub(crate) async fn schema_pool() -> (String, PgPool) {
     let admin = PgPool::connect(&database_url()).await.expect("PostgreSQL");
     let schema = format!(
         "idem_t_{}_{}_e2e{}",
@@ -950,13 +950,13 @@ async fn inspection_routes_and_the_wait() {
 // ---- the same scenarios on MySQL (feature `mysql`) ----
 
 #[cfg(feature = "mysql")]
-mod mysql {
+pub(crate) mod mysql {
     use super::*;
     use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 
     /// A fresh database, its URL, and a pool on it; databases earlier runs left are dropped after
     /// an hour.
-    async fn database() -> (String, MySqlPool) {
+    pub(crate) async fn database() -> (String, MySqlPool) {
         let server = common::servers::mysql_url();
         let admin = MySqlPool::connect(&server).await.expect("MySQL");
         let now = std::time::SystemTime::now()

@@ -12,3 +12,4 @@ mod e2e;
 mod example_redis;
 mod openapi;
 mod sqlite;
+mod steps;
