@@ -31,9 +31,10 @@
 //! **`idempotency_store_duration_seconds`** is the wall-clock time of each store operation the layer
 //! runs: `operation` is `claim`, `complete` (also the completion written in the handler's
 //! transaction), `renew` (the heartbeat), `release` (also the background clean-ups), `purge`
-//! (through [`spawn_purge`](crate::store::spawn_purge)), or `lookup` (the look-ups of a duplicate that
+//! (through [`spawn_purge`](crate::store::spawn_purge)), `lookup` (the look-ups of a duplicate that
 //! waits, see [`wait`](crate::IdempotencyLayerBuilder::wait); inspection called on the store itself
-//! is not timed); `result` is `ok` when the store answered,
+//! is not timed), or `steps` and `record_step` (a recovery point's read and write, see
+//! [`IdempotencyContext::step`](crate::IdempotencyContext::step)); `result` is `ok` when the store answered,
 //! whatever it answered (a completion refused because the lease was lost is `ok`), and `error` when
 //! it failed, timed out, or the operation was given up before it finished. It times the store the
 //! layer was given: behind a [`CachedStore`](crate::store::CachedStore), a claim answered from the

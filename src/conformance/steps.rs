@@ -135,7 +135,7 @@ pub async fn a_retake_resumes_after_the_recorded_steps<S: IdempotencyStore>(stor
         assert_eq!(done, Fenced::Done);
     }
     let runs: [Arc<AtomicUsize>; 3] = Default::default();
-    let deadline = Instant::now() + ttl * 6;
+    let deadline = Instant::now() + ttl * 10;
     let output = loop {
         let runs = runs.clone();
         let out = once
@@ -181,7 +181,8 @@ pub async fn a_retake_resumes_after_the_recorded_steps<S: IdempotencyStore>(stor
             Err(OnceError::InProgress) if Instant::now() < deadline => {
                 tokio::time::sleep(ttl / 4).await;
             }
-            out => break out.expect("the retake runs"),
+            Ok(output) => break output,
+            Err(e) => panic!("the retake runs: {e:?}"),
         }
     };
     assert_eq!(

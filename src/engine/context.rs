@@ -48,6 +48,14 @@ impl IdempotencyContext {
         }
     }
 
+    /// The run's own transaction has begun: its steps are refused from now on (see
+    /// [`StepError::AfterTransaction`]).
+    pub(crate) fn transaction_begun(&self) {
+        if let Some(steps) = &self.steps {
+            steps.transaction_begun();
+        }
+    }
+
     /// The same context, whose steps go to `log` (the record this run holds).
     pub(super) fn with_steps(mut self, log: Box<dyn StepLog>) -> Self {
         self.steps = Some(Arc::new(Steps::new(log)));
@@ -74,12 +82,15 @@ impl IdempotencyContext {
     ///   operation runs it again.
     /// - Fenced by the lease: a run presumed dead and retaken runs no further step and records
     ///   nothing ([`StepError::LeaseLost`]), and should stop.
-    /// - Steps of one run go one after another, and do not nest ([`StepError::Concurrent`]); names
-    ///   are 1 to 64 bytes, an operation records at most 16 steps, and a result at most 16 KiB of
-    ///   JSON.
+    /// - Steps of one run go one after another, and do not nest ([`StepError::Concurrent`]); they
+    ///   go before the run's own transaction's first use ([`StepError::AfterTransaction`]); names
+    ///   are 1 to 64 bytes without NUL, an operation records at most 16 steps, and a result at
+    ///   most 16 KiB of JSON.
+    /// - Do not cancel a step once its work may have run (a `timeout` around it): it is then not
+    ///   recorded, and the next run does the work again.
     /// - A step costs a read of the steps recorded (by the lease: a run whose record was retaken
     ///   learns it there, before the work runs) and, when it runs, one write; a write the store
-    ///   fails is tried again for up to the in-progress TTL. Every store of the crate keeps steps;
+    ///   fails is tried again until it is taken, the lease is lost, or the maximum hold. Every store of the crate keeps steps;
     ///   on a store that keeps none (one of your own that does not implement
     ///   [`record_step`](crate::store::IdempotencyStore::record_step)), a step fails
     ///   ([`StepError::Store`]) before its work runs.

@@ -26,8 +26,10 @@ pub(super) trait StepLog: Send + Sync {
     fn load(&self) -> Boxed<'_, Result<Option<Vec<RecordedStep>>, StoreError>>;
     /// Records one step, fenced by the lease.
     fn record<'a>(&'a self, step: &'a RecordedStep) -> Boxed<'a, Result<Fenced, StoreError>>;
-    /// How long a step's record is tried again while the store fails: the in-progress TTL.
+    /// How long a step's record is tried again while the store fails: the maximum hold.
     fn patience(&self) -> std::time::Duration;
+    /// How long the read before a step is tried again while the store fails: the in-progress TTL.
+    fn read_patience(&self) -> std::time::Duration;
 }
 
 /// The engine's store, the record and the lease that holds it.
@@ -52,6 +54,10 @@ impl<St: IdempotencyStore> StepLog for EngineSteps<St> {
     }
 
     fn patience(&self) -> std::time::Duration {
+        self.engine.settings().max_hold()
+    }
+
+    fn read_patience(&self) -> std::time::Duration {
         self.engine.settings().in_progress_ttl
     }
 
@@ -79,6 +85,8 @@ pub(super) struct Steps {
     log: Box<dyn StepLog>,
     /// Held while a step runs: steps of one run go one after another.
     busy: tokio::sync::Mutex<()>,
+    /// Whether the run's own transaction (`IdempotencyTx`, `OnceTransaction`) has begun.
+    transaction: std::sync::atomic::AtomicBool,
 }
 
 impl Steps {
@@ -86,7 +94,14 @@ impl Steps {
         Steps {
             log,
             busy: tokio::sync::Mutex::new(()),
+            transaction: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// The run's own transaction has begun: steps are refused from now on.
+    pub(super) fn transaction_begun(&self) {
+        self.transaction
+            .store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Runs `f` as the step `name` unless it was recorded (see `IdempotencyContext::step`).
@@ -106,13 +121,33 @@ impl Steps {
         let Ok(_busy) = self.busy.try_lock() else {
             return Err(StepError::Concurrent);
         };
+        // A step after the run's own transaction began would be recorded apart from what the
+        // transaction holds (its writes commit only with the answer), wait on that transaction's
+        // lock (SQLite's file has one writer), or need a second connection while the run holds
+        // one: steps go before it.
+        if self.transaction.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(StepError::AfterTransaction);
+        }
         // Read before every step, by the lease: a run whose record was retaken meanwhile (it was
         // presumed dead, and woke up) learns it here, before its work runs, and the steps are the
-        // store's as they are now (a write whose answer was lost may have landed).
-        let steps = match self.log.load().await {
-            Ok(Some(steps)) => steps,
-            Ok(None) => return Err(StepError::LeaseLost),
-            Err(e) => return Err(StepError::Store(e)),
+        // store's as they are now (a write whose answer was lost may have landed). Nothing ran
+        // yet: a read the store fails is tried again for up to the in-progress TTL before the
+        // step fails.
+        let give_up = tokio::time::Instant::now() + self.log.read_patience();
+        let mut pause = std::time::Duration::from_millis(50);
+        let steps = loop {
+            match self.log.load().await {
+                Ok(Some(steps)) => break steps,
+                Ok(None) => return Err(StepError::LeaseLost),
+                Err(e) if tokio::time::Instant::now() + pause >= give_up => {
+                    return Err(StepError::Store(e));
+                }
+                Err(e) => {
+                    tracing::warn!(step = name, error = %e, "reading the steps failed; trying again");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(std::time::Duration::from_secs(1));
+                }
+            }
         };
         if let Some(recorded) = steps.iter().find(|s| s.name == name) {
             return serde_json::from_slice(&recorded.result).map_err(StepError::Decode);
@@ -130,8 +165,10 @@ impl Steps {
             result,
         };
         // The work ran: its record is tried again while the store fails (a busy SQLite file, a
-        // connection lost), for as long as the lease may go unrenewed, rather than have the run
-        // fail and its retry run the work again. A write sent again counts once.
+        // connection lost, a table locked by another program), until it is taken, the lease is
+        // lost, or the maximum hold (which cancels the run anyway), rather than have the run fail
+        // and its retry run the work again. Every write is fenced by the lease, and one sent
+        // again counts once.
         let give_up = tokio::time::Instant::now() + self.log.patience();
         let mut pause = std::time::Duration::from_millis(50);
         loop {
@@ -161,11 +198,12 @@ pub enum StepError<E> {
     /// operation runs the step again.
     Failed(E),
     /// The record is no longer held by this run (it was presumed dead and retaken, or finished):
-    /// nothing was recorded, and the run must not go on with effects of its own.
+    /// this step's result was not recorded (or was, by an earlier try whose answer was lost, just
+    /// before the record was taken), and the run must not go on with effects of its own.
     LeaseLost,
-    /// The store failed: the steps could not be read (the work did not run), or the step's result
-    /// could not be recorded within the in-progress TTL of tries (the work ran; the last write may
-    /// or may not have committed).
+    /// The store failed: the steps could not be read within an in-progress TTL of tries (the work
+    /// did not run), or the step's result could not be recorded by the maximum hold (the work
+    /// ran; the last write may or may not have committed).
     Store(StoreError),
     /// The name is empty, longer than [`MAX_STEP_NAME`] bytes, or holds a NUL; nothing ran.
     Name,
@@ -174,6 +212,10 @@ pub enum StepError<E> {
     /// Another step of this run was running (this one was called inside it, or beside it): steps
     /// of one run go one after another. This one did not run.
     Concurrent,
+    /// The run's own transaction ([`IdempotencyTx`](crate::IdempotencyTx),
+    /// [`OnceTransaction`](crate::once::OnceTransaction)) had begun: steps go before its first
+    /// use. This one did not run.
+    AfterTransaction,
     /// The step's result, encoded, takes this many bytes, over [`MAX_STEP_RESULT`]: the work ran
     /// and its result was not recorded.
     TooLarge(usize),
@@ -204,6 +246,10 @@ impl<E: fmt::Display> fmt::Display for StepError<E> {
             StepError::Concurrent => f.write_str(
                 "another step of this run was running: steps go one after another, and do not \
                  nest; the step did not run",
+            ),
+            StepError::AfterTransaction => f.write_str(
+                "the run's transaction had begun: take steps before its first use; the step did \
+                 not run",
             ),
             StepError::TooLarge(n) => write!(
                 f,

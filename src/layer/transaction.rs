@@ -21,7 +21,7 @@ use super::handler::{Left, Offered, Transactions, Written};
 use super::problem::{ErrorKind, IdempotencyRejection, ProblemTypes};
 use super::recording::transactional::record_in;
 use super::settings::LayerSettings;
-use crate::engine::{Lease, rollback};
+use crate::engine::{IdempotencyContext, Lease, rollback};
 use crate::store::{StoreError, TransactionalStore};
 
 /// The transaction of an idempotent request on a store that has transactions (the SQL stores, and
@@ -98,10 +98,17 @@ impl<DB: sqlx::Database> IdempotencyTx<DB> {
     pub async fn conn(&mut self) -> Result<&mut DB::Connection, sqlx::Error> {
         let tx = match self.tx.take() {
             Some(tx) => tx,
-            None => (self.slot.begin)().await.map_err(|e| {
-                tracing::error!(error = %e, "could not begin the handler's transaction");
-                sqlx::Error::Io(std::io::Error::other(e))
-            })?,
+            None => {
+                let tx = (self.slot.begin)().await.map_err(|e| {
+                    tracing::error!(error = %e, "could not begin the handler's transaction");
+                    sqlx::Error::Io(std::io::Error::other(e))
+                })?;
+                // The run's steps go before its transaction (see `IdempotencyContext::step`).
+                if let Some(context) = &self.slot.context {
+                    context.transaction_begun();
+                }
+                tx
+            }
         };
         Ok(&mut **self.tx.insert(tx))
     }
@@ -211,6 +218,8 @@ pub(crate) struct TxSlot<DB: sqlx::Database> {
     begin: Box<Begin<DB>>,
     /// The layer's error types, for the extractor's rejections.
     problems: ProblemTypes,
+    /// The run's context, told when the transaction begins (its steps go before).
+    context: Option<IdempotencyContext>,
     state: Mutex<SlotState<DB>>,
 }
 
@@ -268,6 +277,7 @@ where
         let slot = Arc::new(TxSlot {
             begin: Box::new(begin),
             problems: http.problems.clone(),
+            context: request.extensions().get::<IdempotencyContext>().cloned(),
             state: Mutex::new(SlotState::Unused),
         });
         request.extensions_mut().insert(slot.clone());

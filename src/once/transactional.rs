@@ -38,6 +38,8 @@ pub struct OnceTransaction<St: TransactionalStore> {
     /// Where the transaction goes when this is dropped (the closure failed, panicked, or was
     /// cancelled at the maximum hold), to be rolled back before the record is released.
     left: Arc<Mutex<Option<St::Transaction>>>,
+    /// The run's context, told when the transaction begins (its steps go before).
+    context: IdempotencyContext,
 }
 
 impl<St: TransactionalStore> std::fmt::Debug for OnceTransaction<St> {
@@ -58,7 +60,10 @@ impl<St: TransactionalStore> OnceTransaction<St> {
                 // Idle for at most what is left of the maximum hold: a live closure is never cut
                 // for being slow between its statements.
                 let idle = self.deadline.saturating_duration_since(Instant::now());
-                self.store.begin(idle).await?
+                let tx = self.store.begin(idle).await?;
+                // The run's steps go before its transaction (see `IdempotencyContext::step`).
+                self.context.transaction_begun();
+                tx
             }
         };
         Ok(self.tx.insert(tx))
@@ -144,6 +149,7 @@ where
         deadline: lease.deadline(),
         tx: None,
         left: left.clone(),
+        context: context.clone(),
     };
     let ended = lease.run(async move { f(context, tx).await }).await;
     // What the closure wrote through and did not give back: rolled back before the record is

@@ -451,14 +451,31 @@ async fn killed_between_charge_and_commit(transactional: bool) -> (usize, i64, i
     let in_flight = tokio::spawn(async move {
         try_http(addr, "POST", "/checkout", "hana", Some("tx-1"), body).await
     });
-    // The handler ran up to its pause: the attempt and the provider payment are on record.
+    // The handler ran up to its pause: its three steps (the last one sends the receipt) and the
+    // provider payment are on record, and then its charge (committed on its own when the
+    // checkout is not transactional; uncommitted in its transaction otherwise).
     wait_for(
         &pool,
         "SELECT count(*)::text FROM provider_payments WHERE subject = 'hana'",
         "1",
     )
     .await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    wait_for(
+        &pool,
+        "SELECT attempts::text FROM checkout_attempts WHERE subject = 'mail:hana'",
+        "1",
+    )
+    .await;
+    if transactional {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    } else {
+        wait_for(
+            &pool,
+            "SELECT count(*)::text FROM checkout_charges WHERE subject = 'hana'",
+            "1",
+        )
+        .await;
+    }
     first.kill().await.expect("kill -9 before the commit");
     let killed_at = Instant::now();
     assert!(in_flight.await.expect("client").is_err());

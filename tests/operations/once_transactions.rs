@@ -104,6 +104,60 @@ async fn the_transaction_begins_at_its_first_use() {
     assert_eq!(effects(&store, "slow-call").await, 1);
 }
 
+/// Steps go before the run's transaction: one taken before its first use is recorded (on the
+/// store's own connection: the file's write lock is free), and one after it is refused before its
+/// work runs (its write would wait on the transaction's own lock, and be recorded apart from what
+/// the transaction holds). The effect and the output still commit together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steps_go_before_the_transaction() {
+    let store = store().await;
+    let once = RunOnce::builder(store.clone())
+        .in_progress_ttl(Duration::from_secs(3))
+        .build()
+        .expect("valid");
+    let output = once
+        .run_in_transaction(
+            scope("steps"),
+            Fingerprint::of(None, b"1"),
+            move |ctx, mut tx: OnceTransaction<SqliteStore>| async move {
+                let reserved = ctx
+                    .step("reserve", || async { Ok::<_, String>(7u32) })
+                    .await;
+                assert_eq!(reserved.ok(), Some(7), "a step before the transaction");
+                sqlx::query("INSERT INTO effects (message) VALUES ('steps')")
+                    .execute(tx.conn().await.map_err(|e| e.to_string())?)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let ran = Arc::new(Mutex::new(false));
+                let flag = ran.clone();
+                let late = ctx
+                    .step("receipt", || async move {
+                        *flag.lock().expect("flag") = true;
+                        Ok::<_, String>(true)
+                    })
+                    .await;
+                assert!(
+                    matches!(late, Err(axum_idempotency::StepError::AfterTransaction)),
+                    "{late:?}"
+                );
+                assert!(!*ran.lock().expect("flag"), "its work did not run");
+                // The recorded step again, as a step that is recorded already: refused all
+                // the same (the rule does not depend on what was recorded).
+                let again = ctx
+                    .step("reserve", || async { Ok::<_, String>(8u32) })
+                    .await;
+                assert!(matches!(
+                    again,
+                    Err(axum_idempotency::StepError::AfterTransaction)
+                ));
+                Ok::<_, String>(("done".to_owned(), tx))
+            },
+        )
+        .await;
+    assert_eq!(output.expect("ran"), "done");
+    assert_eq!(effects(&store, "steps").await, 1);
+}
+
 /// What the store was asked, in order.
 #[derive(Clone, Default)]
 struct Log(Arc<Mutex<Vec<&'static str>>>);
