@@ -80,8 +80,8 @@ impl IdempotencyContext {
     ///
     /// - A step whose `f` fails is not recorded ([`StepError::Failed`]): a later run of the
     ///   operation runs it again.
-    /// - Fenced by the lease: a run presumed dead and retaken runs no further step and records
-    ///   nothing ([`StepError::LeaseLost`]), and should stop.
+    /// - Fenced by the lease: a run presumed dead and retaken runs no further step, and no write
+    ///   of its records anything after the retake ([`StepError::LeaseLost`]); it should stop.
     /// - Steps of one run go one after another, and do not nest ([`StepError::Concurrent`]); they
     ///   go before the run's own transaction's first use ([`StepError::AfterTransaction`]); names
     ///   are 1 to 64 bytes without NUL, an operation records at most 16 steps, and a result at

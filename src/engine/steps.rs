@@ -139,7 +139,13 @@ impl Steps {
             match self.log.load().await {
                 Ok(Some(steps)) => break steps,
                 Ok(None) => return Err(StepError::LeaseLost),
-                Err(e) if tokio::time::Instant::now() + pause >= give_up => {
+                // What no try changes (a store that keeps no steps, a table not migrated for
+                // them, a list that does not read) fails at once.
+                Err(e)
+                    if e.is_unsupported()
+                        || e.is_unreadable_record()
+                        || tokio::time::Instant::now() + pause >= give_up =>
+                {
                     return Err(StepError::Store(e));
                 }
                 Err(e) => {
@@ -170,12 +176,20 @@ impl Steps {
         // and its retry run the work again. Every write is fenced by the lease, and one sent
         // again counts once.
         let give_up = tokio::time::Instant::now() + self.log.patience();
+        // Unless the run's transaction began while the work ran (a step beside `tx.conn()`,
+        // which the check above could not see): on SQLite the write may then wait on that
+        // transaction's own lock, so it is sent once.
+        let once = self.transaction.load(std::sync::atomic::Ordering::SeqCst);
         let mut pause = std::time::Duration::from_millis(50);
         loop {
             match self.log.record(&step).await {
                 Ok(Fenced::Done) => return Ok(value),
                 Ok(Fenced::LeaseLost) => return Err(StepError::LeaseLost),
-                Err(e) if tokio::time::Instant::now() + pause >= give_up => {
+                Err(e)
+                    if once
+                        || e.is_unsupported()
+                        || tokio::time::Instant::now() + pause >= give_up =>
+                {
                     return Err(StepError::Store(e));
                 }
                 Err(e) => {
@@ -201,9 +215,11 @@ pub enum StepError<E> {
     /// this step's result was not recorded (or was, by an earlier try whose answer was lost, just
     /// before the record was taken), and the run must not go on with effects of its own.
     LeaseLost,
-    /// The store failed: the steps could not be read within an in-progress TTL of tries (the work
-    /// did not run), or the step's result could not be recorded by the maximum hold (the work
-    /// ran; the last write may or may not have committed).
+    /// The store failed: the steps could not be read within an in-progress TTL of tries, or it
+    /// keeps no steps (the work did not run); or the step's result could not be recorded (the
+    /// work ran; the last write may or may not have committed). A write is tried again until the
+    /// run's maximum hold, which ends the run first: a handler sees this for a write only when
+    /// the store cannot keep steps, or when the run's transaction began while the step ran.
     Store(StoreError),
     /// The name is empty, longer than [`MAX_STEP_NAME`] bytes, or holds a NUL; nothing ran.
     Name,
@@ -231,8 +247,8 @@ impl<E: fmt::Display> fmt::Display for StepError<E> {
         match self {
             StepError::Failed(e) => write!(f, "the step failed: {e}"),
             StepError::LeaseLost => f.write_str(
-                "the run no longer holds its record (retaken or finished): the step was not \
-                 recorded",
+                "the run no longer holds its record (retaken or finished): the step's result was \
+                 not recorded by this try",
             ),
             StepError::Store(e) => write!(f, "the step's record: {e}"),
             StepError::Name => write!(

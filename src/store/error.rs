@@ -26,6 +26,9 @@ enum Kind {
     Full,
     /// A statement of the transaction had failed before: nothing in it can commit.
     AbortedTransaction,
+    /// The store cannot do this at all (it keeps no steps, or its table lacks their columns):
+    /// trying again changes nothing.
+    Unsupported,
 }
 
 impl StoreError {
@@ -55,10 +58,24 @@ impl StoreError {
     /// The store keeps no steps (recovery points, SPEC 28): a step run on it fails before its
     /// work runs.
     pub fn no_steps() -> Self {
-        StoreError::msg(
+        StoreError::unsupported(
             "this store keeps no steps (recovery points): run the step outside `step`, or use \
              a store that keeps them (every store of this crate does)",
         )
+    }
+
+    /// What the store cannot do at all (trying again changes nothing): it keeps no steps, or its
+    /// table lacks a column this version needs until `migrate()` runs.
+    pub fn unsupported(message: impl Into<String>) -> Self {
+        StoreError {
+            kind: Kind::Unsupported,
+            ..StoreError::msg(message)
+        }
+    }
+
+    /// True for an error made by [`StoreError::unsupported`] (or [`StoreError::no_steps`]).
+    pub fn is_unsupported(&self) -> bool {
+        self.kind == Kind::Unsupported
     }
 
     /// An error with only a message.

@@ -111,8 +111,11 @@ async fn the_transaction_begins_at_its_first_use() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn steps_go_before_the_transaction() {
     let store = store().await;
+    // A short maximum hold: were the late step let through, its write would wait on the run's
+    // own lock, and the run end soon rather than in ten minutes.
     let once = RunOnce::builder(store.clone())
         .in_progress_ttl(Duration::from_secs(3))
+        .max_hold(Duration::from_secs(6))
         .build()
         .expect("valid");
     let output = once
@@ -124,6 +127,14 @@ async fn steps_go_before_the_transaction() {
                     .step("reserve", || async { Ok::<_, String>(7u32) })
                     .await;
                 assert_eq!(reserved.ok(), Some(7), "a step before the transaction");
+                let recorded = ctx
+                    .step("reserve", || async { Ok::<_, String>(8u32) })
+                    .await;
+                assert_eq!(
+                    recorded.ok(),
+                    Some(7),
+                    "read back as recorded, not run again"
+                );
                 sqlx::query("INSERT INTO effects (message) VALUES ('steps')")
                     .execute(tx.conn().await.map_err(|e| e.to_string())?)
                     .await

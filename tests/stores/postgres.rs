@@ -1438,3 +1438,59 @@ mod batched {
         }
     }
 }
+
+/// A table not migrated for steps (made by an earlier version, `migrate()` not run since): a step
+/// answers at once that the store cannot keep them (the engine then fails the step before its
+/// work, with no tries again), and the rest of the store works as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_without_the_steps_columns_refuses_steps_at_once() {
+    let pool = pool(4).await;
+    let schema = fresh_schema(&pool).await;
+    let table = format!("{schema}.idempotency_records");
+    let store = PostgresStore::with_table(pool.clone(), &table)
+        .expect("valid table name")
+        .with_timeout(common::SUITE_STORE_TIMEOUT);
+    store.migrate().await.expect("migrate");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE {table} DROP COLUMN step_results, DROP COLUMN step_names, \
+         DROP COLUMN steps_generation"
+    )))
+    .execute(&pool)
+    .await
+    .expect("the columns of an earlier version");
+    let request = ClaimRequest::new(
+        RecordKey {
+            key: "unmigrated".into(),
+            subject: "alice".into(),
+            endpoint: "POST /pay".into(),
+        },
+        Fingerprint::of(None, b"{}"),
+        Duration::from_secs(30),
+        Duration::from_secs(60),
+    );
+    let ClaimOutcome::Claimed { lease, .. } = store.claim(&request).await.expect("claim") else {
+        panic!("claimed");
+    };
+    let read = store.steps(&request.key, lease).await;
+    assert!(read.as_ref().is_err_and(|e| e.is_unsupported()), "{read:?}");
+    let step = axum_idempotency::store::RecordedStep {
+        name: "reserve".into(),
+        result: b"1".to_vec(),
+    };
+    let write = store.record_step(&request.key, lease, &step).await;
+    assert!(
+        write.as_ref().is_err_and(|e| e.is_unsupported()),
+        "{write:?}"
+    );
+    // Renewed and completed as before.
+    let renewed = store
+        .renew(&request.key, lease, Duration::from_secs(60))
+        .await;
+    assert!(renewed.expect("renew").is_done());
+    // And `migrate()` adds them back.
+    store.migrate().await.expect("migrate again");
+    assert_eq!(
+        store.steps(&request.key, lease).await.expect("steps"),
+        Some(vec![])
+    );
+}

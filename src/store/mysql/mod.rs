@@ -445,7 +445,10 @@ impl IdempotencyStore for MySqlStore {
         let bytes = step_list::encode(step)
             .ok_or_else(|| StoreError::msg("mysql record_step: the step is too large"))?;
         let batch = self.sql.record_step(&key.digest(), lease, &bytes);
-        let answers = self.answers("record_step", &batch).await?;
+        let answers = self
+            .batch("record_step", &batch)
+            .await?
+            .map_err(shared::steps_error::<MySql>("record_step"))?;
         Ok(Fenced::from_held(
             answers.first().is_some_and(|a| a.affected == 1),
         ))
@@ -458,7 +461,10 @@ impl IdempotencyStore for MySqlStore {
     ) -> Result<Option<Vec<RecordedStep>>, StoreError> {
         use sqlx::Row;
         let batch = self.sql.steps(&key.digest(), lease);
-        let answers = self.answers("steps", &batch).await?;
+        let answers = self
+            .batch("steps", &batch)
+            .await?
+            .map_err(shared::steps_error::<MySql>("steps"))?;
         let Some(row) = answers.first().and_then(|a| a.rows.first()) else {
             return Ok(None);
         };

@@ -529,7 +529,9 @@ impl IdempotencyStore for PostgresStore {
                 .bind(&*self.lock_timeout)
                 .execute(&mut *conn)
         })?
-        .map_err(db("record_step"))?;
+        .map_err(crate::store::sql::steps_error::<sqlx::Postgres>(
+            "record_step",
+        ))?;
         Ok(Fenced::from_held(done.rows_affected() == 1))
     }
 
@@ -546,7 +548,7 @@ impl IdempotencyStore for PostgresStore {
                 .bind(lease.0)
                 .fetch_optional(&mut *conn)
         })?
-        .map_err(db("steps"))?;
+        .map_err(crate::store::sql::steps_error::<sqlx::Postgres>("steps"))?;
         let Some((names, results)) = row else {
             return Ok(None);
         };

@@ -74,6 +74,31 @@ pub(crate) fn db<B: Backend>(what: &'static str) -> impl Fn(sqlx::Error) -> Stor
     }
 }
 
+/// The error of a steps' statement (see `IdempotencyStore::steps`): a table that lacks their
+/// columns (`migrate()` has not run since this version) cannot keep steps, and saying so spares the
+/// engine its tries again; anything else as [`db`] answers it.
+pub(crate) fn steps_error<B: Backend>(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
+    move |e| {
+        let missing = match &e {
+            sqlx::Error::Database(d) => {
+                // PostgreSQL's undefined column, MySQL's unknown column, SQLite's message.
+                matches!(d.code().as_deref(), Some("42703" | "42S22"))
+                    || d.message().contains("no such column")
+                    || d.message().contains("Unknown column")
+            }
+            _ => false,
+        };
+        if missing {
+            StoreError::unsupported(format!(
+                "{} {what}: the table has no columns for steps; run migrate() ({e})",
+                B::NAME
+            ))
+        } else {
+            db::<B>(what)(e)
+        }
+    }
+}
+
 /// The keeper's pool (see `keeper_session`): one connection of its own with `options`, made on
 /// first use (on the keeper's runtime), never pinged nor retired for its age, so that the
 /// renewals need nothing of the handlers' pool.

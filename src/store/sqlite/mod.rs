@@ -418,7 +418,7 @@ impl IdempotencyStore for SqliteStore {
                 .bind(hex.as_str())
                 .execute(&mut *conn)
         })?
-        .map_err(db("record_step"))?;
+        .map_err(shared::steps_error::<Sqlite>("record_step"))?;
         Ok(Fenced::from_held(done.rows_affected() == 1))
     }
 
@@ -434,7 +434,7 @@ impl IdempotencyStore for SqliteStore {
                 .bind(lease.0)
                 .fetch_optional(&mut *conn)
         })?
-        .map_err(db("steps"))?;
+        .map_err(shared::steps_error::<Sqlite>("steps"))?;
         match row {
             None => Ok(None),
             Some((list,)) => crate::util::hex::decode(list.as_deref().unwrap_or_default())
