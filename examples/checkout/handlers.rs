@@ -170,8 +170,8 @@ async fn pay(
     // Three external calls, each a step: recorded with the record as it returns, so that a run
     // that takes over the record of a process that died between two of them runs only what is
     // left. The warehouse and the mail service take no idempotency key: the steps alone keep them
-    // to one call each. (On SQLite, steps go before the handler's transaction first writes: the
-    // file has one writer at a time.)
+    // to one call each. They go before the handler's transaction first writes: a step after that
+    // is recorded with the transaction's commit, which is for effects in the transaction.
     let ledger = &state.ledger;
     let reserved = context.step("reserve", || ledger.call("warehouse", subject));
     if let Err(e) = reserved.await {

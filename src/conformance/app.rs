@@ -372,6 +372,12 @@ impl<S: IdempotencyStore> IdempotencyStore for Counting<S> {
     ) -> Result<Option<Vec<crate::store::RecordedStep>>, crate::store::StoreError> {
         self.store.steps(key, lease).await
     }
+    async fn recorded_steps(
+        &self,
+        key: &RecordKey,
+    ) -> Result<Vec<crate::store::RecordedStep>, crate::store::StoreError> {
+        self.store.recorded_steps(key).await
+    }
     async fn release(
         &self,
         key: &RecordKey,

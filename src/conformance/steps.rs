@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use super::suite::{claim_past_silence, claim_request, stored};
 use crate::once::{OnceError, RunOnce};
-use crate::store::{ClaimOutcome, Fenced, IdempotencyStore, LeaseToken, RecordedStep};
+use crate::store::{
+    ClaimOutcome, Deleted, Fenced, IdempotencyStore, LeaseToken, RecordKey, RecordedStep,
+};
 use crate::{Fingerprint, StepError};
 
 fn step(name: &str, result: &str) -> RecordedStep {
@@ -230,4 +232,132 @@ pub async fn the_largest_steps_are_kept_whole<S: IdempotencyStore>(store: S) {
     let read = read.expect("held");
     assert_eq!(read.len(), steps.len());
     assert!(read == steps, "every step read back as written");
+}
+
+/// What inspection shows of `key`'s steps, and whether `lookup` finds its record live.
+async fn inspected<S: IdempotencyStore>(store: &S, key: &RecordKey) -> (Vec<RecordedStep>, bool) {
+    let steps = store.recorded_steps(key).await.expect("recorded steps");
+    let live = store.lookup(key).await.expect("lookup").is_some();
+    (steps, live)
+}
+
+/// Inspection shows an operation's steps, in the order they were recorded, while its record is in
+/// progress and once it has finished (a finished record keeps the steps of the run that finished
+/// it), and only where [`lookup`](IdempotencyStore::lookup) finds a live record: none for a key
+/// never claimed (another key, another subject), a released record (whose retry by the same
+/// request shows them again), a record another request took (another operation), a deleted
+/// record, or one past its retention.
+pub async fn inspection_shows_the_recorded_steps<S: IdempotencyStore>(store: S) {
+    let ttl = Duration::from_secs(30);
+    let first = claim_request("inspected-steps", ttl);
+    let key = &first.key;
+    let lease = lease_of(store.claim(&first).await.expect("claim"));
+    assert_eq!(
+        inspected(&store, key).await,
+        (vec![], true),
+        "none recorded yet"
+    );
+    let (a, b) = (step("reserve", r#"{"id":7}"#), step("charge", r#""ch_1""#));
+    for s in [&a, &b] {
+        let done = store.record_step(key, lease, s).await.expect("record");
+        assert_eq!(done, Fenced::Done, "{}", s.name);
+    }
+    let both = vec![a.clone(), b.clone()];
+    assert_eq!(
+        inspected(&store, key).await,
+        (both.clone(), true),
+        "in progress: in the order recorded"
+    );
+    // Inspection reads: the holder still holds the record, and its steps.
+    assert_eq!(
+        store.steps(key, lease).await.expect("steps"),
+        Some(both.clone())
+    );
+
+    // Another key, and the same key of another subject, show none of them.
+    let stranger = claim_request("inspected-steps-stranger", ttl).key;
+    assert_eq!(
+        inspected(&store, &stranger).await,
+        (vec![], false),
+        "another key"
+    );
+    let mut elsewhere = key.clone();
+    elsewhere.subject = "mallory".into();
+    assert_eq!(
+        inspected(&store, &elsewhere).await,
+        (vec![], false),
+        "another subject"
+    );
+
+    // Finished: the record keeps the steps of the run that finished it, until its retention.
+    let retention = Duration::from_millis(1500);
+    let done = store
+        .complete(key, lease, &first.fingerprint, stored("done"), retention)
+        .await
+        .expect("complete");
+    assert!(done.is_done());
+    assert_eq!(
+        inspected(&store, key).await,
+        (both.clone(), true),
+        "finished: the steps of its run"
+    );
+
+    // Released: no live record, and no steps shown; the same request's retry finds its
+    // operation's steps again.
+    let other = claim_request("inspected-steps-released", ttl);
+    let k = &other.key;
+    let l1 = lease_of(store.claim(&other).await.expect("claim"));
+    let c = step("reserve", "1");
+    assert_eq!(
+        store.record_step(k, l1, &c).await.expect("record"),
+        Fenced::Done
+    );
+    assert_eq!(inspected(&store, k).await, (vec![c.clone()], true));
+    assert!(store.release(k, l1).await.expect("release").is_done());
+    assert_eq!(inspected(&store, k).await, (vec![], false), "released");
+    let l2 = lease_of(
+        store
+            .claim(&other.from_another_request())
+            .await
+            .expect("claim"),
+    );
+    assert_eq!(
+        inspected(&store, k).await,
+        (vec![c.clone()], true),
+        "the same operation again, its steps"
+    );
+
+    // Released again and taken by another request: another operation, which has none.
+    assert!(store.release(k, l2).await.expect("release").is_done());
+    let mut another = other.from_another_request();
+    another.fingerprint = Fingerprint::of(None, b"{\"other\":true}");
+    let l3 = lease_of(store.claim(&another).await.expect("claim"));
+    assert_eq!(
+        inspected(&store, k).await,
+        (vec![], true),
+        "another request's operation has none of the released run's steps"
+    );
+    let d = step("refund", r#""re_1""#);
+    assert_eq!(
+        store.record_step(k, l3, &d).await.expect("record"),
+        Fenced::Done
+    );
+    let done = store
+        .complete(k, l3, &another.fingerprint, stored("other"), ttl)
+        .await
+        .expect("complete");
+    assert!(done.is_done());
+    assert_eq!(inspected(&store, k).await, (vec![d], true), "finished");
+
+    // Deleted: no steps shown.
+    assert_eq!(store.delete(k).await.expect("delete"), Deleted::Deleted);
+    assert_eq!(inspected(&store, k).await, (vec![], false), "deleted");
+
+    // Past its retention: no steps shown.
+    tokio::time::sleep(retention + Duration::from_millis(300)).await;
+    assert_eq!(
+        inspected(&store, key).await,
+        (vec![], false),
+        "past its retention"
+    );
 }

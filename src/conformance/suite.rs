@@ -22,7 +22,7 @@ pub use super::inspection::{
     inspection_shows_every_state, listing_pages_through_one_subjects_records,
 };
 pub use super::steps::{
-    a_retake_resumes_after_the_recorded_steps,
+    a_retake_resumes_after_the_recorded_steps, inspection_shows_the_recorded_steps,
     steps_are_kept_by_the_operation_and_fenced_by_the_lease, the_largest_steps_are_kept_whole,
 };
 pub use super::tombstones::an_expired_key_is_answered_gone_until_its_tombstone_expires;
@@ -98,6 +98,7 @@ macro_rules! store_suite {
             steps_are_kept_by_the_operation_and_fenced_by_the_lease,
             a_retake_resumes_after_the_recorded_steps,
             the_largest_steps_are_kept_whole,
+            inspection_shows_the_recorded_steps,
         );
     };
     (@tests $make:expr; $($name:ident),* $(,)?) => {

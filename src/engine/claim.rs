@@ -198,11 +198,11 @@ impl<St: IdempotencyStore> Engine<St> {
                     generation,
                     settings.derived_key_secret.clone(),
                 )
-                .with_steps(Box::new(super::steps::EngineSteps {
+                .with_steps(super::steps::EngineSteps {
                     engine: self.clone(),
                     key: key.clone(),
                     lease: request.lease,
-                }));
+                });
                 // Its heartbeat runs before the work does (see `Lease::started`).
                 let lease = Lease::started(
                     self.clone(),

@@ -48,17 +48,27 @@ impl IdempotencyContext {
         }
     }
 
-    /// The run's own transaction has begun: its steps are refused from now on (see
-    /// [`StepError::AfterTransaction`]).
+    /// The run's own transaction has begun: its steps from now on are recorded in it, with its
+    /// completion.
     pub(crate) fn transaction_begun(&self) {
         if let Some(steps) = &self.steps {
             steps.transaction_begun();
         }
     }
 
+    /// The steps the run took in its transaction, for the completion written in it; none are
+    /// left.
+    pub(crate) fn take_transaction_steps(&self) -> Vec<crate::store::RecordedStep> {
+        self.steps
+            .as_ref()
+            .map(|steps| steps.take_in_transaction())
+            .unwrap_or_default()
+    }
+
     /// The same context, whose steps go to `log` (the record this run holds).
-    pub(super) fn with_steps(mut self, log: Box<dyn StepLog>) -> Self {
-        self.steps = Some(Arc::new(Steps::new(log)));
+    pub(super) fn with_steps(mut self, log: impl StepLog + 'static) -> Self {
+        let steps: Arc<Steps> = Arc::new(Steps::new(log));
+        self.steps = Some(steps);
         self
     }
 
@@ -82,10 +92,15 @@ impl IdempotencyContext {
     ///   operation runs it again.
     /// - Fenced by the lease: a run presumed dead and retaken runs no further step, and no write
     ///   of its records anything after the retake ([`StepError::LeaseLost`]); it should stop.
-    /// - Steps of one run go one after another, and do not nest ([`StepError::Concurrent`]); they
-    ///   go before the run's own transaction's first use ([`StepError::AfterTransaction`]); names
-    ///   are 1 to 64 bytes without NUL, an operation records at most 16 steps, and a result at
-    ///   most 16 KiB of JSON.
+    /// - Steps of one run go one after another, and do not nest ([`StepError::Concurrent`]);
+    ///   names are 1 to 64 bytes without NUL, an operation records at most 16 steps, and a result
+    ///   at most 16 KiB of JSON.
+    /// - With the run's own transaction ([`IdempotencyTx`](crate::IdempotencyTx),
+    ///   [`OnceTransaction`](crate::once::OnceTransaction)): a step taken after its first use is
+    ///   recorded in it, with the completion, so the step and the effects it wrote through the
+    ///   transaction commit together or not at all (a run that dies before the commit leaves
+    ///   neither, and the retake runs the step again). Such a step is for effects in the
+    ///   transaction: an external call belongs in a step before it, which is recorded at once.
     /// - Do not cancel a step once its work may have run (a `timeout` around it): it is then not
     ///   recorded, and the next run does the work again.
     /// - A step costs a read of the steps recorded (by the lease: a run whose record was retaken

@@ -68,40 +68,59 @@ impl<St: IdempotencyStore> StepLog for EngineSteps<St> {
                 "record_step",
                 self.engine.store().record_step(&self.key, self.lease, step),
             );
-            tokio::time::timeout(bound, write)
+            let written = tokio::time::timeout(bound, write)
                 .await
                 .unwrap_or_else(|_| {
                     Err(StoreError::msg(
                         "recording the step timed out (it may have been recorded)",
                     ))
-                })
+                });
+            if matches!(written, Ok(Fenced::Done)) {
+                // Its bytes count in the subject's share, as an answer's do.
+                self.engine
+                    .recorded(&self.key.subject, step.name.len() + step.result.len());
+            }
+            written
         })
     }
 }
 
 /// The steps of one run: read from the store before each step, so that a step runs only while
-/// the run still holds its record and only when it was not recorded.
-pub(super) struct Steps {
-    log: Box<dyn StepLog>,
+/// the run still holds its record and only when it was not recorded. Made with its log in one
+/// allocation (`Arc<Steps<EngineSteps<St>>>`), and held as `Arc<Steps>`: the log's type is the
+/// engine's store, which the context does not name.
+pub(super) struct Steps<L: ?Sized = dyn StepLog> {
     /// Held while a step runs: steps of one run go one after another.
     busy: tokio::sync::Mutex<()>,
     /// Whether the run's own transaction (`IdempotencyTx`, `OnceTransaction`) has begun.
     transaction: std::sync::atomic::AtomicBool,
+    /// The steps taken in the run's transaction, in order: written in it with the completion,
+    /// and committed with the effects they wrote there (see `commit_with_record`).
+    in_transaction: std::sync::Mutex<Vec<RecordedStep>>,
+    log: L,
+}
+
+impl<L: StepLog> Steps<L> {
+    pub(super) fn new(log: L) -> Self {
+        Steps {
+            busy: tokio::sync::Mutex::new(()),
+            transaction: std::sync::atomic::AtomicBool::new(false),
+            in_transaction: std::sync::Mutex::new(Vec::new()),
+            log,
+        }
+    }
 }
 
 impl Steps {
-    pub(super) fn new(log: Box<dyn StepLog>) -> Self {
-        Steps {
-            log,
-            busy: tokio::sync::Mutex::new(()),
-            transaction: std::sync::atomic::AtomicBool::new(false),
-        }
-    }
-
-    /// The run's own transaction has begun: steps are refused from now on.
+    /// The run's own transaction has begun: steps from now on are recorded in it.
     pub(super) fn transaction_begun(&self) {
         self.transaction
             .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The steps taken in the run's transaction, for its completion to write; none are left.
+    pub(super) fn take_in_transaction(&self) -> Vec<RecordedStep> {
+        std::mem::take(&mut *crate::util::lock::lock(&self.in_transaction))
     }
 
     /// Runs `f` as the step `name` unless it was recorded (see `IdempotencyContext::step`).
@@ -121,44 +140,38 @@ impl Steps {
         let Ok(_busy) = self.busy.try_lock() else {
             return Err(StepError::Concurrent);
         };
-        // A step after the run's own transaction began would be recorded apart from what the
-        // transaction holds (its writes commit only with the answer), wait on that transaction's
-        // lock (SQLite's file has one writer), or need a second connection while the run holds
-        // one: steps go before it.
-        if self.transaction.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(StepError::AfterTransaction);
-        }
+        // A step after the run's own transaction began is recorded in it, with its completion:
+        // the step and the effects it wrote there commit together or not at all (a run that dies
+        // before the commit leaves neither, and its retake runs the step again). Written apart,
+        // it would wait on that transaction's lock (SQLite's file has one writer), or take a
+        // second connection while the run holds one.
+        let in_transaction = self.transaction.load(std::sync::atomic::Ordering::SeqCst);
         // Read before every step, by the lease: a run whose record was retaken meanwhile (it was
         // presumed dead, and woke up) learns it here, before its work runs, and the steps are the
         // store's as they are now (a write whose answer was lost may have landed). Nothing ran
         // yet: a read the store fails is tried again for up to the in-progress TTL before the
         // step fails.
-        let give_up = tokio::time::Instant::now() + self.log.read_patience();
-        let mut pause = std::time::Duration::from_millis(50);
-        let steps = loop {
-            match self.log.load().await {
-                Ok(Some(steps)) => break steps,
-                Ok(None) => return Err(StepError::LeaseLost),
-                // What no try changes (a store that keeps no steps, a table not migrated for
-                // them, a list that does not read) fails at once.
-                Err(e)
-                    if e.is_unsupported()
-                        || e.is_unreadable_record()
-                        || tokio::time::Instant::now() + pause >= give_up =>
-                {
-                    return Err(StepError::Store(e));
-                }
-                Err(e) => {
-                    tracing::warn!(step = name, error = %e, "reading the steps failed; trying again");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(std::time::Duration::from_secs(1));
-                }
-            }
+        let read = retried(
+            name,
+            "reading the steps",
+            self.log.read_patience(),
+            false,
+            || self.log.load(),
+        );
+        let steps = match read.await.map_err(StepError::Store)? {
+            Some(steps) => steps,
+            None => return Err(StepError::LeaseLost),
         };
-        if let Some(recorded) = steps.iter().find(|s| s.name == name) {
-            return serde_json::from_slice(&recorded.result).map_err(StepError::Decode);
+        let taken = self.taken_in_transaction(name);
+        if let Some(result) = steps
+            .iter()
+            .find(|s| s.name == name)
+            .map(|s| s.result.as_slice())
+            .or(taken.found.as_deref())
+        {
+            return serde_json::from_slice(result).map_err(StepError::Decode);
         }
-        if steps.len() >= MAX_STEPS {
+        if steps.len() + taken.count >= MAX_STEPS {
             return Err(StepError::TooMany);
         }
         let value = f().await.map_err(StepError::Failed)?;
@@ -170,34 +183,77 @@ impl Steps {
             name: name.to_owned(),
             result,
         };
+        if in_transaction {
+            crate::util::lock::lock(&self.in_transaction).push(step);
+            return Ok(value);
+        }
         // The work ran: its record is tried again while the store fails (a busy SQLite file, a
         // connection lost, a table locked by another program), until it is taken, the lease is
         // lost, or the maximum hold (which cancels the run anyway), rather than have the run fail
         // and its retry run the work again. Every write is fenced by the lease, and one sent
         // again counts once.
-        let give_up = tokio::time::Instant::now() + self.log.patience();
         // Unless the run's transaction began while the work ran (a step beside `tx.conn()`,
         // which the check above could not see): on SQLite the write may then wait on that
         // transaction's own lock, so it is sent once.
         let once = self.transaction.load(std::sync::atomic::Ordering::SeqCst);
-        let mut pause = std::time::Duration::from_millis(50);
-        loop {
-            match self.log.record(&step).await {
-                Ok(Fenced::Done) => return Ok(value),
-                Ok(Fenced::LeaseLost) => return Err(StepError::LeaseLost),
-                Err(e)
-                    if once
-                        || e.is_unsupported()
-                        || tokio::time::Instant::now() + pause >= give_up =>
-                {
-                    return Err(StepError::Store(e));
-                }
-                Err(e) => {
-                    tracing::warn!(step = name, error = %e, "recording a step failed; trying again");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(std::time::Duration::from_secs(1));
-                }
+        let write = retried(name, "recording a step", self.log.patience(), once, || {
+            self.log.record(&step)
+        });
+        match write.await.map_err(StepError::Store)? {
+            Fenced::Done => Ok(value),
+            Fenced::LeaseLost => Err(StepError::LeaseLost),
+        }
+    }
+}
+
+/// `attempt` until the store answers, tried again while it fails (pausing 50 ms, doubling to
+/// 1 s) for up to `patience`; at once when `once`, or when no try changes the error (a store
+/// that keeps no steps, a table not migrated for them, a list that does not read).
+async fn retried<'a, T>(
+    name: &str,
+    what: &'static str,
+    patience: std::time::Duration,
+    once: bool,
+    mut attempt: impl FnMut() -> Boxed<'a, Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    let give_up = tokio::time::Instant::now() + patience;
+    let mut pause = std::time::Duration::from_millis(50);
+    loop {
+        match attempt().await {
+            Ok(answer) => return Ok(answer),
+            Err(e)
+                if once
+                    || e.is_unsupported()
+                    || e.is_unreadable_record()
+                    || tokio::time::Instant::now() + pause >= give_up =>
+            {
+                return Err(e);
             }
+            Err(e) => {
+                tracing::warn!(step = name, error = %e, "{what} failed; trying again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(std::time::Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// What the run's transaction holds of one step name: how many steps it took, and that name's
+/// result if it took it.
+struct Taken {
+    count: usize,
+    found: Option<Vec<u8>>,
+}
+
+impl Steps {
+    fn taken_in_transaction(&self, name: &str) -> Taken {
+        let taken = crate::util::lock::lock(&self.in_transaction);
+        Taken {
+            count: taken.len(),
+            found: taken
+                .iter()
+                .find(|s| s.name == name)
+                .map(|s| s.result.clone()),
         }
     }
 }
@@ -228,10 +284,6 @@ pub enum StepError<E> {
     /// Another step of this run was running (this one was called inside it, or beside it): steps
     /// of one run go one after another. This one did not run.
     Concurrent,
-    /// The run's own transaction ([`IdempotencyTx`](crate::IdempotencyTx),
-    /// [`OnceTransaction`](crate::once::OnceTransaction)) had begun: steps go before its first
-    /// use. This one did not run.
-    AfterTransaction,
     /// The step's result, encoded, takes this many bytes, over [`MAX_STEP_RESULT`]: the work ran
     /// and its result was not recorded.
     TooLarge(usize),
@@ -262,10 +314,6 @@ impl<E: fmt::Display> fmt::Display for StepError<E> {
             StepError::Concurrent => f.write_str(
                 "another step of this run was running: steps go one after another, and do not \
                  nest; the step did not run",
-            ),
-            StepError::AfterTransaction => f.write_str(
-                "the run's transaction had begun: take steps before its first use; the step did \
-                 not run",
             ),
             StepError::TooLarge(n) => write!(
                 f,

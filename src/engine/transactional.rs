@@ -6,7 +6,9 @@
 use std::sync::Arc;
 
 use super::lease::{Lease, Settled};
-use crate::store::{FailedCommit, Fenced, StoreError, StoredResponse, TransactionalStore};
+use crate::store::{
+    FailedCommit, Fenced, RecordedStep, StoreError, StoredResponse, TransactionalStore,
+};
 use crate::util::metrics::timed;
 
 /// What writing a record in the transaction of its effects, and committing, came to.
@@ -25,12 +27,13 @@ pub(crate) enum InTransaction<St: TransactionalStore> {
     Unknown(StoreError),
 }
 
-/// Writes `stored` as the record of `lease` in `tx`, fenced by the lease, and commits: the effects
-/// in `tx` and their record commit together or not at all.
+/// Writes `stored` as the record of `lease` in `tx`, with the steps the work took in it, fenced by
+/// the lease, and commits: the effects in `tx` and their record commit together or not at all.
 pub(crate) async fn commit_with_record<St: TransactionalStore>(
     lease: Lease<St>,
     mut tx: St::Transaction,
     stored: Arc<StoredResponse>,
+    steps: &[RecordedStep],
 ) -> InTransaction<St> {
     let engine = lease.engine().clone();
     let store = engine.store();
@@ -44,6 +47,7 @@ pub(crate) async fn commit_with_record<St: TransactionalStore>(
             lease.fingerprint(),
             stored.clone(),
             retention,
+            steps,
         ),
     )
     .await;
@@ -85,7 +89,8 @@ pub(crate) async fn commit_with_record<St: TransactionalStore>(
             }
         }
     }
-    engine.recorded(&lease.key().subject, stored.body.len());
+    let steps: usize = steps.iter().map(|s| s.name.len() + s.result.len()).sum();
+    engine.recorded(&lease.key().subject, stored.body.len() + steps);
     let key = engine.keeps_tombstones().then(|| lease.key().clone());
     lease.settled_outside(Settled::Recorded {
         status: stored.status,

@@ -103,7 +103,7 @@ impl<DB: sqlx::Database> IdempotencyTx<DB> {
                     tracing::error!(error = %e, "could not begin the handler's transaction");
                     sqlx::Error::Io(std::io::Error::other(e))
                 })?;
-                // The run's steps go before its transaction (see `IdempotencyContext::step`).
+                // The run's steps from now on are recorded in it (see `IdempotencyContext::step`).
                 if let Some(context) = &self.slot.context {
                     context.transaction_begun();
                 }
@@ -218,7 +218,7 @@ pub(crate) struct TxSlot<DB: sqlx::Database> {
     begin: Box<Begin<DB>>,
     /// The layer's error types, for the extractor's rejections.
     problems: ProblemTypes,
-    /// The run's context, told when the transaction begins (its steps go before).
+    /// The run's context, told when the transaction begins (its steps are then recorded in it).
     context: Option<IdempotencyContext>,
     state: Mutex<SlotState<DB>>,
 }
@@ -304,6 +304,7 @@ where
             SlotState::Returned(Some(tx)) => Left::Written(Box::new(WrittenTx {
                 tx,
                 store: self.store,
+                context: self.slot.context.clone(),
             })),
         }
     }
@@ -313,6 +314,8 @@ where
 struct WrittenTx<St: TransactionalStore> {
     tx: St::Transaction,
     store: St,
+    /// The run's context: the steps it took in the transaction are written with the record.
+    context: Option<IdempotencyContext>,
 }
 
 impl<St: TransactionalStore> Written<St> for WrittenTx<St> {
@@ -326,6 +329,13 @@ impl<St: TransactionalStore> Written<St> for WrittenTx<St> {
         lease: Lease<St>,
         response: Response<Body>,
     ) -> BoxFuture<'static, Response<Body>> {
-        Box::pin(async move { record_in(&http, lease, self.tx, response).await })
+        Box::pin(async move {
+            let steps = self
+                .context
+                .as_ref()
+                .map(IdempotencyContext::take_transaction_steps)
+                .unwrap_or_default();
+            record_in(&http, lease, self.tx, response, &steps).await
+        })
     }
 }

@@ -38,7 +38,7 @@ pub struct OnceTransaction<St: TransactionalStore> {
     /// Where the transaction goes when this is dropped (the closure failed, panicked, or was
     /// cancelled at the maximum hold), to be rolled back before the record is released.
     left: Arc<Mutex<Option<St::Transaction>>>,
-    /// The run's context, told when the transaction begins (its steps go before).
+    /// The run's context, told when the transaction begins (its steps are then recorded in it).
     context: IdempotencyContext,
 }
 
@@ -61,7 +61,7 @@ impl<St: TransactionalStore> OnceTransaction<St> {
                 // for being slow between its statements.
                 let idle = self.deadline.saturating_duration_since(Instant::now());
                 let tx = self.store.begin(idle).await?;
-                // The run's steps go before its transaction (see `IdempotencyContext::step`).
+                // The run's steps from now on are recorded in it (see `IdempotencyContext::step`).
                 self.context.transaction_begun();
                 tx
             }
@@ -143,6 +143,7 @@ where
     Fut: Future<Output = Result<(T, OnceTransaction<St>), E>>,
 {
     let store = lease.engine().store().clone();
+    let steps = context.clone();
     let left = Arc::new(Mutex::new(None));
     let tx = OnceTransaction {
         store: store.clone(),
@@ -205,7 +206,8 @@ where
             return Err(OnceError::Encode(e));
         }
     };
-    match commit_with_record(lease, tx, Arc::new(recorded(OUTPUT, body))).await {
+    let steps = steps.take_transaction_steps();
+    match commit_with_record(lease, tx, Arc::new(recorded(OUTPUT, body)), &steps).await {
         InTransaction::Committed => Ok(value),
         // The retaker's output is the one that counts.
         InTransaction::Lost => Err(OnceError::InProgress),

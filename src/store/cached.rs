@@ -371,6 +371,14 @@ impl<S: IdempotencyStore> IdempotencyStore for CachedStore<S> {
         self.inner.steps(key, lease).await
     }
 
+    /// The inner store's: steps are never cached.
+    async fn recorded_steps(
+        &self,
+        key: &RecordKey,
+    ) -> Result<Vec<crate::store::RecordedStep>, StoreError> {
+        self.inner.recorded_steps(key).await
+    }
+
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         self.cache.sweep();
         self.inner.purge_expired().await
@@ -451,9 +459,10 @@ impl<S: TransactionalStore> TransactionalStore for CachedStore<S> {
         fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
+        steps: &[crate::store::RecordedStep],
     ) -> Result<Fenced, StoreError> {
         self.inner
-            .complete_in(tx, key, lease, fingerprint, response, retention)
+            .complete_in(tx, key, lease, fingerprint, response, retention, steps)
             .await
     }
 

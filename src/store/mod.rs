@@ -95,9 +95,9 @@ pub use self::redis::RedisStore;
 /// A store that wraps another forwards every operation, and its inner store's
 /// [`operation_timeout`](Self::operation_timeout), [`keeper_session`](Self::keeper_session) and
 /// [`show_presences`](Self::show_presences) (required methods, so that a wrapper cannot drop them
-/// by leaving a default in place), and its steps ([`record_step`](Self::record_step) and
-/// [`steps`](Self::steps): a wrapper that leaves their defaults keeps none, and a step on it fails
-/// before its work runs). A wrapper of a [`TransactionalStore`] implements that
+/// by leaving a default in place), and its steps ([`record_step`](Self::record_step),
+/// [`steps`](Self::steps) and [`recorded_steps`](Self::recorded_steps): a wrapper that leaves
+/// their defaults keeps none, and a step on it fails before its work runs). A wrapper of a [`TransactionalStore`] implements that
 /// trait too, to pass the capability on. Here, a wrapper counting claims:
 ///
 /// ```
@@ -157,6 +157,9 @@ pub use self::redis::RedisStore;
 ///         lease: LeaseToken,
 ///     ) -> Result<Option<Vec<RecordedStep>>, StoreError> {
 ///         self.inner.steps(key, lease).await
+///     }
+///     async fn recorded_steps(&self, key: &RecordKey) -> Result<Vec<RecordedStep>, StoreError> {
+///         self.inner.recorded_steps(key).await
 ///     }
 ///     async fn purge_expired(&self) -> Result<u64, StoreError> {
 ///         self.inner.purge_expired().await
@@ -294,8 +297,9 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
     ///
     /// The default answers an error: the store keeps no steps (the engine reads
     /// [`steps`](Self::steps) at a run's first step, so a step on it fails before its work runs).
-    /// Every store of the crate keeps them; a wrapper forwards both methods, as `CachedStore`
-    /// does (`EncryptedStore` seals each result).
+    /// Every store of the crate keeps them; a wrapper forwards both methods, and
+    /// [`recorded_steps`](Self::recorded_steps), as `CachedStore` does (`EncryptedStore` seals
+    /// each result).
     fn record_step(
         &self,
         key: &RecordKey,
@@ -316,6 +320,20 @@ pub trait IdempotencyStore: Clone + Send + Sync + 'static {
         lease: LeaseToken,
     ) -> impl Future<Output = Result<Option<Vec<RecordedStep>>, StoreError>> + Send {
         let _ = (key, lease);
+        std::future::ready(Err(StoreError::no_steps()))
+    }
+
+    /// The steps recorded in the operation of `key`'s live record, for inspection (SPEC 28): in
+    /// the order they were recorded, whatever the record's state (in progress, or finished: a
+    /// finished record keeps the steps of the run that finished it). Empty when there is no live
+    /// record, as [`lookup`](Self::lookup) finds none (never claimed, past its retention, or
+    /// released), or it recorded none. Changes nothing, and waits on no lock. The default answers
+    /// the error of a store that keeps no steps; a wrapper forwards it with the other two.
+    fn recorded_steps(
+        &self,
+        key: &RecordKey,
+    ) -> impl Future<Output = Result<Vec<RecordedStep>, StoreError>> + Send {
+        let _ = key;
         std::future::ready(Err(StoreError::no_steps()))
     }
 

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{
-    Fenced, Fingerprint, IdempotencyStore, LeaseToken, RecordKey, StoreError, StoredResponse,
+    Fenced, Fingerprint, IdempotencyStore, LeaseToken, RecordKey, RecordedStep, StoreError,
+    StoredResponse,
 };
 
 /// A store whose records live in a database that the handler's own effects can share a
@@ -40,6 +41,14 @@ pub trait TransactionalStore: IdempotencyStore {
     /// between this and the commit leaves the key retakable within about a TTL. A statement of
     /// the handler's that had failed in `tx` makes this fail with
     /// [`StoreError::aborted_transaction`].
+    ///
+    /// `steps` are the recovery points the work took in the transaction (SPEC 28): each is
+    /// recorded in `tx` before the completion, as [`record_step`](IdempotencyStore::record_step)
+    /// records one, so a step and the effects it wrote in the transaction commit together or not
+    /// at all. Written only once the transaction is known to be the one that began (the check
+    /// above), never on their own. A store that keeps no steps answers its error when `steps` is
+    /// not empty.
+    #[allow(clippy::too_many_arguments)]
     fn complete_in(
         &self,
         tx: &mut Self::Transaction,
@@ -48,6 +57,7 @@ pub trait TransactionalStore: IdempotencyStore {
         fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
+        steps: &[RecordedStep],
     ) -> impl Future<Output = Result<Fenced, StoreError>> + Send;
 
     /// Commits `tx`.

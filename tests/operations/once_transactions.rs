@@ -6,6 +6,7 @@
 
 use crate::common;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -104,69 +105,99 @@ async fn the_transaction_begins_at_its_first_use() {
     assert_eq!(effects(&store, "slow-call").await, 1);
 }
 
-/// Steps go before the run's transaction: one taken before its first use is recorded (on the
-/// store's own connection: the file's write lock is free), and one after it is refused before its
-/// work runs (its write would wait on the transaction's own lock, and be recorded apart from what
-/// the transaction holds). The effect and the output still commit together.
+/// A step before the run's transaction is recorded at once (on the store's own connection: the
+/// file's write lock is free); one taken after its first use is recorded in it, with the output.
+/// So a run that fails after both keeps the first (its retry, the same request, does not run it
+/// again) and loses the second with the effect it wrote (the retry runs it again, and the effect
+/// happens once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn steps_go_before_the_transaction() {
+async fn a_step_in_the_transaction_commits_with_it() {
     let store = store().await;
-    // A short maximum hold: were the late step let through, its write would wait on the run's
-    // own lock, and the run end soon rather than in ten minutes.
     let once = RunOnce::builder(store.clone())
         .in_progress_ttl(Duration::from_secs(3))
         .max_hold(Duration::from_secs(6))
         .build()
         .expect("valid");
-    let output = once
-        .run_in_transaction(
-            scope("steps"),
-            Fingerprint::of(None, b"1"),
-            move |ctx, mut tx: OnceTransaction<SqliteStore>| async move {
-                let reserved = ctx
-                    .step("reserve", || async { Ok::<_, String>(7u32) })
-                    .await;
-                assert_eq!(reserved.ok(), Some(7), "a step before the transaction");
-                let recorded = ctx
-                    .step("reserve", || async { Ok::<_, String>(8u32) })
-                    .await;
-                assert_eq!(
-                    recorded.ok(),
-                    Some(7),
-                    "read back as recorded, not run again"
-                );
-                sqlx::query("INSERT INTO effects (message) VALUES ('steps')")
-                    .execute(tx.conn().await.map_err(|e| e.to_string())?)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let ran = Arc::new(Mutex::new(false));
-                let flag = ran.clone();
-                let late = ctx
-                    .step("receipt", || async move {
-                        *flag.lock().expect("flag") = true;
-                        Ok::<_, String>(true)
-                    })
-                    .await;
-                assert!(
-                    matches!(late, Err(axum_idempotency::StepError::AfterTransaction)),
-                    "{late:?}"
-                );
-                assert!(!*ran.lock().expect("flag"), "its work did not run");
-                // The recorded step again, as a step that is recorded already: refused all
-                // the same (the rule does not depend on what was recorded).
-                let again = ctx
-                    .step("reserve", || async { Ok::<_, String>(8u32) })
-                    .await;
-                assert!(matches!(
-                    again,
-                    Err(axum_idempotency::StepError::AfterTransaction)
-                ));
-                Ok::<_, String>(("done".to_owned(), tx))
-            },
-        )
-        .await;
-    assert_eq!(output.expect("ran"), "done");
+    let reserved = Arc::new(AtomicUsize::new(0));
+    let stocked = Arc::new(AtomicUsize::new(0));
+    for fail in [true, false] {
+        let (reserved, stocked) = (reserved.clone(), stocked.clone());
+        let output = once
+            .run_in_transaction(
+                scope("steps"),
+                Fingerprint::of(None, b"1"),
+                move |ctx, mut tx: OnceTransaction<SqliteStore>| async move {
+                    let reservation = ctx
+                        .step("reserve", || async move {
+                            Ok::<_, String>(reserved.fetch_add(1, Ordering::SeqCst) as u32 + 7)
+                        })
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    assert_eq!(reservation, 7, "the first run's reservation, read back");
+                    sqlx::query("INSERT INTO effects (message) VALUES ('steps')")
+                        .execute(tx.conn().await.map_err(|e| e.to_string())?)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let conn = tx.conn().await.map_err(|e| e.to_string())?;
+                    let count = stocked.clone();
+                    let stock = ctx
+                        .step("stock", || async move {
+                            sqlx::query("INSERT INTO effects (message) VALUES ('stock')")
+                                .execute(&mut *conn)
+                                .await
+                                .map_err(|e| e.to_string())?;
+                            Ok::<_, String>(count.fetch_add(1, Ordering::SeqCst) as u32)
+                        })
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    // Taken already in this transaction: read back, not run again.
+                    let again = ctx
+                        .step("stock", || async { Ok::<_, String>(99u32) })
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    assert_eq!(again, stock, "the step taken in this run's transaction");
+                    if fail {
+                        return Err("failed after both steps".to_owned());
+                    }
+                    Ok::<_, String>((stock, tx))
+                },
+            )
+            .await;
+        if fail {
+            assert!(matches!(output, Err(OnceError::Failed(_))), "{output:?}");
+            assert_eq!(
+                effects(&store, "stock").await,
+                0,
+                "rolled back with its step"
+            );
+        } else {
+            assert_eq!(
+                output.expect("ran"),
+                1,
+                "the step in the transaction ran again"
+            );
+        }
+    }
+    assert_eq!(
+        reserved.load(Ordering::SeqCst),
+        1,
+        "the step before it ran once"
+    );
+    assert_eq!(
+        stocked.load(Ordering::SeqCst),
+        2,
+        "the rolled-back step ran again"
+    );
+    assert_eq!(effects(&store, "stock").await, 1);
     assert_eq!(effects(&store, "steps").await, 1);
+    // Committed with the output: the record keeps both steps, in order.
+    let steps = store
+        .recorded_steps(&scope("steps"))
+        .await
+        .expect("recorded steps");
+    let names: Vec<&str> = steps.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["reserve", "stock"]);
+    assert_eq!(steps[1].result, b"1");
 }
 
 /// What the store was asked, in order.
@@ -268,9 +299,10 @@ impl TransactionalStore for Logged {
         fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
+        steps: &[axum_idempotency::store::RecordedStep],
     ) -> Result<Fenced, StoreError> {
         self.inner
-            .complete_in(tx, key, lease, fingerprint, response, retention)
+            .complete_in(tx, key, lease, fingerprint, response, retention, steps)
             .await
     }
     async fn commit(&self, tx: Self::Transaction) -> Result<(), StoreError> {

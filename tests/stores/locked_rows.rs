@@ -46,7 +46,8 @@ pub(crate) async fn a_duplicate_meeting_a_slow_commit_is_in_progress<S: Transact
                 lease,
                 &first.fingerprint,
                 stored(),
-                first.retention
+                first.retention,
+                &[],
             )
             .await
             .expect("complete in the transaction")

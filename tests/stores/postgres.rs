@@ -1267,6 +1267,7 @@ mod batched {
                 &first.fingerprint,
                 response(),
                 first.retention,
+                &[],
             )
             .await
             .expect("complete in the transaction");
@@ -1473,6 +1474,11 @@ async fn a_table_without_the_steps_columns_refuses_steps_at_once() {
     };
     let read = store.steps(&request.key, lease).await;
     assert!(read.as_ref().is_err_and(|e| e.is_unsupported()), "{read:?}");
+    let shown = store.recorded_steps(&request.key).await;
+    assert!(
+        shown.as_ref().is_err_and(|e| e.is_unsupported()),
+        "{shown:?}"
+    );
     let step = axum_idempotency::store::RecordedStep {
         name: "reserve".into(),
         result: b"1".to_vec(),
@@ -1482,15 +1488,28 @@ async fn a_table_without_the_steps_columns_refuses_steps_at_once() {
         write.as_ref().is_err_and(|e| e.is_unsupported()),
         "{write:?}"
     );
-    // Renewed and completed as before.
+    // Renewed, counted and completed as before.
     let renewed = store
         .renew(&request.key, lease, Duration::from_secs(60))
         .await;
     assert!(renewed.expect("renew").is_done());
+    let usage = store.count_records("alice", 10).await.expect("counted");
+    assert_eq!(
+        usage.map(|u| u.records),
+        Some(1),
+        "counted without the steps"
+    );
     // And `migrate()` adds them back.
     store.migrate().await.expect("migrate again");
     assert_eq!(
         store.steps(&request.key, lease).await.expect("steps"),
         Some(vec![])
+    );
+    assert_eq!(
+        store
+            .recorded_steps(&request.key)
+            .await
+            .expect("recorded steps"),
+        vec![]
     );
 }

@@ -72,6 +72,18 @@ macro_rules! sql_backend_tests {
                 a_locked_store_does_not_make_a_live_holder_look_dead(store, lock).await;
             }
 
+            #[tokio::test]
+            async fn steps_in_a_transaction_are_written_with_its_completion() {
+                let (store, _) = <$backend>::fresh(SUITE_STORE_TIMEOUT).await;
+                super::steps_in_a_transaction_are_written_with_its_completion(store).await;
+            }
+
+            #[tokio::test]
+            async fn a_subjects_bytes_count_its_steps() {
+                let (store, _) = <$backend>::fresh(SUITE_STORE_TIMEOUT).await;
+                super::a_subjects_bytes_count_its_steps(store).await;
+            }
+
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_duplicate_meeting_a_slow_commit_is_in_progress() {
                 let (store, _) = <$backend>::fresh(<$backend>::SLOW_COMMIT_TIMEOUT).await;
@@ -81,6 +93,135 @@ macro_rules! sql_backend_tests {
             }
         }
     };
+}
+
+/// Steps taken in a handler's transaction (SPEC 28) are written in it with the completion, fenced
+/// by the lease: rolled back, they are gone with it (a step recorded before stays); under a lease
+/// that no longer holds the record, nothing is completed; committed, the record keeps every step
+/// in order.
+async fn steps_in_a_transaction_are_written_with_its_completion<S: TransactionalStore>(store: S) {
+    use axum_idempotency::store::{
+        ClaimOutcome, Finished, LeaseToken, RecordState, RecordedStep, StoredResponse,
+    };
+    let request = axum_idempotency::conformance::app::claim_request("tx-steps", b"");
+    let key = &request.key;
+    let ClaimOutcome::Claimed { lease, .. } = store.claim(&request).await.expect("claim") else {
+        panic!("a fresh key is claimed");
+    };
+    let step = |name: &str, result: &[u8]| RecordedStep {
+        name: name.to_owned(),
+        result: result.to_vec(),
+    };
+    let names =
+        |steps: Vec<RecordedStep>| -> Vec<String> { steps.into_iter().map(|s| s.name).collect() };
+    let stored = || {
+        std::sync::Arc::new(StoredResponse::new(
+            Finished::Completed,
+            201,
+            Vec::new(),
+            Some(axum::body::Bytes::from_static(b"{}")),
+        ))
+    };
+    let before = store.record_step(key, lease, &step("reserve", b"7")).await;
+    assert!(before.expect("a step before").is_done());
+    let idle = Duration::from_secs(30);
+
+    // Rolled back: the completion and its steps are gone; the step before stays.
+    let mut tx = store.begin(idle).await.expect("begin");
+    let done = store
+        .complete_in(
+            &mut tx,
+            key,
+            lease,
+            &request.fingerprint,
+            stored(),
+            request.retention,
+            &[step("stock", b"1")],
+        )
+        .await
+        .expect("complete in");
+    assert!(done.is_done());
+    store.rollback(tx).await.expect("rollback");
+    let kept = store.recorded_steps(key).await.expect("steps");
+    assert_eq!(names(kept), ["reserve"], "the rolled-back step is gone");
+    let info = store.lookup(key).await.expect("lookup").expect("a record");
+    assert_eq!(info.state, RecordState::InProgress);
+
+    // Under a lease that does not hold the record: neither a step nor the completion is written.
+    let mut tx = store.begin(idle).await.expect("begin");
+    let stranger = store
+        .complete_in(
+            &mut tx,
+            key,
+            LeaseToken::generate(),
+            &request.fingerprint,
+            stored(),
+            request.retention,
+            &[step("stock", b"2")],
+        )
+        .await
+        .expect("complete in");
+    assert!(!stranger.is_done(), "a stranger's lease completes nothing");
+    store.rollback(tx).await.expect("rollback");
+
+    // Committed: every step, in the order recorded, and the record finished.
+    let mut tx = store.begin(idle).await.expect("begin");
+    let done = store
+        .complete_in(
+            &mut tx,
+            key,
+            lease,
+            &request.fingerprint,
+            stored(),
+            request.retention,
+            &[step("stock", b"3"), step("receipt", b"\"sent\"")],
+        )
+        .await
+        .expect("complete in");
+    assert!(done.is_done());
+    store.commit(tx).await.expect("commit");
+    let kept = store.recorded_steps(key).await.expect("steps");
+    assert_eq!(
+        kept.iter()
+            .map(|s| (s.name.as_str(), s.result.as_slice()))
+            .collect::<Vec<_>>(),
+        [
+            ("reserve", &b"7"[..]),
+            ("stock", b"3"),
+            ("receipt", b"\"sent\"")
+        ]
+    );
+    let info = store.lookup(key).await.expect("lookup").expect("a record");
+    assert_eq!(info.state, RecordState::Finished(Finished::Completed));
+}
+
+/// The bytes of a subject (its share of bytes, SPEC 20 and 25) count the steps its records keep
+/// as they count their answers: 16 steps of 16 KiB take room as a 256 KiB answer does.
+async fn a_subjects_bytes_count_its_steps<S: TransactionalStore>(store: S) {
+    use axum_idempotency::store::{ClaimOutcome, RecordedStep};
+    let request = axum_idempotency::conformance::app::claim_request("counted-steps", b"");
+    let ClaimOutcome::Claimed { lease, .. } = store.claim(&request).await.expect("claim") else {
+        panic!("a fresh key is claimed");
+    };
+    let subject = &request.key.subject;
+    let before = store.count_records(subject, 10).await.expect("count");
+    let before = before.expect("the store counts").bytes;
+    for i in 0..3 {
+        let step = RecordedStep {
+            name: format!("step {i}"),
+            result: vec![b'7'; 10_000],
+        };
+        let done = store.record_step(&request.key, lease, &step).await;
+        assert!(done.expect("recorded").is_done());
+    }
+    let after = store.count_records(subject, 10).await.expect("count");
+    let after = after.expect("the store counts");
+    assert_eq!(after.records, 1);
+    assert!(
+        after.bytes >= before + 30_000,
+        "three steps of 10 000 bytes counted: {before} then {}",
+        after.bytes
+    );
 }
 
 sql_backend_tests!("postgres", postgres, Postgres);

@@ -11,7 +11,7 @@ use super::super::replay;
 use super::super::settings::LayerSettings;
 use super::{body_of, head_of, read_up_to, sorted, taken_over, unrecorded};
 use crate::engine::{InTransaction, Lease, Outcome, commit_with_record, rollback};
-use crate::store::{Finished, StoredResponse, TransactionalStore};
+use crate::store::{Finished, RecordedStep, StoredResponse, TransactionalStore};
 
 /// Records a response whose handler wrote its effects through `tx`: reads the body up to the
 /// recording limit (heartbeat running), writes the completion in `tx`, commits, and only then
@@ -21,6 +21,7 @@ pub(crate) async fn record_in<St: TransactionalStore>(
     lease: Lease<St>,
     tx: St::Transaction,
     response: Response<Body>,
+    steps: &[RecordedStep],
 ) -> Response<Body> {
     let engine = lease.engine().clone();
     // Outcomes reported after the lease is settled carry its endpoint label.
@@ -45,7 +46,7 @@ pub(crate) async fn record_in<St: TransactionalStore>(
         body: read.copy.clone().unwrap_or_default(),
         ..head
     });
-    match commit_with_record(lease, tx, stored.clone()).await {
+    match commit_with_record(lease, tx, stored.clone(), steps).await {
         InTransaction::Committed => Response::from_parts(parts, body_of(read)),
         InTransaction::Lost => taken_over(http),
         InTransaction::NotWritten(lease, e)

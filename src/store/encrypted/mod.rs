@@ -103,6 +103,19 @@ pub struct EncryptedStore<S> {
 }
 
 impl<S: IdempotencyStore> EncryptedStore<S> {
+    /// A step as the inner store keeps it: its result sealed, bound to the record and the step's
+    /// name; the name in clear.
+    fn sealed_step(
+        &self,
+        key: &RecordKey,
+        step: &crate::store::RecordedStep,
+    ) -> Result<crate::store::RecordedStep, StoreError> {
+        Ok(crate::store::RecordedStep {
+            name: step.name.clone(),
+            result: envelope::seal_step(&self.keys, key, &step.name, &step.result)?,
+        })
+    }
+
     /// Seals what `inner` records with `keys`, and keys every hash it writes in clear with
     /// `secret` (32 bytes from your secret store; every instance sharing the records must use the
     /// same one for as long as records live: it is not rotated, and a retry under another secret
@@ -354,10 +367,7 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
         lease: LeaseToken,
         step: &crate::store::RecordedStep,
     ) -> Result<Fenced, StoreError> {
-        let sealed = crate::store::RecordedStep {
-            name: step.name.clone(),
-            result: envelope::seal_step(&self.keys, key, &step.name, &step.result)?,
-        };
+        let sealed = self.sealed_step(key, step)?;
         self.inner
             .record_step(&self.secret.scope(key), lease, &sealed)
             .await
@@ -383,6 +393,31 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
             })
             .collect::<Result<Vec<_>, StoreError>>()
             .map(Some)
+    }
+
+    /// The hidden record's, each result opened; with
+    /// [`with_records_in_clear`](Self::with_records_in_clear), those of the record in clear when
+    /// the hidden one shows none, as [`lookup`](IdempotencyStore::lookup) looks there when it
+    /// finds no hidden record.
+    async fn recorded_steps(
+        &self,
+        key: &RecordKey,
+    ) -> Result<Vec<crate::store::RecordedStep>, StoreError> {
+        let mut sealed = self.inner.recorded_steps(&self.secret.scope(key)).await?;
+        if sealed.is_empty() && self.in_clear {
+            sealed = self.inner.recorded_steps(key).await?;
+        }
+        sealed
+            .into_iter()
+            .map(|step| {
+                let result = envelope::open_step(&self.keys, key, &step.name, &step.result)
+                    .map_err(envelope::Unreadable::into_store_error)?;
+                Ok(crate::store::RecordedStep {
+                    name: step.name,
+                    result,
+                })
+            })
+            .collect()
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
@@ -473,6 +508,7 @@ impl<S: TransactionalStore> TransactionalStore for EncryptedStore<S> {
         fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
+        steps: &[crate::store::RecordedStep],
     ) -> Result<Fenced, StoreError> {
         let sealed = Arc::new(envelope::seal(
             &self.keys,
@@ -480,6 +516,10 @@ impl<S: TransactionalStore> TransactionalStore for EncryptedStore<S> {
             Some(fingerprint),
             &response,
         )?);
+        let steps = steps
+            .iter()
+            .map(|step| self.sealed_step(key, step))
+            .collect::<Result<Vec<_>, StoreError>>()?;
         self.inner
             .complete_in(
                 tx,
@@ -488,6 +528,7 @@ impl<S: TransactionalStore> TransactionalStore for EncryptedStore<S> {
                 &self.secret.fingerprint(fingerprint),
                 sealed,
                 retention,
+                &steps,
             )
             .await
     }

@@ -402,6 +402,15 @@ impl IdempotencyStore for MemoryStore {
         })
     }
 
+    /// The live record's steps, as [`lookup`](IdempotencyStore::lookup) finds it live.
+    async fn recorded_steps(&self, key: &RecordKey) -> Result<Vec<RecordedStep>, StoreError> {
+        let now = Instant::now();
+        Ok(match self.shard(key).records.get(key) {
+            Some(record) if live(record, now) => record.steps.clone(),
+            _ => Vec::new(),
+        })
+    }
+
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         Ok(self.sweep_all(Instant::now()))
     }
@@ -507,9 +516,14 @@ impl IdempotencyStore for MemoryStore {
     }
 }
 
+/// Whether inspection shows the record: not past its expiry, not released.
+fn live(record: &Record, now: Instant) -> bool {
+    record.expires_at > now && !matches!(record.state, State::Released)
+}
+
 /// A live record as inspection shows it; `None` for one past its expiry or released.
 fn info(record: &Record, now: Instant, wall: SystemTime) -> Option<RecordInfo> {
-    if record.expires_at <= now {
+    if !live(record, now) {
         return None;
     }
     let (state, status) = match &record.state {

@@ -29,16 +29,24 @@ impl MySqlStore {
         up_to: u64,
     ) -> Result<SubjectUsage, StoreError> {
         let digest = subject_digest(subject);
-        let mut answers = None;
-        if self.sql.body_bytes.load(Ordering::Relaxed) {
-            match self
-                .batch("count", &self.sql.count(&digest, up_to, true))
-                .await?
-            {
-                Ok(found) => answers = Some(found),
-                // A table not migrated since `body_bytes` came (`migrations/mysql/0002`): its
-                // bodies are read, as before, until `migrate()` adds it.
-                Err(e) if error_number(&e) == Some(ER_BAD_FIELD_ERROR) => {
+        // A table not migrated since a column came loses it from the count, and says so, until
+        // `migrate()` adds it: the steps' (`0004`, its bytes then not counted), then
+        // `body_bytes` (`0002`, the bodies read instead).
+        let answers = loop {
+            let column = self.sql.body_bytes.load(Ordering::Relaxed);
+            let steps = self.sql.counts_steps.load(Ordering::Relaxed);
+            let count = self.sql.count(&digest, up_to, column, steps);
+            match self.batch("count", &count).await? {
+                Ok(found) => break found,
+                Err(e) if error_number(&e) == Some(ER_BAD_FIELD_ERROR) && steps => {
+                    self.sql.counts_steps.store(false, Ordering::Relaxed);
+                    tracing::warn!(
+                        table = %self.sql.table,
+                        "the idempotency table has no column for steps: a subject's bytes count \
+                         its answers alone; run migrate()"
+                    );
+                }
+                Err(e) if error_number(&e) == Some(ER_BAD_FIELD_ERROR) && column => {
                     self.sql.body_bytes.store(false, Ordering::Relaxed);
                     tracing::warn!(
                         table = %self.sql.table,
@@ -47,13 +55,6 @@ impl MySqlStore {
                     );
                 }
                 Err(e) => return Err(db("count")(e)),
-            }
-        }
-        let answers = match answers {
-            Some(answers) => answers,
-            None => {
-                self.answers("count", &self.sql.count(&digest, up_to, false))
-                    .await?
             }
         };
         let Some(row) = answers.first().and_then(|a| a.rows.first()) else {

@@ -459,7 +459,6 @@ impl IdempotencyStore for MySqlStore {
         key: &RecordKey,
         lease: LeaseToken,
     ) -> Result<Option<Vec<RecordedStep>>, StoreError> {
-        use sqlx::Row;
         let batch = self.sql.steps(&key.digest(), lease);
         let answers = self
             .batch("steps", &batch)
@@ -468,12 +467,19 @@ impl IdempotencyStore for MySqlStore {
         let Some(row) = answers.first().and_then(|a| a.rows.first()) else {
             return Ok(None);
         };
-        let list: Option<Vec<u8>> = row
-            .try_get(0)
-            .map_err(|e| StoreError::new("mysql steps: unexpected row", e))?;
-        step_list::decode(list.as_deref().unwrap_or_default())
-            .map(Some)
-            .ok_or_else(|| StoreError::unreadable_record("mysql steps: unreadable"))
+        decode_steps(row).map(Some)
+    }
+
+    async fn recorded_steps(&self, key: &RecordKey) -> Result<Vec<RecordedStep>, StoreError> {
+        let batch = self.sql.recorded_steps(&key.digest());
+        let answers = self
+            .batch("recorded_steps", &batch)
+            .await?
+            .map_err(shared::steps_error::<MySql>("recorded_steps"))?;
+        match answers.first().and_then(|a| a.rows.first()) {
+            Some(row) => decode_steps(row),
+            None => Ok(Vec::new()),
+        }
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
@@ -587,4 +593,14 @@ fn held_after_completion(answers: &[Answer]) -> Result<Fenced, StoreError> {
 /// A database error as the store answers it (see [`Backend`]).
 fn db(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
     shared::db::<MySql>(what)
+}
+
+/// The steps of a row whose first column is a record's list of them (NULL: none).
+fn decode_steps(row: &sqlx::mysql::MySqlRow) -> Result<Vec<RecordedStep>, StoreError> {
+    use sqlx::Row;
+    let list: Option<Vec<u8>> = row
+        .try_get(0)
+        .map_err(|e| StoreError::new("mysql steps: unexpected row", e))?;
+    step_list::decode(list.as_deref().unwrap_or_default())
+        .ok_or_else(|| StoreError::unreadable_record("mysql steps: unreadable"))
 }

@@ -101,6 +101,9 @@ pub(super) struct Statements {
     /// Whether the table has its `body_bytes` column (`migrations/mysql/0002`), as far as this
     /// store knows: until a count finds it missing (a table not migrated since), counts read it.
     pub(super) body_bytes: std::sync::atomic::AtomicBool,
+    /// Whether a subject's count may name the steps' column (`migrations/mysql/0004`): until a
+    /// count finds it missing.
+    pub(super) counts_steps: std::sync::atomic::AtomicBool,
 }
 
 impl Statements {
@@ -116,6 +119,7 @@ impl Statements {
         };
         Statements {
             body_bytes: std::sync::atomic::AtomicBool::new(true),
+            counts_steps: std::sync::atomic::AtomicBool::new(true),
             table: table.to_owned(),
             name,
             database,
@@ -467,6 +471,17 @@ impl Statements {
         ))
     }
 
+    /// One row while the record is live, as [`Self::lookup`] finds it: the steps of its
+    /// operation (NULL when none are). A plain read: it waits on no lock.
+    pub(super) fn recorded_steps(&self, scope: &[u8; 32]) -> Batch {
+        Batch::default().push(&format!(
+            "SELECT IF(steps_generation <=> generation, steps, NULL) FROM {} \
+             WHERE scope = {} AND {LIVE}",
+            self.quoted,
+            hex(scope)
+        ))
+    }
+
     /// One batch of expired records deleted, through the expiry index.
     pub(super) fn purge(&self) -> Batch {
         Batch::default().push(READ_COMMITTED).push(&format!(
@@ -519,11 +534,24 @@ impl Statements {
     /// A subject's live records (released ones included), counted up to `limit` on the subject
     /// index.
     /// `column`: read the bytes from `body_bytes` (a table migrated to it), not from the bodies.
-    pub(super) fn count(&self, subject_digest: &[u8; 32], limit: u64, column: bool) -> Batch {
-        let bytes = if column {
+    /// `steps`: add the bytes of every step the row keeps, whatever its generation (a table
+    /// migrated to `0004`).
+    pub(super) fn count(
+        &self,
+        subject_digest: &[u8; 32],
+        limit: u64,
+        column: bool,
+        steps: bool,
+    ) -> Batch {
+        let body = if column {
             "body_bytes"
         } else {
             "COALESCE(LENGTH(response_body), 0)"
+        };
+        let bytes = if steps {
+            format!("{body} + COALESCE(LENGTH(steps), 0)")
+        } else {
+            body.to_owned()
         };
         Batch::default().push(&format!(
             "SELECT COUNT(*), CAST(COALESCE(SUM(bytes), 0) AS SIGNED) FROM (SELECT \

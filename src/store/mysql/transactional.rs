@@ -11,9 +11,10 @@ use std::time::Duration;
 
 use super::sql::wait_seconds;
 use super::{MySqlStore, db, error_number, held_after_completion, run};
+use crate::store::step_list;
 use crate::store::{
-    FailedCommit, Fenced, Fingerprint, IdempotencyStore, LeaseToken, RecordKey, StoreError,
-    StoredResponse, TransactionalStore,
+    FailedCommit, Fenced, Fingerprint, IdempotencyStore, LeaseToken, RecordKey, RecordedStep,
+    StoreError, StoredResponse, TransactionalStore,
 };
 
 /// The savepoint made when the transaction begins: gone once the transaction has ended (a deadlock
@@ -80,14 +81,26 @@ impl TransactionalStore for MySqlStore {
         _fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
+        steps: &[RecordedStep],
     ) -> Result<Fenced, StoreError> {
         let completion = self.completion(key, lease, &response, retention)?;
+        // The steps taken in the transaction, each as `record_step` records one, after the
+        // savepoint's check and before the completion, in the same round trip.
+        let scope = key.digest();
+        let mut recorded = String::new();
+        for step in steps {
+            let bytes = step_list::encode(step).ok_or_else(|| {
+                StoreError::msg("mysql complete in transaction: a step too large")
+            })?;
+            recorded.push_str(&self.sql.record_step(&scope, lease, &bytes).sql);
+            recorded.push_str(";\n");
+        }
         let conn = &mut **tx;
         let done = tokio::time::timeout(self.timeout, async {
             let bounds = self.bounds(conn).await?;
             let sql = format!(
                 "RELEASE SAVEPOINT {SAVEPOINT};\n\
-                 SET @@session.wait_timeout = {};\n{};\n{};\n{}",
+                 SET @@session.wait_timeout = {};\n{};\n{recorded}{};\n{}",
                 wait_seconds(self.timeout * 2),
                 bounds.open,
                 completion.sql,
@@ -96,15 +109,23 @@ impl TransactionalStore for MySqlStore {
             run(conn, sql).await.map_err(|(e, _)| e)
         })
         .await;
+        let expected = steps.len() + completion.statements + 4;
         match done {
-            Ok(Ok(answers)) if answers.len() == completion.statements + 4 => {
-                held_after_completion(&answers[3..])
+            Ok(Ok(answers)) if answers.len() == expected => {
+                // A step that matched nothing: the lease no longer holds the record, and the
+                // completion after it matched nothing either.
+                if answers[3..3 + steps.len()].iter().any(|a| a.affected != 1) {
+                    return Ok(Fenced::LeaseLost);
+                }
+                held_after_completion(&answers[3 + steps.len()..])
             }
             Ok(Ok(answers)) => Err(StoreError::msg(format!(
-                "mysql complete in transaction: {} answers to {} statements",
+                "mysql complete in transaction: {} answers to {expected} statements",
                 answers.len(),
-                completion.statements + 4
             ))),
+            Ok(Err(e)) if !steps.is_empty() && crate::store::sql::is_undefined_column(&e) => Err(
+                crate::store::sql::steps_error::<sqlx::MySql>("complete in transaction")(e),
+            ),
             // 1305: the savepoint does not exist.
             Ok(Err(e)) if error_number(&e) == Some(1305) => Err(StoreError::aborted_transaction(
                 "mysql complete in transaction: the transaction had ended (rolled back by the \

@@ -10,6 +10,7 @@ use crate::store::{
     Deleted, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage, StoreError,
     SubjectUsage, from_micros, row_info,
 };
+use std::sync::atomic::Ordering;
 
 /// How many statements one listing sends at most when rows it cannot verify as the subject's fill
 /// its pages (see `PostgresStore::list_records`); it then answers a short page with a next one.
@@ -32,16 +33,49 @@ impl PostgresStore {
     ) -> Result<SubjectUsage, StoreError> {
         let subject = printable(subject);
         let limit = i64::try_from(up_to).unwrap_or(i64::MAX);
-        let (count, bytes): (i64, i64) = on_connection!(self, "count", conn => {
-            sqlx::query_as(sqlx::AssertSqlSafe(self.sql().inspection.count.as_str()))
-                .bind(&*subject)
-                .bind(limit)
-                .fetch_one(&mut *conn)
-        })?
-        .map_err(db("count"))?;
+        let inspection = &self.sql().inspection;
+        let mut counted = None;
+        if inspection.counts_steps.load(Ordering::Relaxed) {
+            match self.count_on(&inspection.count, &subject, limit).await? {
+                Ok(found) => counted = Some(found),
+                // A table not migrated since steps came (migrations/0009): the answers' bytes
+                // alone, until `migrate()` adds them.
+                Err(e) if crate::store::sql::is_undefined_column(&e) => {
+                    inspection.counts_steps.store(false, Ordering::Relaxed);
+                    tracing::warn!(
+                        table = %self.sql().table,
+                        "the idempotency table has no columns for steps: a subject's bytes \
+                         count its answers alone; run migrate()"
+                    );
+                }
+                Err(e) => return Err(db("count")(e)),
+            }
+        }
+        let (count, bytes) = match counted {
+            Some(found) => found,
+            None => self
+                .count_on(&inspection.count_without_steps, &subject, limit)
+                .await?
+                .map_err(db("count"))?,
+        };
         Ok(SubjectUsage {
             records: u64::try_from(count).unwrap_or(0),
             bytes: u64::try_from(bytes).unwrap_or(0),
+        })
+    }
+
+    /// The count statement `sql` for `subject`, up to `limit`: records and bytes.
+    async fn count_on(
+        &self,
+        sql: &str,
+        subject: &str,
+        limit: i64,
+    ) -> Result<Result<(i64, i64), sqlx::Error>, StoreError> {
+        on_connection!(self, "count", conn => {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(subject)
+                .bind(limit)
+                .fetch_one(&mut *conn)
         })
     }
 

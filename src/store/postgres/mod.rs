@@ -552,19 +552,26 @@ impl IdempotencyStore for PostgresStore {
         let Some((names, results)) = row else {
             return Ok(None);
         };
-        let (names, results) = (names.unwrap_or_default(), results.unwrap_or_default());
-        if names.len() != results.len() {
-            return Err(StoreError::unreadable_record(
-                "postgres steps: as many names as results were expected",
-            ));
+        step_list(names, results).map(Some)
+    }
+
+    async fn recorded_steps(&self, key: &RecordKey) -> Result<Vec<RecordedStep>, StoreError> {
+        let scope = key.digest();
+        type Row = (Option<Vec<String>>, Option<Vec<Vec<u8>>>);
+        let row: Option<Row> = on_connection!(self, "recorded_steps", conn => {
+            sqlx::query_as(sqlx::AssertSqlSafe(
+                self.sql().inspection.recorded_steps.as_str(),
+            ))
+            .bind(&scope[..])
+            .fetch_optional(&mut *conn)
+        })?
+        .map_err(crate::store::sql::steps_error::<sqlx::Postgres>(
+            "recorded_steps",
+        ))?;
+        match row {
+            Some((names, results)) => step_list(names, results),
+            None => Ok(Vec::new()),
         }
-        Ok(Some(
-            names
-                .into_iter()
-                .zip(results)
-                .map(|(name, result)| RecordedStep { name, result })
-                .collect(),
-        ))
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {
@@ -582,4 +589,22 @@ impl IdempotencyStore for PostgresStore {
             }
         }
     }
+}
+
+/// The steps of a row's two columns, paired in order (NULL columns: none).
+fn step_list(
+    names: Option<Vec<String>>,
+    results: Option<Vec<Vec<u8>>>,
+) -> Result<Vec<RecordedStep>, StoreError> {
+    let (names, results) = (names.unwrap_or_default(), results.unwrap_or_default());
+    if names.len() != results.len() {
+        return Err(StoreError::unreadable_record(
+            "postgres steps: as many names as results were expected",
+        ));
+    }
+    Ok(names
+        .into_iter()
+        .zip(results)
+        .map(|(name, result)| RecordedStep { name, result })
+        .collect())
 }

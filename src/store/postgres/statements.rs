@@ -416,15 +416,32 @@ fn completion(t: &str, cte: &str) -> String {
     )
 }
 
+/// $1 subject, $2 limit: the subject's live records, counted up to the limit, and the sum of
+/// `bytes` over them.
+fn count(t: &str, bytes: &str) -> String {
+    format!(
+        "SELECT count(*), coalesce(sum(bytes), 0)::bigint FROM (SELECT {bytes} AS bytes \
+         FROM {t} WHERE subject = $1 AND expires_at > now() LIMIT $2) live"
+    )
+}
+
 /// The record's times as microseconds since the Unix epoch (exact: `extract` answers `numeric`).
 const TIMES: &str = "(extract(epoch FROM created_at) * 1000000)::int8 AS created_us, \
                      (extract(epoch FROM expires_at) * 1000000)::int8 AS expires_us";
 /// The inspection statements on one table (`t`, quoted and qualified as the others).
 pub(super) struct Inspection {
     pub(super) lookup: String,
+    /// $1 scope: the steps of the live record's operation, as `lookup` finds it live (none when
+    /// another generation's); no row without a live record. A plain read: it waits on no lock.
+    pub(super) recorded_steps: String,
     /// $1 subject (as its column keeps it), $2 limit: its live records, counted up to the limit
-    /// on the subject index (released ones count: they are kept until their expiry).
+    /// on the subject index (released ones count: they are kept until their expiry), and the
+    /// bytes of their answers and steps (migrations/0009).
     pub(super) count: String,
+    /// `count` on a table without the steps' columns: the answers' bytes alone.
+    pub(super) count_without_steps: String,
+    /// Whether `count` may name the steps' columns: until a count finds them missing.
+    pub(super) counts_steps: std::sync::atomic::AtomicBool,
     pub(super) delete: String,
     pub(super) list_first: String,
     pub(super) list_after: String,
@@ -447,14 +464,26 @@ impl Inspection {
             )
         };
         Inspection {
-            count: format!(
-                "SELECT count(*), coalesce(sum(bytes), 0)::bigint FROM (SELECT \
-                 coalesce(octet_length(response_body), 0) AS bytes FROM {t} WHERE subject = $1 \
-                 AND expires_at > now() LIMIT $2) live"
+            // Every step the row keeps counts, whatever its generation: it takes room until a
+            // step of the new one replaces it.
+            count: count(
+                t,
+                "coalesce(octet_length(response_body), 0) \
+                 + coalesce(octet_length(array_to_string(step_names, '')), 0) \
+                 + coalesce((SELECT sum(octet_length(r)) FROM unnest(step_results) r), 0)",
             ),
+            count_without_steps: count(t, "coalesce(octet_length(response_body), 0)"),
+            counts_steps: std::sync::atomic::AtomicBool::new(true),
             // $1 scope. A plain read: it waits on no lock.
             lookup: format!(
                 "SELECT status, response_status, {TIMES} FROM {t} WHERE scope = $1 AND {live}"
+            ),
+            recorded_steps: format!(
+                "SELECT CASE WHEN steps_generation IS NOT DISTINCT FROM generation \
+                          THEN step_names END, \
+                        CASE WHEN steps_generation IS NOT DISTINCT FROM generation \
+                          THEN step_results END \
+                 FROM {t} WHERE scope = $1 AND {live}"
             ),
             // $1 scope, $2 lock timeout, $3 the delete's token. Only a finished, live record is
             // deleted: its answer goes, and the row stays a minute (at most to its expiry) as a

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use super::{PostgresStore, db, pg_millis};
 use crate::store::{
-    FailedCommit, Fenced, Fingerprint, IdempotencyStore, LeaseToken, RecordKey, StoreError,
-    StoredResponse, TransactionalStore,
+    FailedCommit, Fenced, Fingerprint, IdempotencyStore, LeaseToken, RecordKey, RecordedStep,
+    StoreError, StoredResponse, TransactionalStore,
 };
 
 impl TransactionalStore for PostgresStore {
@@ -55,14 +55,35 @@ impl TransactionalStore for PostgresStore {
         _fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
+        steps: &[RecordedStep],
     ) -> Result<Fenced, StoreError> {
         let scope = key.digest();
         let idle = format!("{}ms", pg_millis(self.timeout * 2));
         let completion = self
             .completion(&self.sql().complete_in, &scope, lease, &response, retention)
             .bind(idle);
-        match tokio::time::timeout(self.timeout, completion.fetch_one(&mut **tx)).await {
+        let written = async {
+            // The steps taken in the transaction, each as `record_step` records one: a lease that
+            // no longer holds the record matches nothing, and nothing is completed.
+            for step in steps {
+                let done = self
+                    .leased(&self.sql().record_step, &scope, lease)
+                    .bind(step.name.as_str())
+                    .bind(step.result.as_slice())
+                    .bind(&*self.lock_timeout)
+                    .execute(&mut **tx)
+                    .await?;
+                if done.rows_affected() != 1 {
+                    return Ok((false,));
+                }
+            }
+            completion.fetch_one(&mut **tx).await
+        };
+        match tokio::time::timeout(self.timeout, written).await {
             Ok(Ok((held,))) => Ok(Fenced::from_held(held)),
+            Ok(Err(e)) if !steps.is_empty() && crate::store::sql::is_undefined_column(&e) => Err(
+                crate::store::sql::steps_error::<sqlx::Postgres>("complete in transaction")(e),
+            ),
             Ok(Err(e)) => {
                 // SQLSTATE 25P02: a statement of the handler's had failed, nothing can commit.
                 let aborted = e

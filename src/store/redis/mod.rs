@@ -423,6 +423,17 @@ impl IdempotencyStore for RedisStore {
         }
     }
 
+    async fn recorded_steps(
+        &self,
+        key: &RecordKey,
+    ) -> Result<Vec<crate::store::RecordedStep>, StoreError> {
+        let list: Vec<u8> = self
+            .eval("recorded_steps", &self.scripts.recorded_steps, key, |_| {})
+            .await?;
+        crate::store::step_list::decode(&list)
+            .ok_or_else(|| StoreError::unreadable_record("redis recorded_steps: unreadable"))
+    }
+
     /// Redis expires records itself; there is nothing to purge.
     async fn purge_expired(&self) -> Result<u64, StoreError> {
         Ok(0)

@@ -57,6 +57,11 @@ const STEP: &str = include_str!("step.lua");
 /// lease.
 const STEPS: &str = include_str!("steps.lua");
 
+/// The steps of a live record (as `INSPECT` finds it live), whatever its state: its steps' bytes
+/// (none when they are another generation's); the empty string without a live record. KEYS[1]
+/// record.
+const RECORDED_STEPS: &str = include_str!("recorded_steps.lua");
+
 /// A live record as inspection shows it, or nil (absent, expired or released): state, creation
 /// time (ms, `0` for a record written before creation times were kept), time to live (ms), the
 /// server's time (ms), the stored status (`-1` while in progress), key, subject and endpoint.
@@ -113,6 +118,7 @@ pub(super) struct Scripts {
     pub(super) release: Lua,
     pub(super) step: Lua,
     pub(super) steps: Lua,
+    pub(super) recorded_steps: Lua,
     pub(super) inspect: Lua,
     pub(super) delete: Lua,
     pub(super) index: Lua,
@@ -131,6 +137,7 @@ impl Scripts {
             release: Lua::new(RELEASE),
             step: Lua::new(STEP),
             steps: Lua::new(STEPS),
+            recorded_steps: Lua::new(RECORDED_STEPS),
             inspect: Lua::new(INSPECT),
             delete: Lua::new(DELETE),
             index: Lua::new(INDEX),

@@ -79,16 +79,7 @@ pub(crate) fn db<B: Backend>(what: &'static str) -> impl Fn(sqlx::Error) -> Stor
 /// engine its tries again; anything else as [`db`] answers it.
 pub(crate) fn steps_error<B: Backend>(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
     move |e| {
-        let missing = match &e {
-            sqlx::Error::Database(d) => {
-                // PostgreSQL's undefined column, MySQL's unknown column, SQLite's message.
-                matches!(d.code().as_deref(), Some("42703" | "42S22"))
-                    || d.message().contains("no such column")
-                    || d.message().contains("Unknown column")
-            }
-            _ => false,
-        };
-        if missing {
+        if is_undefined_column(&e) {
             StoreError::unsupported(format!(
                 "{} {what}: the table has no columns for steps; run migrate() ({e})",
                 B::NAME
@@ -96,6 +87,19 @@ pub(crate) fn steps_error<B: Backend>(what: &'static str) -> impl Fn(sqlx::Error
         } else {
             db::<B>(what)(e)
         }
+    }
+}
+
+/// Whether `e` is the database's refusal of a column the table lacks: PostgreSQL's undefined
+/// column, MySQL's unknown column, SQLite's message.
+pub(crate) fn is_undefined_column(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(d) => {
+            matches!(d.code().as_deref(), Some("42703" | "42S22"))
+                || d.message().contains("no such column")
+                || d.message().contains("Unknown column")
+        }
+        _ => false,
     }
 }
 

@@ -5,6 +5,9 @@
 //! Released records (in progress under no lease) and records past their expiry are absent to
 //! lookup, delete and list, as in every store.
 
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
 use super::{SqliteStore, db, on_connection, statement};
 use crate::store::{
     Deleted, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordKey, RecordPage, StoreError,
@@ -23,17 +26,49 @@ impl SqliteStore {
         up_to: u64,
     ) -> Result<SubjectUsage, StoreError> {
         let limit = i64::try_from(up_to).unwrap_or(i64::MAX);
-        let (count, bytes): (i64, i64) = on_connection!(self, "count", read, conn => {
-            sqlx::query_as(statement(&self.sql.count))
+        let mut counted = None;
+        if self.sql.counts_steps.load(Ordering::Relaxed) {
+            match self.count_on(&self.sql.count, subject, limit).await? {
+                Ok(found) => counted = Some(found),
+                // A table not migrated since steps came (`0003`): the answers' bytes alone,
+                // until `migrate()` adds them.
+                Err(e) if crate::store::sql::is_undefined_column(&e) => {
+                    self.sql.counts_steps.store(false, Ordering::Relaxed);
+                    tracing::warn!(
+                        table = %self.sql.table,
+                        "the idempotency table has no column for steps: a subject's bytes count \
+                         its answers alone; run migrate()"
+                    );
+                }
+                Err(e) => return Err(db("count")(e)),
+            }
+        }
+        let (count, bytes) = match counted {
+            Some(found) => found,
+            None => self
+                .count_on(&self.sql.count_without_steps, subject, limit)
+                .await?
+                .map_err(db("count"))?,
+        };
+        Ok(SubjectUsage {
+            records: u64::try_from(count).unwrap_or(0),
+            bytes: u64::try_from(bytes).unwrap_or(0),
+        })
+    }
+
+    /// The count statement `sql` for `subject`, up to `limit`: records and bytes.
+    async fn count_on(
+        &self,
+        sql: &Arc<str>,
+        subject: &str,
+        limit: i64,
+    ) -> Result<Result<(i64, i64), sqlx::Error>, StoreError> {
+        on_connection!(self, "count", read, conn => {
+            sqlx::query_as(statement(sql))
                 .bind(subject)
                 .bind(self.clock.wall_us())
                 .bind(limit)
                 .fetch_one(&mut *conn)
-        })?
-        .map_err(db("count"))?;
-        Ok(SubjectUsage {
-            records: u64::try_from(count).unwrap_or(0),
-            bytes: u64::try_from(bytes).unwrap_or(0),
         })
     }
 

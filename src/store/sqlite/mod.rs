@@ -437,10 +437,22 @@ impl IdempotencyStore for SqliteStore {
         .map_err(shared::steps_error::<Sqlite>("steps"))?;
         match row {
             None => Ok(None),
-            Some((list,)) => crate::util::hex::decode(list.as_deref().unwrap_or_default())
-                .and_then(|bytes| step_list::decode(&bytes))
-                .map(Some)
-                .ok_or_else(|| StoreError::unreadable_record("sqlite steps: unreadable")),
+            Some((list,)) => decode_steps(list.as_deref()).map(Some),
+        }
+    }
+
+    async fn recorded_steps(&self, key: &RecordKey) -> Result<Vec<RecordedStep>, StoreError> {
+        let scope = key.digest();
+        let row: Option<(Option<String>,)> = on_connection!(self, "recorded_steps", read, conn => {
+            sqlx::query_as(statement(&self.sql.recorded_steps))
+                .bind(&scope[..])
+                .bind(self.clock.wall_us())
+                .fetch_optional(&mut *conn)
+        })?
+        .map_err(shared::steps_error::<Sqlite>("recorded_steps"))?;
+        match row {
+            None => Ok(Vec::new()),
+            Some((list,)) => decode_steps(list.as_deref()),
         }
     }
 
@@ -608,4 +620,11 @@ impl Backend for Sqlite {
     fn busy(e: &sqlx::Error) -> Option<&'static str> {
         busy(e).then_some("another writer held the database's lock too long")
     }
+}
+
+/// The steps of a record's column (its list's bytes in hexadecimal; NULL: none).
+fn decode_steps(list: Option<&str>) -> Result<Vec<RecordedStep>, StoreError> {
+    crate::util::hex::decode(list.unwrap_or_default())
+        .and_then(|bytes| step_list::decode(&bytes))
+        .ok_or_else(|| StoreError::unreadable_record("sqlite steps: unreadable"))
 }

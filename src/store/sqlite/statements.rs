@@ -40,6 +40,9 @@ pub(super) struct Statements {
     /// The steps of the record the lease holds in progress (NULL when another generation's).
     /// ?1 scope, ?2 lease.
     pub(super) steps: Arc<str>,
+    /// The steps of the live record's operation, as `lookup` finds it live (NULL when another
+    /// generation's); no row without a live record. ?1 scope, ?2 now.
+    pub(super) recorded_steps: Arc<str>,
     /// ?1 scope, ?2 fingerprint: what a claim needs to decide (the body only when it can be
     /// replayed).
     pub(super) claim_read: Arc<str>,
@@ -52,7 +55,12 @@ pub(super) struct Statements {
     pub(super) purge: Arc<str>,
     pub(super) check_shape: Arc<str>,
     pub(super) lookup: Arc<str>,
+    /// A subject's live records and the bytes of their answers and steps (`0003`).
     pub(super) count: Arc<str>,
+    /// `count` on a table without the steps' column: the answers' bytes alone.
+    pub(super) count_without_steps: Arc<str>,
+    /// Whether `count` may name the steps' column: until a count finds it missing.
+    pub(super) counts_steps: std::sync::atomic::AtomicBool,
     pub(super) delete: Arc<str>,
     pub(super) held: Arc<str>,
     /// The keeper's renewal of many leases, up to its list of `(scope, lease)` pairs: ?1 now,
@@ -121,6 +129,11 @@ impl Statements {
                 "SELECT CASE WHEN steps_generation IS generation THEN steps END FROM {t} \
                  WHERE scope = ?1 AND lease_token = ?2 AND lease_token <> {RELEASED} \
                    AND status = 'in_progress'"
+            )
+            .into(),
+            recorded_steps: format!(
+                "SELECT CASE WHEN steps_generation IS generation THEN steps END FROM {t} \
+                 WHERE scope = ?1 AND {LIVE}"
             )
             .into(),
             claim_read: format!(
@@ -235,12 +248,13 @@ impl Statements {
             .into(),
             // ?1 subject, ?2 now, ?3 limit: live records, released ones included (they are kept
             // until their expiry), counted on the subject index, and the bytes of their bodies.
-            count: format!(
-                "SELECT count(*), coalesce(sum(bytes), 0) FROM (SELECT \
-                 coalesce(length(response_body), 0) AS bytes FROM {t} \
-                 WHERE subject = ?1 AND expires_us > ?2 LIMIT ?3)"
-            )
-            .into(),
+            // Every step the row keeps counts, whatever its generation (two hex digits a byte).
+            count: count(
+                t,
+                "coalesce(length(response_body), 0) + coalesce(length(steps), 0) / 2",
+            ),
+            count_without_steps: count(t, "coalesce(length(response_body), 0)"),
+            counts_steps: std::sync::atomic::AtomicBool::new(true),
             // ?1 scope, ?2 now: only a finished, live record.
             delete: format!(
                 "DELETE FROM {t} WHERE scope = ?1 AND status <> 'in_progress' AND expires_us > ?2"
@@ -283,6 +297,16 @@ const STALE: &str = "(CASE WHEN ?9 IS NOT NULL AND renewed_boot_us IS NOT NULL \
                        THEN renewed_boot_us <= ?9 - max(?7, in_progress_ttl_us) \
                             OR renewed_boot_us > ?9 + max(?7, in_progress_ttl_us) \
                        ELSE updated_us <= ?5 - max(?7, in_progress_ttl_us) END)";
+
+/// ?1 subject, ?2 now, ?3 limit: the subject's live records, counted up to the limit, and the sum
+/// of `bytes` over them.
+fn count(t: &str, bytes: &str) -> Arc<str> {
+    format!(
+        "SELECT count(*), coalesce(sum(bytes), 0) FROM (SELECT {bytes} AS bytes FROM {t} \
+         WHERE subject = ?1 AND expires_us > ?2 LIMIT ?3)"
+    )
+    .into()
+}
 
 #[cfg(test)]
 mod tests {

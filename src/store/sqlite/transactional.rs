@@ -7,9 +7,11 @@ use std::time::Duration;
 use sqlx::{AssertSqlSafe, Connection, SqlSafeStr};
 
 use super::{SqliteStore, db, statement};
+use crate::store::sql::steps_error;
+use crate::store::step_list;
 use crate::store::{
-    FailedCommit, Fenced, Fingerprint, IdempotencyStore, LeaseToken, RecordKey, StoreError,
-    StoredResponse, TransactionalStore,
+    FailedCommit, Fenced, Fingerprint, IdempotencyStore, LeaseToken, RecordKey, RecordedStep,
+    StoreError, StoredResponse, TransactionalStore,
 };
 
 /// The savepoint a handler's transaction opens inside its `BEGIN IMMEDIATE`: still there at the
@@ -84,9 +86,20 @@ impl TransactionalStore for SqliteStore {
         _fingerprint: &Fingerprint,
         response: Arc<StoredResponse>,
         retention: Duration,
+        steps: &[RecordedStep],
     ) -> Result<Fenced, StoreError> {
         let scope = key.digest();
         let completion = self.completion(&scope, lease, &response, retention)?;
+        let steps = steps
+            .iter()
+            .map(|step| {
+                step_list::encode(step)
+                    .map(|bytes| crate::util::hex::encode(&bytes))
+                    .ok_or_else(|| {
+                        StoreError::msg("sqlite complete in transaction: a step too large")
+                    })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
         let done = async {
             if let Err(e) = sqlx::query(sqlx::AssertSqlSafe(format!("RELEASE {SAVEPOINT}")))
                 .execute(&mut **tx)
@@ -97,6 +110,20 @@ impl TransactionalStore for SqliteStore {
                      completion",
                     e,
                 ));
+            }
+            // The steps taken in the transaction, each as `record_step` records one: a lease that
+            // no longer holds the record matches nothing, and nothing is completed.
+            for hex in &steps {
+                let done = sqlx::query(statement(&self.sql.record_step))
+                    .bind(&scope[..])
+                    .bind(lease.0)
+                    .bind(hex.as_str())
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(steps_error::<sqlx::Sqlite>("complete in transaction"))?;
+                if done.rows_affected() != 1 {
+                    return Ok(Fenced::LeaseLost);
+                }
             }
             let done = completion
                 .execute(&mut **tx)

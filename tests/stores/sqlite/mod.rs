@@ -546,3 +546,56 @@ mod batched {
         }
     }
 }
+
+/// A table not migrated for steps (made by an earlier version, `migrate()` not run since): showing
+/// or recording a step answers at once that the store cannot keep them, the rest of the store
+/// works as before, and `migrate()` adds the columns back.
+#[tokio::test]
+async fn a_table_without_the_steps_columns_refuses_steps_at_once() {
+    let path = fresh_path();
+    let pool = pool_on(&path, 2).await;
+    let store = SqliteStore::new(pool.clone()).with_timeout(common::SUITE_STORE_TIMEOUT);
+    store.migrate().await.expect("migrate");
+    for column in ["steps", "steps_generation"] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "ALTER TABLE idempotency_records DROP COLUMN {column}"
+        )))
+        .execute(&pool)
+        .await
+        .expect("the columns of an earlier version");
+    }
+    let request = claim_request("unmigrated", b"{}");
+    let ClaimOutcome::Claimed { lease, .. } = store.claim(&request).await.expect("claim") else {
+        panic!("claimed");
+    };
+    let shown = store.recorded_steps(&request.key).await;
+    assert!(
+        shown.as_ref().is_err_and(|e| e.is_unsupported()),
+        "{shown:?}"
+    );
+    let read = store.steps(&request.key, lease).await;
+    assert!(read.as_ref().is_err_and(|e| e.is_unsupported()), "{read:?}");
+    let step = axum_idempotency::store::RecordedStep {
+        name: "reserve".into(),
+        result: b"1".to_vec(),
+    };
+    let write = store.record_step(&request.key, lease, &step).await;
+    assert!(
+        write.as_ref().is_err_and(|e| e.is_unsupported()),
+        "{write:?}"
+    );
+    let renewed = store
+        .renew(&request.key, lease, Duration::from_secs(60))
+        .await;
+    assert!(renewed.expect("renew").is_done());
+    store.migrate().await.expect("migrate again");
+    let written = store.record_step(&request.key, lease, &step).await;
+    assert!(written.expect("record").is_done());
+    assert_eq!(
+        store
+            .recorded_steps(&request.key)
+            .await
+            .expect("recorded steps"),
+        vec![step]
+    );
+}

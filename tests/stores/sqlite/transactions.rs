@@ -63,6 +63,19 @@ async fn charge(
         .await
         .expect("the effect is written");
     world.written.fetch_add(1, Ordering::SeqCst);
+    if headers.contains_key("x-step") {
+        // A step in the transaction: its effect and its record commit with the answer.
+        let conn = tx.conn().await.expect("begun");
+        let step = ctx.step("ledger", || async move {
+            sqlx::query("INSERT INTO effects (k, note, parent) VALUES ('ledger', ?1, 1)")
+                .bind(format!("run {run}"))
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>(run)
+        });
+        step.await.expect("the step in the transaction");
+    }
     if headers.contains_key("x-hold") {
         world.gate.acquire().await.expect("gate").forget();
     }
@@ -205,6 +218,44 @@ async fn effect_and_record_commit_together() {
     assert_eq!(s.runs(), 1);
     assert_eq!(s.effects().await, 1);
     assert_eq!(s.outcomes.get(Outcome::Recorded), 1);
+}
+
+/// A step the handler takes in its transaction is rolled back with it when the answer is
+/// released (the retry runs it again, and its effect happens once), and committed with the
+/// record when the answer is recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_step_in_the_handlers_transaction_commits_with_it() {
+    let s = Setup::new().await;
+    let router = s.router();
+    let released = send(&router, "k", &["x-step", "x-status=503"]).await;
+    assert_eq!(released.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        s.effects().await,
+        0,
+        "the step's effect rolled back with the rest"
+    );
+    let scope = axum_idempotency::store::RecordKey {
+        key: "k".into(),
+        subject: "alice".into(),
+        endpoint: "POST /charge".into(),
+    };
+    use axum_idempotency::store::IdempotencyStore;
+    let none = s.store.recorded_steps(&scope).await.expect("steps");
+    assert!(none.is_empty(), "released: no step is left: {none:?}");
+    let done = send(&router, "k", &["x-step"]).await;
+    assert_eq!(done.status, StatusCode::CREATED);
+    assert_eq!(s.runs(), 2, "the retry ran the handler and its step again");
+    // The handler's effect and the step's, once each.
+    assert_eq!(s.effects().await, 2);
+    let steps = s.store.recorded_steps(&scope).await.expect("steps");
+    assert_eq!(steps.len(), 1, "{steps:?}");
+    assert_eq!(
+        (steps[0].name.as_str(), steps[0].result.as_slice()),
+        ("ledger", &b"1"[..])
+    );
+    let replay = send(&router, "k", &["x-step"]).await;
+    assert!(replay.replayed);
+    assert_eq!(s.runs(), 2);
 }
 
 /// While the handler holds its transaction (and with it the file's write lock), nobody sees its
