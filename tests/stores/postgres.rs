@@ -1512,4 +1512,11 @@ async fn a_table_without_the_steps_columns_refuses_steps_at_once() {
             .expect("recorded steps"),
         vec![]
     );
+    let written = store.record_step(&request.key, lease, &step).await;
+    assert!(written.expect("record").is_done());
+    let usage = store.count_records("alice", 10).await;
+    let usage = usage
+        .expect("counted with the steps")
+        .expect("the store counts");
+    assert!(usage.bytes >= 1, "the step counts once migrated: {usage:?}");
 }

@@ -41,6 +41,10 @@ impl MySqlStore {
     /// Call it on the `MySqlStore` itself, before wrapping it in a `CachedStore` or an
     /// `EncryptedStore` (they have no `migrate()`).
     pub async fn migrate(&self) -> Result<(), StoreError> {
+        // Counts name the columns again: the migration adds them where they lack.
+        for column in [&self.sql.counts_steps, &self.sql.body_bytes] {
+            column.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         let limit = self.timeout.max(MIN_MIGRATE_TIMEOUT);
         let connection = tokio::time::timeout(limit, self.pool.acquire())
             .await

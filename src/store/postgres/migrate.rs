@@ -71,6 +71,11 @@ impl PostgresStore {
     /// process resolves an unqualified table name through the search path on every statement:
     /// qualify it ([`with_table`](Self::with_table)) where other roles may create objects.
     pub async fn migrate(&self) -> Result<(), StoreError> {
+        // Counts name the steps' columns again: the migration adds them where they lack.
+        self.sql()
+            .inspection
+            .counts_steps
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         // Once pinned (an earlier `migrate()` of this store or a clone), the same table again.
         let configured = self.sql();
         let sql = MIGRATION

@@ -588,9 +588,17 @@ async fn a_table_without_the_steps_columns_refuses_steps_at_once() {
         .renew(&request.key, lease, Duration::from_secs(60))
         .await;
     assert!(renewed.expect("renew").is_done());
+    let usage = store.count_records(&request.key.subject, 10).await;
+    let usage = usage.expect("counted without the steps");
+    assert_eq!(usage.map(|u| u.records), Some(1));
     store.migrate().await.expect("migrate again");
     let written = store.record_step(&request.key, lease, &step).await;
     assert!(written.expect("record").is_done());
+    let usage = store.count_records(&request.key.subject, 10).await;
+    let usage = usage
+        .expect("counted with the steps")
+        .expect("the store counts");
+    assert!(usage.bytes >= 1, "the step counts once migrated: {usage:?}");
     assert_eq!(
         store
             .recorded_steps(&request.key)
