@@ -95,8 +95,13 @@ pub(super) struct Steps<L: ?Sized = dyn StepLog> {
     /// Whether the run's own transaction (`IdempotencyTx`, `OnceTransaction`) has begun.
     transaction: std::sync::atomic::AtomicBool,
     /// The steps taken in the run's transaction, in order: written in it with the completion,
-    /// and committed with the effects they wrote there (see `commit_with_record`).
-    in_transaction: std::sync::Mutex<Vec<RecordedStep>>,
+    /// and committed with the effects they wrote there (see `commit_with_record`). `None` once
+    /// the completion took them: a step after that is not recorded.
+    in_transaction: std::sync::Mutex<Option<Vec<RecordedStep>>>,
+    /// The store's steps as this run last read them, with those it recorded since: what a step
+    /// in the run's transaction goes by, rather than read again on a second connection while the
+    /// transaction holds one.
+    known: std::sync::Mutex<Option<Vec<RecordedStep>>>,
     log: L,
 }
 
@@ -105,7 +110,8 @@ impl<L: StepLog> Steps<L> {
         Steps {
             busy: tokio::sync::Mutex::new(()),
             transaction: std::sync::atomic::AtomicBool::new(false),
-            in_transaction: std::sync::Mutex::new(Vec::new()),
+            in_transaction: std::sync::Mutex::new(Some(Vec::new())),
+            known: std::sync::Mutex::new(None),
             log,
         }
     }
@@ -120,7 +126,9 @@ impl Steps {
 
     /// The steps taken in the run's transaction, for its completion to write; none are left.
     pub(super) fn take_in_transaction(&self) -> Vec<RecordedStep> {
-        std::mem::take(&mut *crate::util::lock::lock(&self.in_transaction))
+        crate::util::lock::lock(&self.in_transaction)
+            .take()
+            .unwrap_or_default()
     }
 
     /// Runs `f` as the step `name` unless it was recorded (see `IdempotencyContext::step`).
@@ -146,21 +154,28 @@ impl Steps {
         // it would wait on that transaction's lock (SQLite's file has one writer), or take a
         // second connection while the run holds one.
         let in_transaction = self.transaction.load(std::sync::atomic::Ordering::SeqCst);
-        // Read before every step, by the lease: a run whose record was retaken meanwhile (it was
-        // presumed dead, and woke up) learns it here, before its work runs, and the steps are the
-        // store's as they are now (a write whose answer was lost may have landed). Nothing ran
-        // yet: a read the store fails is tried again for up to the in-progress TTL before the
-        // step fails.
-        let read = retried(
-            name,
-            "reading the steps",
-            self.log.read_patience(),
-            false,
-            || self.log.load(),
-        );
-        let steps = match read.await.map_err(StepError::Store)? {
-            Some(steps) => steps,
-            None => return Err(StepError::LeaseLost),
+        let known = crate::util::lock::lock(&self.known).clone();
+        let steps = match known {
+            // In the transaction, the steps as this run knows them: a lost lease is found by the
+            // completion, which is fenced, and rolls the step back with its effects.
+            Some(known) if in_transaction => known,
+            // Read before every other step, by the lease: a run whose record was retaken
+            // meanwhile (it was presumed dead, and woke up) learns it here, before its work runs,
+            // and the steps are the store's as they are now (a write whose answer was lost may
+            // have landed). Nothing ran yet: a read the store fails is tried again for up to the
+            // in-progress TTL before the step fails.
+            _ => {
+                let read = retried(name, "reading the steps", self.log.read_patience(), || {
+                    self.log.load()
+                });
+                match read.await.map_err(StepError::Store)? {
+                    Some(steps) => {
+                        *crate::util::lock::lock(&self.known) = Some(steps.clone());
+                        steps
+                    }
+                    None => return Err(StepError::LeaseLost),
+                }
+            }
         };
         let taken = self.taken_in_transaction(name);
         if let Some(result) = steps
@@ -183,37 +198,48 @@ impl Steps {
             name: name.to_owned(),
             result,
         };
-        if in_transaction {
-            crate::util::lock::lock(&self.in_transaction).push(step);
-            return Ok(value);
+        // Also when the transaction began while the work ran (its likeliest cause: the step's own
+        // `tx.conn()`): written apart, the step would stay recorded if the transaction that holds
+        // its effects rolled back, and on SQLite it would wait on that transaction's own lock.
+        if self.transaction.load(std::sync::atomic::Ordering::SeqCst) {
+            return match crate::util::lock::lock(&self.in_transaction).as_mut() {
+                Some(taken) => {
+                    taken.push(step);
+                    Ok(value)
+                }
+                None => Err(StepError::Store(StoreError::msg(
+                    "the run's transaction was completed before this step ended: its result was \
+                     not recorded",
+                ))),
+            };
         }
         // The work ran: its record is tried again while the store fails (a busy SQLite file, a
         // connection lost, a table locked by another program), until it is taken, the lease is
         // lost, or the maximum hold (which cancels the run anyway), rather than have the run fail
         // and its retry run the work again. Every write is fenced by the lease, and one sent
         // again counts once.
-        // Unless the run's transaction began while the work ran (a step beside `tx.conn()`,
-        // which the check above could not see): on SQLite the write may then wait on that
-        // transaction's own lock, so it is sent once.
-        let once = self.transaction.load(std::sync::atomic::Ordering::SeqCst);
-        let write = retried(name, "recording a step", self.log.patience(), once, || {
+        let write = retried(name, "recording a step", self.log.patience(), || {
             self.log.record(&step)
         });
         match write.await.map_err(StepError::Store)? {
-            Fenced::Done => Ok(value),
+            Fenced::Done => {
+                if let Some(known) = crate::util::lock::lock(&self.known).as_mut() {
+                    known.push(step);
+                }
+                Ok(value)
+            }
             Fenced::LeaseLost => Err(StepError::LeaseLost),
         }
     }
 }
 
 /// `attempt` until the store answers, tried again while it fails (pausing 50 ms, doubling to
-/// 1 s) for up to `patience`; at once when `once`, or when no try changes the error (a store
-/// that keeps no steps, a table not migrated for them, a list that does not read).
+/// 1 s) for up to `patience`; at once when no try changes the error (a store that keeps no steps,
+/// a table not migrated for them, a list that does not read).
 async fn retried<'a, T>(
     name: &str,
     what: &'static str,
     patience: std::time::Duration,
-    once: bool,
     mut attempt: impl FnMut() -> Boxed<'a, Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
     let give_up = tokio::time::Instant::now() + patience;
@@ -222,8 +248,7 @@ async fn retried<'a, T>(
         match attempt().await {
             Ok(answer) => return Ok(answer),
             Err(e)
-                if once
-                    || e.is_unsupported()
+                if e.is_unsupported()
                     || e.is_unreadable_record()
                     || tokio::time::Instant::now() + pause >= give_up =>
             {
@@ -248,6 +273,7 @@ struct Taken {
 impl Steps {
     fn taken_in_transaction(&self, name: &str) -> Taken {
         let taken = crate::util::lock::lock(&self.in_transaction);
+        let taken = taken.as_deref().unwrap_or_default();
         Taken {
             count: taken.len(),
             found: taken
@@ -275,7 +301,8 @@ pub enum StepError<E> {
     /// keeps no steps (the work did not run); or the step's result could not be recorded (the
     /// work ran; the last write may or may not have committed). A write is tried again until the
     /// run's maximum hold, which ends the run first: a handler sees this for a write only when
-    /// the store cannot keep steps, or when the run's transaction began while the step ran.
+    /// the store cannot keep steps, or when a step ended after the run's transaction was
+    /// completed (a step left running beside the answer).
     Store(StoreError),
     /// The name is empty, longer than [`MAX_STEP_NAME`] bytes, or holds a NUL; nothing ran.
     Name,

@@ -403,8 +403,10 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
         &self,
         key: &RecordKey,
     ) -> Result<Vec<crate::store::RecordedStep>, StoreError> {
-        let mut sealed = self.inner.recorded_steps(&self.secret.scope(key)).await?;
-        if sealed.is_empty() && self.in_clear {
+        let hidden = self.secret.scope(key);
+        let mut sealed = self.inner.recorded_steps(&hidden).await?;
+        // The record in clear, only where `lookup` shows it: when there is no hidden record.
+        if sealed.is_empty() && self.in_clear && self.inner.lookup(&hidden).await?.is_none() {
             sealed = self.inner.recorded_steps(key).await?;
         }
         sealed

@@ -465,12 +465,14 @@ impl Inspection {
         };
         Inspection {
             // Every step the row keeps counts, whatever its generation: it takes room until a
-            // step of the new one replaces it.
+            // step of the new one replaces it. As stored (`pg_column_size`, compressed where
+            // PostgreSQL compressed them): read from the value's header, where unnesting the
+            // results would read and decompress each one.
             count: count(
                 t,
                 "coalesce(octet_length(response_body), 0) \
-                 + coalesce(octet_length(array_to_string(step_names, '')), 0) \
-                 + coalesce((SELECT sum(octet_length(r)) FROM unnest(step_results) r), 0)",
+                 + coalesce(pg_column_size(step_names), 0) \
+                 + coalesce(pg_column_size(step_results), 0)",
             ),
             count_without_steps: count(t, "coalesce(octet_length(response_body), 0)"),
             counts_steps: std::sync::atomic::AtomicBool::new(true),

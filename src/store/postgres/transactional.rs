@@ -61,10 +61,19 @@ impl TransactionalStore for PostgresStore {
         let idle = format!("{}ms", pg_millis(self.timeout * 2));
         let completion = self
             .completion(&self.sql().complete_in, &scope, lease, &response, retention)
-            .bind(idle);
+            .bind(idle.as_str());
         let written = async {
             // The steps taken in the transaction, each as `record_step` records one: a lease that
-            // no longer holds the record matches nothing, and nothing is completed.
+            // no longer holds the record matches nothing, and nothing is completed. The first
+            // locks the record's row: the transaction's idle bound shrinks first, as the
+            // completion's own does, so that a process that dies from here on leaves the key
+            // retakable within about a TTL, not at the end of its maximum hold.
+            if !steps.is_empty() {
+                sqlx::query("SELECT set_config('idle_in_transaction_session_timeout', $1, true)")
+                    .bind(idle.as_str())
+                    .execute(&mut **tx)
+                    .await?;
+            }
             for step in steps {
                 let done = self
                     .leased(&self.sql().record_step, &scope, lease)

@@ -248,10 +248,11 @@ impl Statements {
             .into(),
             // ?1 subject, ?2 now, ?3 limit: live records, released ones included (they are kept
             // until their expiry), counted on the subject index, and the bytes of their bodies.
-            // Every step the row keeps counts, whatever its generation (two hex digits a byte).
+            // Every step the row keeps counts, whatever its generation (two hex digits a byte;
+            // `octet_length` reads the size, where `length` would read the text to count it).
             count: count(
                 t,
-                "coalesce(length(response_body), 0) + coalesce(length(steps), 0) / 2",
+                "coalesce(length(response_body), 0) + coalesce(octet_length(steps), 0) / 2",
             ),
             count_without_steps: count(t, "coalesce(length(response_body), 0)"),
             counts_steps: std::sync::atomic::AtomicBool::new(true),

@@ -47,6 +47,19 @@ async fn charge(
     headers: HeaderMap,
 ) -> Response {
     let run = world.runs.fetch_add(1, Ordering::SeqCst);
+    if headers.contains_key("x-step-first") {
+        // A step whose own work begins the transaction: recorded with it, as a step after it.
+        let step = ctx.step("ledger", || async {
+            let conn = tx.conn().await.map_err(|e| e.to_string())?;
+            sqlx::query("INSERT INTO effects (k, note, parent) VALUES ('ledger', ?1, 1)")
+                .bind(format!("run {run}"))
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>(run)
+        });
+        step.await.expect("the step that begins the transaction");
+    }
     if headers.contains_key("x-wait") {
         world.before.acquire().await.expect("gate").forget();
     }
@@ -256,6 +269,38 @@ async fn a_step_in_the_handlers_transaction_commits_with_it() {
     let replay = send(&router, "k", &["x-step"]).await;
     assert!(replay.replayed);
     assert_eq!(s.runs(), 2);
+}
+
+/// A step whose own work begins the handler's transaction is recorded in it too: rolled back with
+/// the effect it wrote when the answer is released (were it written apart, it would stay
+/// recorded, and the retry would skip the effect it stands for).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_step_that_begins_the_transaction_commits_with_it() {
+    let s = Setup::new().await;
+    let router = s.router();
+    let released = send(&router, "k", &["x-step-first", "x-status=503"]).await;
+    assert_eq!(released.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        s.effects().await,
+        0,
+        "the step's effect rolled back with the rest"
+    );
+    let done = send(&router, "k", &["x-step-first"]).await;
+    assert_eq!(done.status, StatusCode::CREATED);
+    // The retry ran the step again: its effect and the handler's, once each.
+    assert_eq!(s.effects().await, 2);
+    let scope = axum_idempotency::store::RecordKey {
+        key: "k".into(),
+        subject: "alice".into(),
+        endpoint: "POST /charge".into(),
+    };
+    use axum_idempotency::store::IdempotencyStore;
+    let steps = s.store.recorded_steps(&scope).await.expect("steps");
+    assert_eq!(steps.len(), 1, "{steps:?}");
+    assert_eq!(
+        (steps[0].name.as_str(), steps[0].result.as_slice()),
+        ("ledger", &b"1"[..])
+    );
 }
 
 /// While the handler holds its transaction (and with it the file's write lock), nobody sees its
