@@ -116,6 +116,7 @@
 //! | [`fingerprint`] | tools | the `Fingerprint` of a request, and the canonical JSON it hashes |
 //! | `metrics` (feature) | operators | the metric names |
 //! | `openapi` (feature) | API authors | the layer's contract in an OpenAPI document |
+//! | `layer::grpc` (feature) | gRPC service authors | the gRPC mode: unary calls guarded, trailers replayed, gRPC statuses |
 //! | `conformance` (feature `test-suite`) | store authors | the behaviour suite every store passes |
 //!
 //! Inside, dependencies go one way: `util <- fingerprint <- store <- engine <- {layer, once}`. The
@@ -134,6 +135,7 @@
 //! | `encryption` | off | `store::EncryptedStore`: recorded headers and bodies sealed with AES-256-GCM over any store |
 //! | `metrics` | off | outcome counters by route and store latency histograms through the `metrics` facade |
 //! | `openapi` | off | `openapi`: the layer's contract (the `Idempotency-Key` parameter, its problem answers, the replay headers) written into a utoipa 6 `OpenApi` by `IdempotencyLayer::openapi` (utoipa re-exported as `axum_idempotency::utoipa`) |
+//! | `grpc` | off | `layer::grpc`: the layer guards unary gRPC calls (the `idempotency-key` metadata, the answer decided by its `grpc-status`, its trailers replayed, the layer's answers as gRPC statuses); no dependency added |
 //! | `test-suite` | off | `conformance`, `store_suite!` and `cache_suite!`: the behaviour suite every store passes, for stores of your own (tests only) |
 //!
 //! # Implementing a store

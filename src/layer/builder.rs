@@ -81,6 +81,7 @@ impl<Store: IdempotencyStore> IdempotencyLayer<Store> {
 /// | `max_records_per_subject` | 100 000 | live records one subject may have in the store, counted by one claim of the subject at a time; past it new keys get `429 idempotency_quota_exceeded` (its records still replay), and a failed count refuses them `503` a second. `None`: no bound; a store that keeps no subjects refuses any other value at `build()` |
 /// | `max_bytes_per_subject` | 256 MiB | bytes of recorded answers (their bodies) one subject may have in the store, counted with its records; past it new keys get `429 idempotency_quota_exceeded`. Needs `max_records_per_subject` |
 /// | `credential_headers` | `authorization` | request headers that count as credentials: with `allow_anonymous`, a request with one but no subject gets `401`, never the shared anonymous scope; add `cookie` where a session cookie authenticates |
+/// | `grpc` | off | with the `grpc` feature, the layer guards unary gRPC calls ([`GrpcSettings`](crate::layer::grpc::GrpcSettings)): the key in the `idempotency-key` metadata, the answer read to its trailers and decided by its `grpc-status`, trailers replayed, the layer's answers as gRPC statuses; other calls with a key refused or passed through |
 /// | `transactions` | `false` | offer handlers an [`IdempotencyTx`](crate::IdempotencyTx) that commits with the record (stores with transactions only) |
 pub struct IdempotencyLayerBuilder<Store> {
     store: Store,
@@ -553,8 +554,29 @@ impl<Store: IdempotencyStore> IdempotencyLayerBuilder<Store> {
         self
     }
 
+    /// Makes this a gRPC layer (feature `grpc`): it guards the unary methods `settings` names,
+    /// reads the key from the `idempotency-key` metadata, fingerprints the method path and the
+    /// request's frames, reads the handler's answer to its trailers and decides by its
+    /// `grpc-status`, replays the trailers, and answers with gRPC statuses (trailers-only)
+    /// instead of problem details ([`render_errors`](Self::render_errors) does not apply). Put it
+    /// on the gRPC routes, not on HTTP ones. Not together with `fingerprint_ignore`, nor with
+    /// `transactions`. See [`grpc`](crate::layer::grpc).
+    #[cfg(feature = "grpc")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "grpc")))]
+    pub fn grpc(mut self, settings: super::grpc::GrpcSettings) -> Self {
+        self.http.grpc = Some(Arc::new(settings));
+        self
+    }
+
     /// Checks the settings and builds the layer.
     pub fn build(mut self) -> Result<IdempotencyLayer<Store>, ConfigError> {
+        #[cfg(feature = "grpc")]
+        if self.http.grpc.is_some() && self.transactions.is_some() {
+            return Err(ConfigError::new(
+                "grpc",
+                "a gRPC layer records its answers itself: not together with transactions",
+            ));
+        }
         self.http.tombstones = self.engine.tombstones.is_some();
         let reads = self
             .engine

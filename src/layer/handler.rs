@@ -138,7 +138,13 @@ where
                     lease.release("the handler kept its transaction").await;
                     Ok(internal_error(http))
                 }
-                Left::Nothing => Ok(recording::record(http, lease, response).await),
+                Left::Nothing => {
+                    #[cfg(feature = "grpc")]
+                    if let Some(grpc) = &http.grpc {
+                        return Ok(Box::pin(super::grpc::record(http, grpc, lease, response)).await);
+                    }
+                    Ok(recording::record(http, lease, response).await)
+                }
             }
         }
         Ran::Ended(Err(e)) => {

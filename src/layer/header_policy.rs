@@ -5,7 +5,8 @@
 //! Never kept: credentials and cookies, every `proxy-*` header, the headers that describe one
 //! transfer or one hop rather than the response (RFC 9110 section 7.6.1: `connection` and the
 //! headers it names, `keep-alive`, `te`, `trailer`, `transfer-encoding`, `upgrade`), and the
-//! layer's own markers.
+//! layer's own markers (the replay markers, and `idempotency-trailer-*`, under which a record
+//! keeps a trailer).
 //!
 //! Always kept with the body, whatever the configuration says: `content-encoding`. It says what
 //! the recorded bytes are (RFC 9110 section 8.4); a compression layer inside this one records
@@ -40,10 +41,15 @@ pub(crate) const DENIED_HEADERS: [&str; 20] = [
     "idempotency-key",
 ];
 
+/// The prefix under which a record keeps a trailer among its headers (the gRPC mode records its
+/// trailers so). Denied as a header: no answer the layer records can forge a trailer, and a replay
+/// never sends one as a header.
+pub(crate) const TRAILER_PREFIX: &str = "idempotency-trailer-";
+
 /// Whether `name` is never recorded nor replayed.
 pub(crate) fn is_denied(name: &HeaderName) -> bool {
     let name = name.as_str();
-    DENIED_HEADERS.contains(&name) || name.starts_with("proxy-")
+    DENIED_HEADERS.contains(&name) || name.starts_with("proxy-") || name.starts_with(TRAILER_PREFIX)
 }
 
 /// Whether `name` describes the recorded bytes themselves, so that it is recorded and replayed with
@@ -79,6 +85,13 @@ mod tests {
             assert!(is_denied(&HeaderName::from_static(name)), "{name}");
         }
         assert!(!is_denied(&http::header::CONTENT_TYPE));
+    }
+
+    #[test]
+    fn no_answer_can_carry_a_recorded_trailer_as_a_header() {
+        let forged = HeaderName::from_static("idempotency-trailer-grpc-status");
+        assert!(is_denied(&forged));
+        assert!(!is_denied(&HeaderName::from_static("grpc-status")));
     }
 
     #[test]

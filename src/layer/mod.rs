@@ -14,12 +14,16 @@
 //! | `recording/` | the answer recorded while it reaches the client (and in a handler's transaction) |
 //! | `replay.rs`, `problem.rs` | a record back into a response; the layer's own error answers |
 //! | `transaction.rs` | `IdempotencyTx`, the handler's transaction |
+//! | `grpc.rs` | the gRPC mode (feature `grpc`): unary calls, their trailers, gRPC statuses |
 
 mod admission;
 mod body;
 mod builder;
 mod extract;
 mod future;
+#[cfg(feature = "grpc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "grpc")))]
+pub mod grpc;
 mod handler;
 mod header_policy;
 pub mod key;

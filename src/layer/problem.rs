@@ -254,6 +254,9 @@ pub(crate) struct ProblemTypes {
     base: Option<std::sync::Arc<str>>,
     /// The application's rendering of the layer's errors; `None`: problem+json.
     renderer: Option<std::sync::Arc<RenderFn>>,
+    /// The answers are gRPC statuses (the gRPC mode), whatever renders them otherwise.
+    #[cfg(feature = "grpc")]
+    grpc: bool,
 }
 
 impl std::fmt::Debug for ProblemTypes {
@@ -326,6 +329,12 @@ impl ProblemTypes {
         }
     }
 
+    /// The layer's errors answered as gRPC statuses.
+    #[cfg(feature = "grpc")]
+    pub(crate) fn grpc(self) -> Self {
+        ProblemTypes { grpc: true, ..self }
+    }
+
     /// Whether the application renders the layer's errors itself (not as problem+json).
     #[cfg(feature = "openapi")]
     pub(crate) fn is_rendered(&self) -> bool {
@@ -357,6 +366,8 @@ impl ProblemTypes {
             type_uri: &type_uri,
         };
         let response = match &self.renderer {
+            #[cfg(feature = "grpc")]
+            _ if self.grpc => super::grpc::status_answer(kind, detail, retry_after, &instance),
             None => problem.default_response(),
             Some(render) => {
                 // A renderer that panics must not take the request down with it: the default

@@ -322,6 +322,10 @@ fn replayed(
     sent: tokio::time::Instant,
 ) -> Response<Body> {
     let mut response = replay::replay(stored, &http.replay_header, &http.stored_headers);
+    #[cfg(feature = "grpc")]
+    if http.grpc.is_some() {
+        response = super::grpc::with_trailers(&http.stored_headers, stored, response);
+    }
     // Dated from when the claim was sent: the store counted the time left from a moment after
     // it, so the date is never later than the record's expiry.
     if http.expiry_header

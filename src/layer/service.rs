@@ -93,6 +93,31 @@ where
         // Take the service that was polled ready and leave a clone in its place.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
+        // A gRPC layer guards the unary methods it is told of; another call with a key is refused
+        // or passes through, as it is set.
+        #[cfg(feature = "grpc")]
+        if let Some(grpc) = &self.http.grpc
+            && !grpc.guards(&request)
+        {
+            let (parts, body) = request.into_parts();
+            // Refused only a gRPC call (a request that is not gRPC passes: a gRPC answer would
+            // read as a success to it), and only with a key (or what would be refused as one),
+            // wherever the layer is set to read it.
+            if grpc.refuses_others()
+                && super::grpc::is_grpc(&parts.headers)
+                && !matches!(
+                    self.http.key_source.in_parts(&parts),
+                    Ok(super::key::Found::Absent)
+                )
+            {
+                let refused = super::grpc::unguarded_call();
+                return ResponseFuture::passed(Box::pin(async move { Ok(refused) }));
+            }
+            let future = inner.call(Request::from_parts(parts, body));
+            return ResponseFuture::passed(Box::pin(
+                async move { Ok(future.await?.map(Body::new)) },
+            ));
+        }
         if !guards(&self.http, request.method())
             || self.http.key_source.surely_absent(request.headers()) && !self.http.require_key
         {

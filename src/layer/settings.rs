@@ -105,6 +105,9 @@ pub(crate) struct LayerSettings {
     /// The request headers that count as credentials: a request with one of them and no subject
     /// is refused, never put in the shared anonymous scope.
     pub(crate) credential_headers: Vec<HeaderName>,
+    /// The gRPC mode: which calls are guarded, the status policy.
+    #[cfg(feature = "grpc")]
+    pub(crate) grpc: Option<Arc<super::grpc::GrpcSettings>>,
 }
 
 impl fmt::Debug for LayerSettings {
@@ -223,6 +226,8 @@ impl Default for LayerSettings {
             release_rejections: true,
             expiry_header: true,
             credential_headers: vec![http::header::AUTHORIZATION],
+            #[cfg(feature = "grpc")]
+            grpc: None,
         }
     }
 }
@@ -240,6 +245,50 @@ pub(crate) fn default_endpoint(parts: &Parts) -> String {
     endpoint.push(' ');
     endpoint.push_str(path);
     endpoint
+}
+
+impl LayerSettings {
+    /// The settings of a gRPC layer: its checks, the status, message and encoding recorded, its
+    /// fingerprint, its answers as gRPC statuses.
+    #[cfg(feature = "grpc")]
+    pub(crate) fn grpc_mode(
+        &mut self,
+        grpc: Arc<super::grpc::GrpcSettings>,
+    ) -> Result<(), ConfigError> {
+        grpc.check()?;
+        if matches!(self.key_source, super::key::KeySource::Body(..)) {
+            return Err(ConfigError::new(
+                "key_from_body",
+                "reads a JSON body, which a gRPC call has not: the key is the idempotency-key \
+                 metadata",
+            ));
+        }
+        if !self.methods.contains(&Method::POST) {
+            return Err(ConfigError::new(
+                "grpc",
+                "gRPC calls are POST requests: POST must be among the methods guarded",
+            ));
+        }
+        match &self.fingerprint {
+            FingerprintRule::Canonical(ignored) if !ignored.is_empty() => {
+                return Err(ConfigError::new(
+                    "fingerprint_ignore",
+                    "names JSON fields, which a gRPC message has none of",
+                ));
+            }
+            FingerprintRule::Canonical(_) => {
+                self.fingerprint = FingerprintRule::Custom(Arc::new(super::grpc::fingerprint));
+            }
+            FingerprintRule::Custom(_) => {}
+        }
+        for name in super::grpc::GRPC_HEADERS {
+            if !self.stored_headers.contains(&name) {
+                self.stored_headers.push(name);
+            }
+        }
+        self.problems = self.problems.clone().grpc();
+        Ok(())
+    }
 }
 
 /// What the builder takes as given and checks only when the layer is built: names that must be
@@ -336,6 +385,10 @@ impl LayerSettings {
                     })
                 })
                 .collect::<Result<_, _>>()?;
+        }
+        #[cfg(feature = "grpc")]
+        if let Some(grpc) = &self.grpc {
+            self.grpc_mode(grpc.clone())?;
         }
         if self.stored_headers.contains(&self.replay_header) {
             return Err(ConfigError::new(

@@ -215,6 +215,10 @@ fn recorded_as(http: &LayerSettings, response: &Response<Body>) -> Option<Finish
 /// The record of a handler (or a streamed body) cancelled at the maximum hold: a definitive
 /// `504 idempotency_handler_timeout`, replayed for the key, since its effect may have happened.
 pub(crate) fn handler_timeout(http: &LayerSettings) -> StoredResponse {
+    #[cfg(feature = "grpc")]
+    if http.grpc.is_some() {
+        return super::grpc::handler_timeout();
+    }
     let kind = ErrorKind::HandlerTimeout;
     let instance = super::problem::instance();
     tracing::warn!(error = kind.code(), %instance, "answered with a problem (recorded)");
@@ -255,7 +259,7 @@ fn panicked() -> axum::Error {
 }
 
 /// The next frame of `body`, a panic in it turned into an error.
-async fn next_frame(body: &mut Body) -> Next {
+pub(crate) async fn next_frame(body: &mut Body) -> Next {
     AssertUnwindSafe(body.frame())
         .catch_unwind()
         .await
