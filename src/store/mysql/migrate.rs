@@ -117,21 +117,9 @@ impl MySqlStore {
             })?;
         // Each statement (the files' comments left out) adds one column: applied when its column
         // is missing.
-        let statements: Vec<String> = [BODY_BYTES, SUSPECTED, STEPS]
+        let columns = [BODY_BYTES, SUSPECTED, STEPS]
             .into_iter()
-            .flat_map(|file| {
-                let code: Vec<&str> = file
-                    .lines()
-                    .filter(|line| !line.trim_start().starts_with("--"))
-                    .collect();
-                let code = code.join("\n");
-                code.split(';').map(str::to_owned).collect::<Vec<_>>()
-            })
-            .collect();
-        let columns = statements.iter().filter_map(|statement| {
-            let (_, added) = statement.split_once("ADD COLUMN ")?;
-            Some((added.split_whitespace().next()?, statement))
-        });
+            .flat_map(crate::store::sql::added_columns);
         for (column, migration) in columns {
             let (present,): (i64,) = sqlx::query_as(
                 "SELECT COUNT(*) FROM information_schema.columns \
@@ -140,7 +128,7 @@ impl MySqlStore {
             )
             .bind(self.sql.database.as_deref())
             .bind(name)
-            .bind(column)
+            .bind(column.as_str())
             .fetch_one(&mut *conn)
             .await
             .map_err(db("migrate: look up a column"))?;

@@ -90,6 +90,26 @@ pub(crate) fn steps_error<B: Backend>(what: &'static str) -> impl Fn(sqlx::Error
     }
 }
 
+/// The columns a migration file adds, each with the statement that adds it (`ALTER TABLE ...
+/// ADD COLUMN name ...`), in the file's order: comments (`--` lines) left out, statements split
+/// at `;`. Each is applied where the table lacks its column, so that a migration runs again
+/// safely on databases without `ADD COLUMN IF NOT EXISTS`.
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+pub(crate) fn added_columns(file: &str) -> Vec<(String, String)> {
+    let code: Vec<&str> = file
+        .lines()
+        .filter(|line| !line.trim_start().starts_with("--"))
+        .collect();
+    code.join("\n")
+        .split(';')
+        .filter_map(|statement| {
+            let (_, added) = statement.split_once("ADD COLUMN ")?;
+            let column = added.split_whitespace().next()?.to_owned();
+            Some((column, statement.to_owned()))
+        })
+        .collect()
+}
+
 /// Whether `e` is the database's refusal of a column the table lacks: PostgreSQL's undefined
 /// column, MySQL's unknown column, SQLite's message.
 pub(crate) fn is_undefined_column(e: &sqlx::Error) -> bool {
@@ -118,4 +138,19 @@ pub(crate) fn keeper_pool<DB: Database>(
         .max_lifetime(None)
         .test_before_acquire(false)
         .connect_lazy_with(options)
+}
+
+#[cfg(all(test, any(feature = "sqlite", feature = "mysql")))]
+mod tests {
+    #[test]
+    fn a_migration_names_the_columns_it_adds() {
+        let file = "-- a comment; with ADD COLUMN nope in it\n\
+                    ALTER TABLE t ADD COLUMN steps_generation BLOB;\n\
+                    CREATE INDEX i ON t (x);\n\
+                    ALTER TABLE t ADD COLUMN steps TEXT;\n";
+        let added = super::added_columns(file);
+        let columns: Vec<&str> = added.iter().map(|(c, _)| c.as_str()).collect();
+        assert_eq!(columns, ["steps_generation", "steps"]);
+        assert_eq!(added[1].1.trim(), "ALTER TABLE t ADD COLUMN steps TEXT");
+    }
 }

@@ -99,18 +99,12 @@ impl Statements {
                 "SELECT count(*) FROM pragma_table_info({}) WHERE name = 'renewed_paired_us'",
                 quote_literal(table)
             ),
-            steps_columns: include_str!("../../../migrations/sqlite/0003_idempotency_steps.sql")
-                .lines()
-                .filter(|line| !line.trim_start().starts_with("--"))
-                .collect::<Vec<_>>()
-                .join("\n")
-                .split(';')
-                .filter_map(|statement| {
-                    let (_, added) = statement.split_once("ADD COLUMN ")?;
-                    let column = added.split_whitespace().next()?.to_owned();
-                    Some((column, statement.replace(DEFAULT_TABLE, t)))
-                })
-                .collect(),
+            steps_columns: crate::store::sql::added_columns(include_str!(
+                "../../../migrations/sqlite/0003_idempotency_steps.sql"
+            ))
+            .into_iter()
+            .map(|(column, statement)| (column, statement.replace(DEFAULT_TABLE, t)))
+            .collect(),
             has_column: format!(
                 "SELECT count(*) FROM pragma_table_info({}) WHERE name = ?1",
                 quote_literal(table)
