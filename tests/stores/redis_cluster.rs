@@ -57,6 +57,11 @@ pub(crate) async fn store() -> RedisStore {
 // Redis expires records itself: purge_expired has nothing left to delete.
 store_suite!(store(), purged = 0);
 
+#[tokio::test]
+async fn a_finished_records_steps_count_in_its_subjects_bytes() {
+    crate::redis_store::a_finished_records_steps_count_in_its_subjects_bytes(store().await).await;
+}
+
 /// A server with one address that refuses a script's keys of two slots (`CROSSSLOT`, as a proxy in
 /// front of a cluster answers; here a master of the cluster, reached as one server): the store runs
 /// the claim's and the completion's scripts on the record alone, and they are granted and done; its

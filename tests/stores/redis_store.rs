@@ -53,6 +53,52 @@ fn store_and_prefix() -> (RedisStore, String) {
 store_suite!(store(), purged = 0);
 cache_suite!(store(), purged = 0);
 
+/// A finished record's steps count in its subject's bytes with its answer (the account of bytes
+/// the completion writes), on one server and on a cluster.
+pub(crate) async fn a_finished_records_steps_count_in_its_subjects_bytes(store: RedisStore) {
+    let request = claim_request("counted-steps", b"");
+    let ClaimOutcome::Claimed { lease, .. } = store.claim(&request).await.expect("claim") else {
+        panic!("a fresh key is claimed");
+    };
+    let subject = &request.key.subject;
+    for i in 0..3 {
+        let step = axum_idempotency::store::RecordedStep {
+            name: format!("step {i}"),
+            result: vec![b'7'; 10_000],
+        };
+        let done = store.record_step(&request.key, lease, &step).await;
+        assert!(done.expect("recorded").is_done());
+    }
+    let answer = Arc::new(StoredResponse::new(
+        Finished::Completed,
+        201,
+        Vec::new(),
+        None,
+    ));
+    let done = store
+        .complete(
+            &request.key,
+            lease,
+            &request.fingerprint,
+            answer,
+            request.retention,
+        )
+        .await;
+    assert!(done.expect("completed").is_done());
+    let usage = store.count_records(subject, 10).await.expect("count");
+    let usage = usage.expect("the store counts");
+    assert_eq!(usage.records, 1);
+    assert!(
+        usage.bytes >= 30_000,
+        "three steps of 10 000 bytes: {usage:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_finished_records_steps_count_in_its_subjects_bytes_on_one_server() {
+    a_finished_records_steps_count_in_its_subjects_bytes(store().await).await;
+}
+
 #[tokio::test]
 async fn unreachable_redis_is_503_and_runs_nothing() {
     // Nothing listens on port 1.

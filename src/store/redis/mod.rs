@@ -329,11 +329,12 @@ impl IdempotencyStore for RedisStore {
     ) -> Result<Fenced, StoreError> {
         let blob = encode(&response)
             .ok_or_else(|| StoreError::msg("redis complete: the response is too large to store"))?;
-        let counted = self.scope_fields && !response.body.is_empty();
-        // On one server, the completion script counts the answer's bytes itself, once, when it
-        // writes the answer (see `scripts`); on a cluster, the account is on another slot.
+        let counted = self.scope_fields;
+        // On one server, the completion script counts the answer's bytes (and its steps')
+        // itself, once, when it writes the answer (see `scripts`); on a cluster, the account is
+        // on another slot.
         let account = counted.then(|| self.account_key(&key.subject));
-        let (done, joined): (i64, bool) = self
+        let ((done, steps), joined): ((i64, i64), bool) = self
             .eval_joined(
                 "complete",
                 &self.scripts.complete,
@@ -358,9 +359,12 @@ impl IdempotencyStore for RedisStore {
                 "an idempotency answer was recorded but not counted in its subject's bytes"
             );
         }
-        if done == 1 && counted && !joined {
-            self.account(&key.subject, response.body.len(), retention)
-                .await;
+        let bytes = response
+            .body
+            .len()
+            .saturating_add(usize::try_from(steps).unwrap_or(0));
+        if done == 1 && counted && !joined && bytes > 0 {
+            self.account(&key.subject, bytes, retention).await;
         }
         Ok(Fenced::from_held(done >= 1))
     }

@@ -30,10 +30,11 @@ use redis::Script;
 const CLAIM: &str = concat!(include_str!("file.lua"), include_str!("claim.lua"));
 
 /// Complete, if the lease still holds an in-progress record; a record this lease already finished
-/// counts as done: `1` (`0`: not done). With KEYS[2] (one server), the answer's bytes are counted
-/// in that account of its subject when it is written (see `ACCOUNT`), and `2` says that count
-/// failed (the answer is recorded all the same). KEYS[1] record, KEYS[2] (optional) the subject's
-/// account;
+/// counts as done: `{1, steps}` (`{0, 0}`: not done), `steps` the bytes of the steps the record
+/// keeps (when it was written now). With KEYS[2] (one server), the answer's bytes and its steps'
+/// are counted in that account of its subject when it is written (see `ACCOUNT`), and `{2, ..}`
+/// says that count failed (the answer is recorded all the same). KEYS[1] record, KEYS[2]
+/// (optional) the subject's account;
 /// ARGV lease, status, response, retention (ms), and with KEYS[2] the bytes and the granule (ms).
 const COMPLETE: &str = concat!(include_str!("count.lua"), include_str!("complete.lua"));
 
