@@ -1,5 +1,7 @@
 //! The gRPC mode against a real tonic client and a real tonic service, mounted in an axum router
-//! behind the layer and served over HTTP/2 on a local TCP port.
+//! behind the layer and served over HTTP/2 on a local TCP port. The behaviours that involve the
+//! store (`behaviours!`) run on every store compiled in: memory, PostgreSQL, MySQL, SQLite and
+//! Redis.
 
 #![allow(clippy::unwrap_used)]
 
@@ -161,14 +163,30 @@ async fn watch(State(shop): State<Shop>, request: Request) -> axum::response::Re
 
 /// The service behind a gRPC layer set by `settings`, served on a local port: its state and a
 /// client channel to it.
+/// The shop behind a layer on the memory store (see `serve_on`).
 async fn serve(
     settings: GrpcSettings,
     tune: impl FnOnce(
         axum_idempotency::IdempotencyLayerBuilder<MemoryStore>,
     ) -> axum_idempotency::IdempotencyLayerBuilder<MemoryStore>,
 ) -> (Shop, Channel, std::net::SocketAddr) {
+    serve_on(MemoryStore::new(), settings, tune).await
+}
+
+/// The shop's service in an axum router behind a gRPC layer on `store` (tuned by `tune`), served
+/// over HTTP/2 on a local port, and a tonic channel to it.
+async fn serve_on<St>(
+    store: St,
+    settings: GrpcSettings,
+    tune: impl FnOnce(
+        axum_idempotency::IdempotencyLayerBuilder<St>,
+    ) -> axum_idempotency::IdempotencyLayerBuilder<St>,
+) -> (Shop, Channel, std::net::SocketAddr)
+where
+    St: axum_idempotency::store::IdempotencyStore + Clone + Send + Sync + 'static,
+{
     let layer = tune(
-        IdempotencyLayer::builder(MemoryStore::new())
+        IdempotencyLayer::builder(store)
             .allow_anonymous(true)
             .require_key(true),
     )
@@ -247,116 +265,6 @@ fn replayed<T>(response: &tonic::Response<T>) -> bool {
 }
 
 #[tokio::test]
-async fn a_unary_call_runs_once_and_its_retry_replays_the_answer() {
-    let (shop, channel, _) = serve(unary_settings(), |b| b).await;
-    let first = call(&channel, Some("k-1"), "book", 1200).await.unwrap();
-    assert!(!replayed(&first));
-    let retry = call(&channel, Some("k-1"), "book", 1200).await.unwrap();
-    assert!(replayed(&retry));
-    assert_eq!(retry.get_ref(), first.get_ref());
-    assert_eq!(retry.get_ref().payment_id, "pay-book-1200");
-    assert_eq!(shop.runs("book"), 1);
-    // Another key is another operation.
-    let other = call(&channel, Some("k-2"), "book", 1200).await.unwrap();
-    assert_eq!(other.get_ref().run, 2);
-    assert_eq!(shop.runs("book"), 2);
-}
-
-#[tokio::test]
-async fn a_retry_with_another_message_under_the_same_key_fails_its_precondition() {
-    let (shop, channel, _) = serve(unary_settings(), |b| b).await;
-    call(&channel, Some("k"), "lamp", 100).await.unwrap();
-    let reused = call(&channel, Some("k"), "lamp", 999).await.unwrap_err();
-    assert_eq!(reused.code(), Code::FailedPrecondition, "{reused:?}");
-    assert_eq!(error_info(&reused).reason, "idempotency_key_reuse");
-    assert_eq!(shop.runs("lamp"), 1);
-}
-
-#[tokio::test]
-async fn a_duplicate_while_the_first_runs_is_aborted_with_a_pushback() {
-    let (shop, channel, _) = serve(unary_settings(), |b| b).await;
-    let first = {
-        let channel = channel.clone();
-        tokio::spawn(async move { call(&channel, Some("k"), "slow", 5).await })
-    };
-    shop.started.notified().await;
-    let duplicate = call(&channel, Some("k"), "slow", 5).await.unwrap_err();
-    assert_eq!(duplicate.code(), Code::Aborted, "{duplicate:?}");
-    assert_eq!(
-        duplicate.metadata().get("grpc-retry-pushback-ms").unwrap(),
-        "2000"
-    );
-    assert_eq!(error_info(&duplicate).reason, "in_progress");
-    shop.go_on.notify_one();
-    let first = first.await.unwrap().unwrap();
-    let retry = call(&channel, Some("k"), "slow", 5).await.unwrap();
-    assert!(replayed(&retry));
-    assert_eq!(retry.get_ref(), first.get_ref());
-    assert_eq!(shop.runs("slow"), 1);
-}
-
-#[tokio::test]
-async fn a_call_without_a_key_is_an_invalid_argument_where_keys_are_required() {
-    let (shop, channel, _) = serve(unary_settings(), |b| b).await;
-    let missing = call(&channel, None, "rug", 1).await.unwrap_err();
-    assert_eq!(missing.code(), Code::InvalidArgument, "{missing:?}");
-    assert_eq!(error_info(&missing).reason, "missing_idempotency_key");
-    assert_eq!(shop.runs("rug"), 0);
-    // Where keys are optional (the HTTP layer's default), it passes through unguarded.
-    let (shop, channel, _) = serve(unary_settings(), |b| b.require_key(false)).await;
-    call(&channel, None, "rug", 1).await.unwrap();
-    call(&channel, None, "rug", 1).await.unwrap();
-    assert_eq!(shop.runs("rug"), 2);
-}
-
-#[tokio::test]
-async fn a_handlers_unavailable_releases_the_key_and_the_retry_runs() {
-    let (shop, channel, _) = serve(unary_settings(), |b| b).await;
-    let failed = call(&channel, Some("k"), "flaky", 7).await.unwrap_err();
-    assert_eq!(failed.code(), Code::Unavailable);
-    assert_eq!(failed.message(), "the bank is down");
-    let retry = call(&channel, Some("k"), "flaky", 7).await.unwrap();
-    assert!(!replayed(&retry));
-    assert_eq!(retry.get_ref().run, 2);
-    // Recorded now: the next retry replays.
-    let again = call(&channel, Some("k"), "flaky", 7).await.unwrap();
-    assert!(replayed(&again));
-    assert_eq!(again.get_ref().run, 2);
-    assert_eq!(shop.runs("flaky"), 2);
-}
-
-/// An `INTERNAL` whose handler says `idempotency-disposition: fail` (its effect happened) is
-/// recorded and replayed, not released: the retry does not charge again. The metadata is taken
-/// off the answer.
-#[tokio::test]
-async fn a_handler_that_says_its_failure_is_final_is_replayed_not_run_again() {
-    let (shop, channel, _) = serve(unary_settings(), |b| b).await;
-    let first = call(&channel, Some("k"), "charged", 5).await.unwrap_err();
-    assert_eq!(first.code(), Code::Internal);
-    assert!(first.metadata().get("idempotency-disposition").is_none());
-    let retry = call(&channel, Some("k"), "charged", 5).await.unwrap_err();
-    assert_eq!(retry.code(), Code::Internal);
-    assert_eq!(retry.message(), "charged, then the ledger failed");
-    assert_eq!(retry.metadata().get("idempotent-replayed").unwrap(), "true");
-    assert!(retry.metadata().get("idempotency-disposition").is_none());
-    assert_eq!(shop.runs("charged"), 1);
-}
-
-#[tokio::test]
-async fn a_definitive_error_is_recorded_and_replayed_with_its_details() {
-    let (shop, channel, _) = serve(unary_settings(), |b| b).await;
-    let first = call(&channel, Some("k"), "missing", 3).await.unwrap_err();
-    assert_eq!(first.code(), Code::NotFound);
-    let retry = call(&channel, Some("k"), "missing", 3).await.unwrap_err();
-    assert_eq!(retry.code(), Code::NotFound);
-    assert_eq!(retry.message(), "no such order");
-    assert_eq!(retry.details(), b"\x08\x05");
-    assert_eq!(retry.details(), first.details());
-    assert_eq!(retry.metadata().get("idempotent-replayed").unwrap(), "true");
-    assert_eq!(shop.runs("missing"), 1);
-}
-
-#[tokio::test]
 async fn a_message_over_the_body_limit_exhausts_a_resource() {
     let (shop, channel, _) = serve(unary_settings(), |b| b.body_limit(64)).await;
     let order = "x".repeat(100);
@@ -364,18 +272,6 @@ async fn a_message_over_the_body_limit_exhausts_a_resource() {
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
     assert_eq!(error_info(&refused).reason, "request_too_large");
     assert_eq!(shop.runs(&order), 0);
-}
-
-#[tokio::test]
-async fn an_answer_over_the_response_limit_reaches_its_client_and_is_recorded_as_lost() {
-    let (shop, channel, _) = serve(unary_settings(), |b| b.response_limit(8)).await;
-    let first = call(&channel, Some("k"), "sofa", 90_000).await.unwrap();
-    assert_eq!(first.get_ref().payment_id, "pay-sofa-90000");
-    let retry = call(&channel, Some("k"), "sofa", 90_000).await.unwrap_err();
-    assert_eq!(retry.code(), Code::DataLoss, "{retry:?}");
-    assert_eq!(error_info(&retry).reason, "response_not_recorded");
-    assert_eq!(retry.metadata().get("idempotent-replayed").unwrap(), "true");
-    assert_eq!(shop.runs("sofa"), 1, "never run twice");
 }
 
 async fn watch_call(channel: &Channel, key: Option<&str>) -> Result<Vec<PayReply>, Status> {
@@ -639,4 +535,289 @@ async fn a_grpcio_client_whose_answer_was_lost_gets_the_replay_of_its_retry() {
     assert_eq!(result["payment_id"], "pay-chair-4500");
     assert_eq!(result["run"], 1);
     assert_eq!(shop.runs("chair"), 1, "the handler ran once");
+}
+
+/// The behaviours that involve the store, run on each store (`stores!`): a module that defines
+/// `serve` on its store expands them.
+macro_rules! behaviours {
+    () => {
+        #[tokio::test]
+        async fn a_unary_call_runs_once_and_its_retry_replays_the_answer() {
+            let (shop, channel, _) = serve(unary_settings(), |b| b).await;
+            let first = call(&channel, Some("k-1"), "book", 1200).await.unwrap();
+            assert!(!replayed(&first));
+            let retry = call(&channel, Some("k-1"), "book", 1200).await.unwrap();
+            assert!(replayed(&retry));
+            assert_eq!(retry.get_ref(), first.get_ref());
+            assert_eq!(retry.get_ref().payment_id, "pay-book-1200");
+            assert_eq!(shop.runs("book"), 1);
+            // Another key is another operation.
+            let other = call(&channel, Some("k-2"), "book", 1200).await.unwrap();
+            assert_eq!(other.get_ref().run, 2);
+            assert_eq!(shop.runs("book"), 2);
+        }
+
+        #[tokio::test]
+        async fn a_retry_with_another_message_under_the_same_key_fails_its_precondition() {
+            let (shop, channel, _) = serve(unary_settings(), |b| b).await;
+            call(&channel, Some("k"), "lamp", 100).await.unwrap();
+            let reused = call(&channel, Some("k"), "lamp", 999).await.unwrap_err();
+            assert_eq!(reused.code(), Code::FailedPrecondition, "{reused:?}");
+            assert_eq!(error_info(&reused).reason, "idempotency_key_reuse");
+            assert_eq!(shop.runs("lamp"), 1);
+        }
+
+        #[tokio::test]
+        async fn a_duplicate_while_the_first_runs_is_aborted_with_a_pushback() {
+            let (shop, channel, _) = serve(unary_settings(), |b| b).await;
+            let first = {
+                let channel = channel.clone();
+                tokio::spawn(async move { call(&channel, Some("k"), "slow", 5).await })
+            };
+            shop.started.notified().await;
+            let duplicate = call(&channel, Some("k"), "slow", 5).await.unwrap_err();
+            assert_eq!(duplicate.code(), Code::Aborted, "{duplicate:?}");
+            assert_eq!(
+                duplicate.metadata().get("grpc-retry-pushback-ms").unwrap(),
+                "2000"
+            );
+            assert_eq!(error_info(&duplicate).reason, "in_progress");
+            shop.go_on.notify_one();
+            let first = first.await.unwrap().unwrap();
+            let retry = call(&channel, Some("k"), "slow", 5).await.unwrap();
+            assert!(replayed(&retry));
+            assert_eq!(retry.get_ref(), first.get_ref());
+            assert_eq!(shop.runs("slow"), 1);
+        }
+
+        #[tokio::test]
+        async fn a_call_without_a_key_is_an_invalid_argument_where_keys_are_required() {
+            let (shop, channel, _) = serve(unary_settings(), |b| b).await;
+            let missing = call(&channel, None, "rug", 1).await.unwrap_err();
+            assert_eq!(missing.code(), Code::InvalidArgument, "{missing:?}");
+            assert_eq!(error_info(&missing).reason, "missing_idempotency_key");
+            assert_eq!(shop.runs("rug"), 0);
+            // Where keys are optional (the HTTP layer's default), it passes through unguarded.
+            let (shop, channel, _) = serve(unary_settings(), |b| b.require_key(false)).await;
+            call(&channel, None, "rug", 1).await.unwrap();
+            call(&channel, None, "rug", 1).await.unwrap();
+            assert_eq!(shop.runs("rug"), 2);
+        }
+
+        #[tokio::test]
+        async fn a_handlers_unavailable_releases_the_key_and_the_retry_runs() {
+            let (shop, channel, _) = serve(unary_settings(), |b| b).await;
+            let failed = call(&channel, Some("k"), "flaky", 7).await.unwrap_err();
+            assert_eq!(failed.code(), Code::Unavailable);
+            assert_eq!(failed.message(), "the bank is down");
+            let retry = call(&channel, Some("k"), "flaky", 7).await.unwrap();
+            assert!(!replayed(&retry));
+            assert_eq!(retry.get_ref().run, 2);
+            // Recorded now: the next retry replays.
+            let again = call(&channel, Some("k"), "flaky", 7).await.unwrap();
+            assert!(replayed(&again));
+            assert_eq!(again.get_ref().run, 2);
+            assert_eq!(shop.runs("flaky"), 2);
+        }
+
+        /// An `INTERNAL` whose handler says `idempotency-disposition: fail` (its effect happened) is
+        /// recorded and replayed, not released: the retry does not charge again. The metadata is taken
+        /// off the answer.
+        #[tokio::test]
+        async fn a_handler_that_says_its_failure_is_final_is_replayed_not_run_again() {
+            let (shop, channel, _) = serve(unary_settings(), |b| b).await;
+            let first = call(&channel, Some("k"), "charged", 5).await.unwrap_err();
+            assert_eq!(first.code(), Code::Internal);
+            assert!(first.metadata().get("idempotency-disposition").is_none());
+            let retry = call(&channel, Some("k"), "charged", 5).await.unwrap_err();
+            assert_eq!(retry.code(), Code::Internal);
+            assert_eq!(retry.message(), "charged, then the ledger failed");
+            assert_eq!(retry.metadata().get("idempotent-replayed").unwrap(), "true");
+            assert!(retry.metadata().get("idempotency-disposition").is_none());
+            assert_eq!(shop.runs("charged"), 1);
+        }
+
+        #[tokio::test]
+        async fn a_definitive_error_is_recorded_and_replayed_with_its_details() {
+            let (shop, channel, _) = serve(unary_settings(), |b| b).await;
+            let first = call(&channel, Some("k"), "missing", 3).await.unwrap_err();
+            assert_eq!(first.code(), Code::NotFound);
+            let retry = call(&channel, Some("k"), "missing", 3).await.unwrap_err();
+            assert_eq!(retry.code(), Code::NotFound);
+            assert_eq!(retry.message(), "no such order");
+            assert_eq!(retry.details(), b"\x08\x05");
+            assert_eq!(retry.details(), first.details());
+            assert_eq!(retry.metadata().get("idempotent-replayed").unwrap(), "true");
+            assert_eq!(shop.runs("missing"), 1);
+        }
+
+        #[tokio::test]
+        async fn an_answer_over_the_response_limit_reaches_its_client_and_is_recorded_as_lost() {
+            let (shop, channel, _) = serve(unary_settings(), |b| b.response_limit(8)).await;
+            let first = call(&channel, Some("k"), "sofa", 90_000).await.unwrap();
+            assert_eq!(first.get_ref().payment_id, "pay-sofa-90000");
+            let retry = call(&channel, Some("k"), "sofa", 90_000).await.unwrap_err();
+            assert_eq!(retry.code(), Code::DataLoss, "{retry:?}");
+            assert_eq!(error_info(&retry).reason, "response_not_recorded");
+            assert_eq!(retry.metadata().get("idempotent-replayed").unwrap(), "true");
+            assert_eq!(shop.runs("sofa"), 1, "never run twice");
+        }
+    };
+}
+
+/// `behaviours!` on one store: the module's `serve` is `serve_on` a fresh store of its kind.
+macro_rules! on_store {
+    ($module:ident, $feature:literal, $store:ty, $fresh:expr) => {
+        #[cfg(feature = $feature)]
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+
+            async fn serve<F>(
+                settings: GrpcSettings,
+                tune: F,
+            ) -> (Shop, Channel, std::net::SocketAddr)
+            where
+                F: FnOnce(
+                    axum_idempotency::IdempotencyLayerBuilder<$store>,
+                ) -> axum_idempotency::IdempotencyLayerBuilder<$store>,
+            {
+                serve_on($fresh.await, settings, tune).await
+            }
+
+            behaviours!();
+        }
+    };
+}
+
+on_store!(memory, "grpc", MemoryStore, async { MemoryStore::new() });
+on_store!(
+    postgres,
+    "postgres",
+    axum_idempotency::store::PostgresStore,
+    stores::postgres()
+);
+on_store!(
+    sqlite,
+    "sqlite",
+    axum_idempotency::store::SqliteStore,
+    stores::sqlite()
+);
+on_store!(
+    mysql,
+    "mysql",
+    axum_idempotency::store::MySqlStore,
+    stores::mysql()
+);
+on_store!(
+    redis,
+    "redis",
+    axum_idempotency::store::RedisStore,
+    stores::redis()
+);
+
+/// Fresh stores of each kind, on the servers the other tests use (the same variables, the same
+/// defaults), each on a table, file or key prefix of its own.
+#[allow(dead_code)]
+mod stores {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// `<seconds since the epoch>_<process>_<counter>`: unique, and dated, so that a later run
+    /// drops what an earlier one left (an hour old).
+    fn unique() -> String {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        format!(
+            "{secs}_{}_{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        )
+    }
+
+    #[cfg(feature = "postgres")]
+    pub(super) async fn postgres() -> axum_idempotency::store::PostgresStore {
+        let url = std::env::var("DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        let pool = axum_idempotency::sqlx::PgPool::connect(&url).await.unwrap();
+        let stale: Vec<(String,)> = axum_idempotency::sqlx::query_as(
+            "SELECT tablename::text FROM pg_tables WHERE schemaname = current_schema() \
+             AND tablename LIKE 'grpc\\_test\\_%' \
+             AND split_part(tablename, '_', 3)::bigint < extract(epoch FROM now()) - 3600",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        for (table,) in stale {
+            let drop = format!("DROP TABLE IF EXISTS \"{table}\"");
+            let _ = axum_idempotency::sqlx::raw_sql(axum_idempotency::sqlx::AssertSqlSafe(drop))
+                .execute(&pool)
+                .await;
+        }
+        let store = axum_idempotency::store::PostgresStore::with_table(
+            pool,
+            &format!("grpc_test_{}", unique()),
+        )
+        .unwrap();
+        store.migrate().await.unwrap();
+        store
+    }
+
+    #[cfg(feature = "mysql")]
+    pub(super) async fn mysql() -> axum_idempotency::store::MySqlStore {
+        let url = std::env::var("MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        let pool = axum_idempotency::sqlx::MySqlPool::connect(&url)
+            .await
+            .unwrap();
+        let stale: Vec<(String,)> = axum_idempotency::sqlx::query_as(
+            "SELECT CAST(table_name AS CHAR) FROM information_schema.tables \
+             WHERE table_schema = DATABASE() AND table_name LIKE 'grpc\\_test\\_%' \
+             AND CAST(SUBSTRING_INDEX(SUBSTRING_INDEX(table_name, '_', 3), '_', -1) AS UNSIGNED) \
+                 < UNIX_TIMESTAMP() - 3600",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        for (table,) in stale {
+            let drop = format!("DROP TABLE IF EXISTS `{table}`");
+            let _ = axum_idempotency::sqlx::raw_sql(axum_idempotency::sqlx::AssertSqlSafe(drop))
+                .execute(&pool)
+                .await;
+        }
+        let store = axum_idempotency::store::MySqlStore::with_table(
+            pool,
+            &format!("grpc_test_{}", unique()),
+        )
+        .unwrap();
+        store.migrate().await.unwrap();
+        store
+    }
+
+    #[cfg(feature = "sqlite")]
+    pub(super) async fn sqlite() -> axum_idempotency::store::SqliteStore {
+        let path = std::env::temp_dir().join(format!("axum_idempotency_grpc_{}.db", unique()));
+        let options = axum_idempotency::store::SqliteStore::connect_options(
+            axum_idempotency::sqlx::sqlite::SqliteConnectOptions::new().filename(path),
+        );
+        let pool = axum_idempotency::sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(options)
+            .await
+            .unwrap();
+        let store = axum_idempotency::store::SqliteStore::new(pool);
+        store.migrate().await.unwrap();
+        store
+    }
+
+    #[cfg(feature = "redis")]
+    pub(super) async fn redis() -> axum_idempotency::store::RedisStore {
+        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let client = axum_idempotency::redis::Client::open(url).unwrap();
+        axum_idempotency::store::RedisStore::new(client)
+            .unwrap()
+            .with_prefix(&format!("grpc_test:{}:", unique()))
+    }
 }

@@ -90,8 +90,10 @@ impl IdempotencyContext {
     ///
     /// - A step whose `f` fails is not recorded ([`StepError::Failed`]): a later run of the
     ///   operation runs it again.
-    /// - Fenced by the lease: a run presumed dead and retaken runs no further step, and no write
-    ///   of its records anything after the retake ([`StepError::LeaseLost`]); it should stop.
+    /// - Fenced by the lease: a run presumed dead and retaken runs no further step before its
+    ///   transaction, and no write of its records anything after the retake
+    ///   ([`StepError::LeaseLost`]); it should stop. A step in the transaction goes by the steps
+    ///   the run knows: its effects there are fenced by the completion, and roll back.
     /// - Steps of one run go one after another, and do not nest ([`StepError::Concurrent`]);
     ///   names are 1 to 64 bytes without NUL, an operation records at most 16 steps, and a result
     ///   at most 16 KiB of JSON.

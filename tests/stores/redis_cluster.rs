@@ -59,7 +59,11 @@ store_suite!(store(), purged = 0);
 
 #[tokio::test]
 async fn a_finished_records_steps_count_in_its_subjects_bytes() {
-    crate::redis_store::a_finished_records_steps_count_in_its_subjects_bytes(store().await).await;
+    crate::redis_store::a_finished_records_steps_count_in_its_subjects_bytes(
+        store().await,
+        Some(false),
+    )
+    .await;
 }
 
 /// A server with one address that refuses a script's keys of two slots (`CROSSSLOT`, as a proxy in

@@ -55,11 +55,18 @@ cache_suite!(store(), purged = 0);
 
 /// A finished record's steps count in its subject's bytes with its answer (the account of bytes
 /// the completion writes), on one server and on a cluster.
-pub(crate) async fn a_finished_records_steps_count_in_its_subjects_bytes(store: RedisStore) {
+pub(crate) async fn a_finished_records_steps_count_in_its_subjects_bytes(
+    store: RedisStore,
+    together: Option<bool>,
+) {
     let request = claim_request("counted-steps", b"");
     let ClaimOutcome::Claimed { lease, .. } = store.claim(&request).await.expect("claim") else {
         panic!("a fresh key is claimed");
     };
+    // The completion then counts in its own script (one server), or its caller does (cluster).
+    if let Some(together) = together {
+        probed_together(&store, together).await;
+    }
     let subject = &request.key.subject;
     for i in 0..3 {
         let step = axum_idempotency::store::RecordedStep {
@@ -96,7 +103,7 @@ pub(crate) async fn a_finished_records_steps_count_in_its_subjects_bytes(store: 
 
 #[tokio::test]
 async fn a_finished_records_steps_count_in_its_subjects_bytes_on_one_server() {
-    a_finished_records_steps_count_in_its_subjects_bytes(store().await).await;
+    a_finished_records_steps_count_in_its_subjects_bytes(store().await, Some(true)).await;
 }
 
 #[tokio::test]

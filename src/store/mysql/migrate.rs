@@ -41,10 +41,6 @@ impl MySqlStore {
     /// Call it on the `MySqlStore` itself, before wrapping it in a `CachedStore` or an
     /// `EncryptedStore` (they have no `migrate()`).
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        // Counts name the columns again: the migration adds them where they lack.
-        for column in [&self.sql.counts_steps, &self.sql.body_bytes] {
-            column.store(true, std::sync::atomic::Ordering::Relaxed);
-        }
         let limit = self.timeout.max(MIN_MIGRATE_TIMEOUT);
         let connection = tokio::time::timeout(limit, self.pool.acquire())
             .await
@@ -140,9 +136,10 @@ impl MySqlStore {
                     .map_err(|e| StoreError::new(format!("mysql migrate: add {column}"), e))?;
             }
         }
-        self.sql
-            .body_bytes
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+        // Counts name the columns again, now that they are there.
+        for column in [&self.sql.body_bytes, &self.sql.counts_steps] {
+            column.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         for (suffix, columns) in INDEXES {
             let index = format!("{name}{suffix}");
             let (present,): (i64,) = sqlx::query_as(

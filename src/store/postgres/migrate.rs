@@ -71,11 +71,6 @@ impl PostgresStore {
     /// process resolves an unqualified table name through the search path on every statement:
     /// qualify it ([`with_table`](Self::with_table)) where other roles may create objects.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        // Counts name the steps' columns again: the migration adds them where they lack.
-        self.sql()
-            .inspection
-            .counts_steps
-            .store(true, std::sync::atomic::Ordering::Relaxed);
         // Once pinned (an earlier `migrate()` of this store or a clone), the same table again.
         let configured = self.sql();
         let sql = MIGRATION
@@ -163,6 +158,12 @@ impl PostgresStore {
             *lock(&pinned.function_missing) = None;
             *lock(&configured.function_missing) = None;
             *lock(&self.configured.function_missing) = None;
+            // Counts name the steps' columns again, now that they are there.
+            for sql in [&pinned, configured, &self.configured] {
+                sql.inspection
+                    .counts_steps
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+            }
             // Clones share it; a second migrate finds the same schema.
             let _ = self.pinned.set(pinned);
             Ok(())

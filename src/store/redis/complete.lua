@@ -1,6 +1,8 @@
 local rec = redis.call('HMGET', KEYS[1], 'lease', 'st')
 if rec[1] ~= ARGV[1] or ARGV[1] == '0' then return {0, 0} end
-if rec[2] ~= 'in_progress' then return {1, 0} end
+-- Finished already (this lease's earlier try, whose reply was lost): its steps, for a caller
+-- that counts again (an estimate from above, as its body is).
+if rec[2] ~= 'in_progress' then return {1, redis.call('HSTRLEN', KEYS[1], 'sp')} end
 redis.call('HSET', KEYS[1], 'st', ARGV[2], 'resp', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 -- The steps the record keeps count with its answer: they live as long. Answered as the second

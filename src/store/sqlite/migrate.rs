@@ -29,10 +29,6 @@ impl SqliteStore {
     /// Call it on the `SqliteStore` itself, before wrapping it in a `CachedStore` or an
     /// `EncryptedStore` (they have no `migrate()`).
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        // Counts name the steps' column again: the migration adds it where it lacks.
-        self.sql
-            .counts_steps
-            .store(true, std::sync::atomic::Ordering::Relaxed);
         let limit = self.timeout.max(MIN_MIGRATE_TIMEOUT);
         let migration = async {
             let mut conn = self.pool.acquire().await.map_err(db("migrate"))?;
@@ -91,7 +87,12 @@ impl SqliteStore {
                     )
                 })?;
             created.map_err(db("migrate: create the table"))?;
-            tx.commit().await.map_err(db("migrate: commit"))
+            tx.commit().await.map_err(db("migrate: commit"))?;
+            // Counts name the steps' column again, now that it is there.
+            self.sql
+                .counts_steps
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            Ok(())
         };
         match tokio::time::timeout(limit, migration).await {
             Ok(result) => result,
