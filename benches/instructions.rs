@@ -20,6 +20,10 @@
 //! `measured_start` and `measured_end`, so `callgrind_annotate` can attribute the cost, and
 //! instructions per request are (total at N2 − total at N1) / (N2 − N1), which cancels start-up.
 //! Without arguments (as `cargo bench` runs it) it runs each mode for 1 000 requests and exits.
+//!
+//! Over gRPC (`<binary> grpc <bare|fresh|replay> <requests>`, feature `grpc`), the same, with a
+//! unary tonic method (a hand-written service, a 150-byte-sized order) behind the layer's gRPC
+//! mode, called by a tonic client over one HTTP/2 connection.
 
 #[path = "support/in_process.rs"]
 mod in_process;
@@ -88,27 +92,7 @@ fn http(mode: &str, requests: usize) {
         other => panic!("unknown mode {other}: bare, fresh or replay"),
     }
     .layer(middleware::from_fn(auth));
-    let (bound, address) = std::sync::mpsc::channel();
-    // Spawned first, so that callgrind numbers it thread 2.
-    std::thread::Builder::new()
-        .name("server".to_owned())
-        .spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            runtime.block_on(async move {
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                    .await
-                    .expect("bind");
-                bound
-                    .send(listener.local_addr().expect("addr"))
-                    .expect("send");
-                axum::serve(listener, router).await.expect("serve");
-            });
-        })
-        .expect("server thread");
-    let addr = address.recv().expect("the server's address");
+    let addr = serve(router);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -144,9 +128,128 @@ fn http(mode: &str, requests: usize) {
     std::process::exit(0);
 }
 
+/// The server on a thread of its own (spawned first, so that callgrind numbers it thread 2), on a
+/// current-thread runtime; its address.
+fn serve(router: Router) -> std::net::SocketAddr {
+    let (bound, address) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("server".to_owned())
+        .spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            runtime.block_on(async move {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .expect("bind");
+                bound
+                    .send(listener.local_addr().expect("addr"))
+                    .expect("send");
+                axum::serve(listener, router).await.expect("serve");
+            });
+        })
+        .expect("server thread");
+    address.recv().expect("the server's address")
+}
+
+/// A unary gRPC method, bare or behind the layer's gRPC mode, over HTTP/2.
+#[cfg(feature = "grpc")]
+mod grpc {
+    use axum::Router;
+    use axum::body::Body;
+    use axum::extract::Request;
+    use axum::middleware;
+    use axum::routing::post;
+    use axum_idempotency::layer::grpc::GrpcSettings;
+    use axum_idempotency::{IdempotencyLayer, MemoryStore};
+    use tonic_prost::ProstCodec;
+
+    const PAY: &str = "/checkout.Checkout/Pay";
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct PayRequest {
+        #[prost(string, tag = "1")]
+        order: String,
+        #[prost(uint64, tag = "2")]
+        amount_cents: u64,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct PayReply {
+        #[prost(string, tag = "1")]
+        payment_id: String,
+    }
+
+    async fn pay(request: Request) -> axum::response::Response {
+        let mut grpc = tonic::server::Grpc::new(ProstCodec::<PayReply, PayRequest>::default());
+        let service = tower::service_fn(|request: tonic::Request<PayRequest>| async move {
+            let order = request.into_inner();
+            let payment_id = format!("pay-{}-{}", order.order, order.amount_cents);
+            Ok::<_, tonic::Status>(tonic::Response::new(PayReply { payment_id }))
+        });
+        grpc.unary(service, request).await.map(Body::new)
+    }
+
+    pub(super) fn run(mode: &str, requests: usize) {
+        let routes = Router::new().route(PAY, post(pay));
+        let router = match mode {
+            "bare" => routes,
+            "fresh" | "replay" => routes.layer(
+                IdempotencyLayer::builder(MemoryStore::new())
+                    .grpc(GrpcSettings::new().unary([PAY]))
+                    .build()
+                    .expect("valid settings"),
+            ),
+            other => panic!("unknown mode {other}: bare, fresh or replay"),
+        }
+        .layer(middleware::from_fn(super::auth));
+        let addr = super::serve(router);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async move {
+            let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                .expect("endpoint")
+                .tcp_nodelay(true)
+                .connect()
+                .await
+                .expect("connect");
+            let mut client = tonic::client::Grpc::new(channel);
+            let key = |i: usize| match mode {
+                "fresh" => format!("fresh-{i}"),
+                _ => "replayed".to_owned(),
+            };
+            // An order of about the load harness's small body.
+            let order = "x".repeat(120);
+            for i in (1_000_000..1_000_200).chain(0..requests) {
+                client.ready().await.expect("ready");
+                let mut request = tonic::Request::new(PayRequest {
+                    order: order.clone(),
+                    amount_cents: 4200,
+                });
+                let metadata = request.metadata_mut();
+                metadata.insert("idempotency-key", key(i).parse().expect("key"));
+                metadata.insert("authorization", "alice".parse().expect("subject"));
+                let path = http::uri::PathAndQuery::from_static(PAY);
+                let codec = ProstCodec::<PayRequest, PayReply>::default();
+                client.unary(request, path, codec).await.expect("answered");
+            }
+        });
+        // The server's thread is still serving: end here, and callgrind writes every thread's
+        // counts.
+        std::process::exit(0);
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.as_slice() {
+        #[cfg(feature = "grpc")]
+        [grpc_mode, mode, n] if grpc_mode == "grpc" => {
+            grpc::run(mode, n.parse().expect("a request count"))
+        }
         [http_mode, mode, n] if http_mode == "http" => {
             http(mode, n.parse().expect("a request count"))
         }
