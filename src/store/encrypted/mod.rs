@@ -103,6 +103,25 @@ pub struct EncryptedStore<S> {
 }
 
 impl<S: IdempotencyStore> EncryptedStore<S> {
+    /// The steps the inner store keeps for `key`, each result opened.
+    fn opened_steps(
+        &self,
+        key: &RecordKey,
+        sealed: Vec<crate::store::RecordedStep>,
+    ) -> Result<Vec<crate::store::RecordedStep>, StoreError> {
+        sealed
+            .into_iter()
+            .map(|step| {
+                let result = envelope::open_step(&self.keys, key, &step.name, &step.result)
+                    .map_err(envelope::Unreadable::into_store_error)?;
+                Ok(crate::store::RecordedStep {
+                    name: step.name,
+                    result,
+                })
+            })
+            .collect()
+    }
+
     /// A step as the inner store keeps it: its result sealed, bound to the record and the step's
     /// name; the name in clear.
     fn sealed_step(
@@ -381,18 +400,7 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
         let Some(sealed) = self.inner.steps(&self.secret.scope(key), lease).await? else {
             return Ok(None);
         };
-        sealed
-            .into_iter()
-            .map(|step| {
-                let result = envelope::open_step(&self.keys, key, &step.name, &step.result)
-                    .map_err(envelope::Unreadable::into_store_error)?;
-                Ok(crate::store::RecordedStep {
-                    name: step.name,
-                    result,
-                })
-            })
-            .collect::<Result<Vec<_>, StoreError>>()
-            .map(Some)
+        self.opened_steps(key, sealed).map(Some)
     }
 
     /// The hidden record's, each result opened; with
@@ -409,17 +417,7 @@ impl<S: IdempotencyStore> IdempotencyStore for EncryptedStore<S> {
         if sealed.is_empty() && self.in_clear && self.inner.lookup(&hidden).await?.is_none() {
             sealed = self.inner.recorded_steps(key).await?;
         }
-        sealed
-            .into_iter()
-            .map(|step| {
-                let result = envelope::open_step(&self.keys, key, &step.name, &step.result)
-                    .map_err(envelope::Unreadable::into_store_error)?;
-                Ok(crate::store::RecordedStep {
-                    name: step.name,
-                    result,
-                })
-            })
-            .collect()
+        self.opened_steps(key, sealed)
     }
 
     async fn purge_expired(&self) -> Result<u64, StoreError> {

@@ -10,7 +10,6 @@ use crate::store::{
     Deleted, ListCursor, ListRequest, ListedRecord, RecordInfo, RecordPage, StoreError,
     SubjectUsage, from_micros, row_info,
 };
-use std::sync::atomic::Ordering;
 
 /// How many statements one listing sends at most when rows it cannot verify as the subject's fill
 /// its pages (see `PostgresStore::list_records`); it then answers a short page with a next one.
@@ -34,30 +33,19 @@ impl PostgresStore {
         let subject = printable(subject);
         let limit = i64::try_from(up_to).unwrap_or(i64::MAX);
         let inspection = &self.sql().inspection;
-        let mut counted = None;
-        if inspection.counts_steps.load(Ordering::Relaxed) {
-            match self.count_on(&inspection.count, &subject, limit).await? {
-                Ok(found) => counted = Some(found),
-                // A table not migrated since steps came (migrations/0009): the answers' bytes
-                // alone, until `migrate()` adds them.
-                Err(e) if crate::store::sql::is_undefined_column(&e) => {
-                    inspection.counts_steps.store(false, Ordering::Relaxed);
-                    tracing::warn!(
-                        table = %self.sql().table,
-                        "the idempotency table has no columns for steps: a subject's bytes \
-                         count its answers alone; run migrate()"
-                    );
-                }
-                Err(e) => return Err(db("count")(e)),
-            }
-        }
-        let (count, bytes) = match counted {
-            Some(found) => found,
-            None => self
-                .count_on(&inspection.count_without_steps, &subject, limit)
-                .await?
-                .map_err(db("count"))?,
-        };
+        let (count, bytes) = crate::store::sql::count_with_steps::<sqlx::Postgres, _>(
+            &inspection.counts_steps,
+            &self.sql().table,
+            |with_steps| {
+                let sql = if with_steps {
+                    &inspection.count
+                } else {
+                    &inspection.count_without_steps
+                };
+                self.count_on(sql, &subject, limit)
+            },
+        )
+        .await?;
         Ok(SubjectUsage {
             records: u64::try_from(count).unwrap_or(0),
             bytes: u64::try_from(bytes).unwrap_or(0),

@@ -110,6 +110,37 @@ pub(crate) fn added_columns(file: &str) -> Vec<(String, String)> {
         .collect()
 }
 
+/// A subject's count (records, bytes) by `count(true)`, whose statement names the steps' columns,
+/// while `counts_steps` says the table has them; on a table without them (not migrated since
+/// steps came), `count(false)`, the answers' bytes alone, with the flag turned off (and said once)
+/// until `migrate()` turns it on again.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub(crate) async fn count_with_steps<B: Backend, Fut>(
+    counts_steps: &std::sync::atomic::AtomicBool,
+    table: &str,
+    count: impl Fn(bool) -> Fut,
+) -> Result<(i64, i64), StoreError>
+where
+    Fut: std::future::Future<Output = Result<Result<(i64, i64), sqlx::Error>, StoreError>>,
+{
+    use std::sync::atomic::Ordering;
+    if counts_steps.load(Ordering::Relaxed) {
+        match count(true).await? {
+            Ok(found) => return Ok(found),
+            Err(e) if is_undefined_column(&e) => {
+                counts_steps.store(false, Ordering::Relaxed);
+                tracing::warn!(
+                    table,
+                    "the idempotency table has no columns for steps: a subject's bytes count its \
+                     answers alone; run migrate()"
+                );
+            }
+            Err(e) => return Err(db::<B>("count")(e)),
+        }
+    }
+    count(false).await?.map_err(db::<B>("count"))
+}
+
 /// Whether `e` is the database's refusal of a column the table lacks: PostgreSQL's undefined
 /// column, MySQL's unknown column, SQLite's message.
 pub(crate) fn is_undefined_column(e: &sqlx::Error) -> bool {

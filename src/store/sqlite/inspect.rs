@@ -6,7 +6,6 @@
 //! lookup, delete and list, as in every store.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use super::{SqliteStore, db, on_connection, statement};
 use crate::store::{
@@ -26,30 +25,19 @@ impl SqliteStore {
         up_to: u64,
     ) -> Result<SubjectUsage, StoreError> {
         let limit = i64::try_from(up_to).unwrap_or(i64::MAX);
-        let mut counted = None;
-        if self.sql.counts_steps.load(Ordering::Relaxed) {
-            match self.count_on(&self.sql.count, subject, limit).await? {
-                Ok(found) => counted = Some(found),
-                // A table not migrated since steps came (`0003`): the answers' bytes alone,
-                // until `migrate()` adds them.
-                Err(e) if crate::store::sql::is_undefined_column(&e) => {
-                    self.sql.counts_steps.store(false, Ordering::Relaxed);
-                    tracing::warn!(
-                        table = %self.sql.table,
-                        "the idempotency table has no column for steps: a subject's bytes count \
-                         its answers alone; run migrate()"
-                    );
-                }
-                Err(e) => return Err(db("count")(e)),
-            }
-        }
-        let (count, bytes) = match counted {
-            Some(found) => found,
-            None => self
-                .count_on(&self.sql.count_without_steps, subject, limit)
-                .await?
-                .map_err(db("count"))?,
-        };
+        let (count, bytes) = crate::store::sql::count_with_steps::<sqlx::Sqlite, _>(
+            &self.sql.counts_steps,
+            &self.sql.table,
+            |with_steps| {
+                let sql = if with_steps {
+                    &self.sql.count
+                } else {
+                    &self.sql.count_without_steps
+                };
+                self.count_on(sql, subject, limit)
+            },
+        )
+        .await?;
         Ok(SubjectUsage {
             records: u64::try_from(count).unwrap_or(0),
             bytes: u64::try_from(bytes).unwrap_or(0),
