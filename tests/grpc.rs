@@ -503,13 +503,31 @@ async fn dropping_proxy(upstream: std::net::SocketAddr) -> (std::net::SocketAddr
 
 #[tokio::test]
 async fn a_grpcio_client_whose_answer_was_lost_gets_the_replay_of_its_retry() {
-    let python = tokio::process::Command::new("python3")
-        .args(["-c", "import grpc"])
-        .status()
-        .await;
+    // The test sets up what it needs, as the others start their servers: grpcio, installed
+    // (per user where the system Python refuses installs outside a virtual environment) when
+    // python3 lacks it.
+    let has_grpc = || async {
+        tokio::process::Command::new("python3")
+            .args(["-c", "import grpc"])
+            .status()
+            .await
+            .is_ok_and(|status| status.success())
+    };
+    if !has_grpc().await {
+        for extra in [&[][..], &["--user", "--break-system-packages"][..]] {
+            let _ = tokio::process::Command::new("python3")
+                .args(["-m", "pip", "install", "--quiet", "grpcio>=1.60"])
+                .args(extra)
+                .status()
+                .await;
+            if has_grpc().await {
+                break;
+            }
+        }
+    }
     assert!(
-        python.is_ok_and(|status| status.success()),
-        "this test needs python3 with grpcio (pip install grpcio)"
+        has_grpc().await,
+        "this test needs python3 with grpcio, which `python3 -m pip install grpcio` did not install"
     );
     let (shop, _, addr) = serve(unary_settings(), |b| b).await;
     let (proxy, dropped) = dropping_proxy(addr).await;
